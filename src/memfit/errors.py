@@ -1,0 +1,25 @@
+"""Exceptions memfit raises. Each message says what failed, where, and what to do about it."""
+
+from __future__ import annotations
+
+__all__ = ["EstimationError", "InvalidInputError", "MemfitError", "TraceError", "ValueDependentError"]
+
+
+class MemfitError(Exception):
+    """Base class of every error memfit raises on purpose."""
+
+
+class InvalidInputError(MemfitError, ValueError):
+    """An argument memfit was given cannot be used (wrong type, unknown name, impossible value)."""
+
+
+class EstimationError(MemfitError):
+    """An estimate could not be produced."""
+
+
+class TraceError(EstimationError):
+    """The traced training step failed: the model, the sample, the loss or the optimizer raised."""
+
+
+class ValueDependentError(TraceError):
+    """The model reads tensor *values* (``.item()``, ``nonzero``, boolean masks) that a fake-tensor trace lacks."""
