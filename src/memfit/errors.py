@@ -22,4 +22,4 @@ class TraceError(EstimationError):
 
 
 class ValueDependentError(TraceError):
-    """The model reads tensor *values* (``.item()``, ``nonzero``, boolean masks) that a fake-tensor trace lacks."""
+    """The model reads tensor *values* (``.item()``, ``nonzero``, masks) that a fake-tensor trace lacks."""

@@ -1,0 +1,47 @@
+"""memfit: predict the peak GPU memory of a PyTorch training step, and pick the batch size that fits."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from memfit.categories import Category, Phase
+from memfit.errors import (
+    EstimationError,
+    InvalidInputError,
+    MemfitError,
+    TraceError,
+    ValueDependentError,
+)
+from memfit.estimate import BatchPeak, MemoryEstimate, PhaseModel, estimate
+from memfit.formula import FormulaEstimate, estimate_from_counts
+from memfit.precision import Precision
+from memfit.replay import PhasePeak
+from memfit.runtime import CudaRuntime
+from memfit.units import format_bytes, parse_bytes
+
+try:
+    __version__ = version("memfit")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "BatchPeak",
+    "Category",
+    "CudaRuntime",
+    "EstimationError",
+    "FormulaEstimate",
+    "InvalidInputError",
+    "MemfitError",
+    "MemoryEstimate",
+    "Phase",
+    "PhaseModel",
+    "PhasePeak",
+    "Precision",
+    "TraceError",
+    "ValueDependentError",
+    "__version__",
+    "estimate",
+    "estimate_from_counts",
+    "format_bytes",
+    "parse_bytes",
+]

@@ -1,0 +1,8 @@
+"""``python -m memfit``: the same command line as the ``memfit`` console script."""
+
+from __future__ import annotations
+
+from memfit.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Turn on activation (gradient) checkpointing for the trace, the way the user's stack would."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memfit.errors import InvalidInputError
+
+__all__ = ["CheckpointTarget", "enable_checkpointing", "find_blocks"]
+
+CheckpointTarget = Sequence[type | str]
+
+
+def enable_checkpointing(model: nn.Module, modules: CheckpointTarget | None = None) -> str:
+    """Enable checkpointing on ``model`` in place and say how. Call inside ``preserved_module_state``.
+
+    Hugging Face models use their own switch (``activation_checkpointing_enable`` in transformers
+    5, ``gradient_checkpointing_enable`` before), non-reentrant as transformers defaults to. Other
+    modules get ``torch.utils.checkpoint`` around each block: the classes or qualified names in
+    ``modules``, or by default the children of the longest list of identical blocks.
+    """
+    if modules is None and getattr(model, "supports_gradient_checkpointing", False):
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return f"{type(model).__name__}'s own checkpointing (non-reentrant)"
+    blocks = find_blocks(model, modules)
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+    kinds = Counter(type(b).__name__ for b in blocks)
+    return "torch.utils.checkpoint around " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def find_blocks(model: nn.Module, modules: CheckpointTarget | None = None) -> list[nn.Module]:
+    """The submodules to checkpoint: outermost matches only, so no block is checkpointed twice."""
+    if modules is not None:
+        types = tuple(m for m in modules if isinstance(m, type))
+        names = {m for m in modules if isinstance(m, str)}
+        chosen = [
+            module
+            for name, module in model.named_modules()
+            if name and (isinstance(module, types) or name in names or type(module).__name__ in names)
+        ]
+        if not chosen:
+            raise InvalidInputError(
+                f"checkpoint_modules={list(modules)!r} matches no submodule of {type(model).__name__}; "
+                "give block classes, class names or qualified names from model.named_modules()"
+            )
+    else:
+        chosen = _longest_repeated_blocks(model)
+        if not chosen:
+            raise InvalidInputError(
+                f"found no repeated blocks to checkpoint in {type(model).__name__}; "
+                "pass checkpoint_modules=[YourBlockClass]"
+            )
+    outermost: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in chosen:
+        if id(module) in inside:
+            continue
+        outermost.append(module)
+        inside.update(id(sub) for sub in module.modules())
+    return outermost
+
+
+def _longest_repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            repeated = len(children) >= 2 and len({type(c) for c in children}) == 1
+            if repeated and len(children) > len(best) and any(True for _ in children[0].parameters()):
+                best = children
+    return best

@@ -1,0 +1,138 @@
+"""The ``memfit`` command line: one subcommand per way of estimating.
+
+Each subcommand is an ``add_parser`` call in :func:`_build_parser` plus a ``_cmd_<name>(args) -> int``
+function set as its ``handler``; :func:`main` turns bad input into a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+
+from memfit.errors import InvalidInputError, MemfitError
+from memfit.formula import OPTIMIZERS, estimate_from_counts
+
+__all__ = ["main"]
+
+_EXIT_USAGE = 2
+
+_COUNT_SUFFIXES: dict[str, int] = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def _version() -> str:
+    """The installed distribution's version; a source checkout on PYTHONPATH has no metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memfit")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _parse_count(text: str, option: str) -> int:
+    """Read a count as people write it: ``20000000``, ``20_000_000``, ``20e6``, ``124M``, ``7B``.
+
+    Suffixes are decimal (K = 10**3, M = 10**6, B = 10**9, T = 10**12), as model sizes are quoted.
+    """
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    multiplier = 1
+    if cleaned and cleaned[-1].lower() in _COUNT_SUFFIXES:
+        multiplier = _COUNT_SUFFIXES[cleaned[-1].lower()]
+        cleaned = cleaned[:-1].strip()
+    try:
+        number = Decimal(cleaned) * multiplier
+    except InvalidOperation:
+        number = None
+    if number is None or not number.is_finite() or number < 0 or number != number.to_integral_value():
+        raise InvalidInputError(
+            f"{option} must be a non-negative whole count such as 20000000, 20e6, 124M or 7B, got {text!r}"
+        )
+    return int(number)
+
+
+def _parse_fraction(text: str, option: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidInputError(f"{option} must be a number between 0 and 1, got {text!r}") from None
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    """Formula tier: estimate from parameter and activation counts."""
+    estimate = estimate_from_counts(
+        parameters=_parse_count(args.params, "--params"),
+        batch_size=_parse_count(args.batch_size, "--batch-size"),
+        activations_per_sample=_parse_count(args.activations_per_sample, "--activations-per-sample"),
+        precision=args.precision,
+        optimizer=args.optimizer,
+        trainable_fraction=_parse_fraction(args.trainable_fraction, "--trainable-fraction"),
+    )
+    if args.json:
+        print(json.dumps(estimate.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        from memfit.report import formula_table
+
+        Console().print(formula_table(estimate))
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memfit",
+        description="Predict the peak GPU memory of a PyTorch training step before it runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    estimate = subparsers.add_parser(
+        "estimate",
+        help="estimate from parameter and activation counts (no model needed)",
+        description="Formula tier: add up weights, gradients, optimizer state and activations from counts. "
+        "Ignores temporaries, allocator overhead and the CUDA context.",
+    )
+    # Counts are parsed in _cmd_estimate, not by argparse, so bad ones get the same one-line error.
+    estimate.add_argument("--params", required=True, metavar="N", help="number of parameters (e.g. 124M, 7B)")
+    estimate.add_argument("--batch-size", default="1", metavar="N", help="samples per step (default 1)")
+    estimate.add_argument(
+        "--activations-per-sample",
+        default="0",
+        metavar="N",
+        help="activation elements one sample keeps for backward (default 0)",
+    )
+    estimate.add_argument(
+        "--precision",
+        default="fp32",
+        help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default fp32",
+    )
+    estimate.add_argument(
+        "--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}; default adamw"
+    )
+    estimate.add_argument(
+        "--trainable-fraction",
+        default="1.0",
+        metavar="F",
+        help="share of parameters that are trained, 0 to 1 (default 1.0)",
+    )
+    estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    estimate.set_defaults(handler=_cmd_estimate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input) instead of exiting."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and argparse usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _EXIT_USAGE)
+    try:
+        return args.handler(args)
+    except (MemfitError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        print(f"memfit: error: {message}", file=sys.stderr)
+        return _EXIT_USAGE

@@ -1,0 +1,352 @@
+"""``memfit.estimate``: the peak memory of a training step, traced on fake tensors.
+
+The estimate comes from running the user's real module through two real training steps (forward,
+loss, backward, optimizer step, ``zero_grad``) on fake tensors, which carry shapes and dtypes but
+no data, so a 7B model plans on a laptop. Every storage the step creates is logged and the log is
+replayed through a model of the CUDA caching allocator. Tracing at two batch sizes gives, for each
+phase, ``fixed + per_sample x batch``, so ``MemoryEstimate.at(b)`` answers for any batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.batch import Sample, infer_batch_size
+from memfit.categories import Category, Phase
+from memfit.checkpointing import CheckpointTarget
+from memfit.errors import InvalidInputError
+from memfit.optimizers import OptimizerSpec, optimizer_name
+from memfit.precision import Precision
+from memfit.replay import PhasePeak, replay
+from memfit.runtime import CudaRuntime
+from memfit.tracer import ForwardFn, LossFn, StepTrace, TraceSettings, trace_steps
+
+__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate"]
+
+_MAX_BATCH = 1 << 31
+
+
+@dataclass(frozen=True)
+class BatchPeak:
+    """Predicted peaks at one batch size. ``device_bytes`` adds the CUDA context to reserved."""
+
+    batch_size: int
+    allocated_bytes: int
+    reserved_bytes: int
+    device_bytes: int
+
+
+@dataclass(frozen=True)
+class PhaseModel:
+    """Allocated peak of one phase as ``fixed_bytes + per_sample_bytes x batch``."""
+
+    step: int
+    phase: Phase
+    fixed_bytes: int
+    per_sample_bytes: float
+
+    def at(self, batch_size: int) -> int:
+        return max(0, round(self.fixed_bytes + self.per_sample_bytes * batch_size))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak memory of one training step, with where and why it peaks.
+
+    ``peak_allocated_bytes`` predicts ``torch.cuda.max_memory_allocated()``,
+    ``peak_reserved_bytes`` predicts ``torch.cuda.max_memory_reserved()``, and ``peak_bytes``
+    adds the CUDA context: what ``nvidia-smi`` shows for the process. On a CPU target the three
+    are the tensor bytes. ``breakdown`` splits the allocated peak by category.
+    ``fixed_bytes + per_sample_bytes x batch`` is the allocated peak of the peak phase;
+    ``at(batch)`` takes the maximum over all phases.
+    """
+
+    batch_size: int
+    device: str
+    precision: Precision
+    optimizer: str
+    gradient_checkpointing: bool
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    cuda_context_bytes: int | None
+    peak_step: int
+    peak_phase: Phase
+    breakdown: Mapping[Category, int]
+    fixed_bytes: int
+    per_sample_bytes: int
+    phases: tuple[PhasePeak, ...]
+    phase_models: tuple[PhaseModel, ...]
+    trace_seconds: float
+    reserved_to_allocated_ratio: float = 1.0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory the step needs: reserved peak plus CUDA context."""
+        return self.peak_reserved_bytes + (self.cuda_context_bytes or 0)
+
+    @property
+    def allocator_overhead_bytes(self) -> int:
+        """Reserved minus allocated: caching-allocator rounding and fragmentation."""
+        return self.peak_reserved_bytes - self.peak_allocated_bytes
+
+    def at(self, batch_size: int) -> BatchPeak:
+        """Predicted peaks at ``batch_size``, from the per-phase linear models."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if batch_size == self.batch_size:
+            allocated, reserved = self.peak_allocated_bytes, self.peak_reserved_bytes
+        else:
+            allocated = max(model.at(batch_size) for model in self.phase_models)
+            # Fragmentation does not grow linearly with the batch: scale by the worst ratio traced.
+            # For a decision at one batch size, trace at that size (estimate(..., batch_size=b)).
+            reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
+        return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
+
+    def max_batch_size(self, capacity_bytes: int, *, include_context: bool = True) -> int | None:
+        """Largest batch whose predicted peak fits in ``capacity_bytes`` (``None``: not even 1).
+
+        ``include_context=False`` when the capacity was measured after CUDA started in this
+        process (``torch.cuda.mem_get_info`` then already excludes the context).
+        """
+        overhead = (self.cuda_context_bytes or 0) if include_context else 0
+
+        def fits(batch: int) -> bool:
+            return self.at(batch).reserved_bytes + overhead <= capacity_bytes
+
+        if not fits(1):
+            return None
+        low, high = 1, 2
+        while high < _MAX_BATCH and fits(high):
+            low, high = high, high * 2
+        if high >= _MAX_BATCH and fits(_MAX_BATCH):
+            return _MAX_BATCH
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready view: integer bytes, names as strings."""
+        return {
+            "batch_size": self.batch_size,
+            "device": self.device,
+            "precision": self.precision.short_name,
+            "optimizer": self.optimizer,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "peak_bytes": self.peak_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase.value,
+            "breakdown_bytes": {category.value: size for category, size in self.breakdown.items()},
+            "allocator_overhead_bytes": self.allocator_overhead_bytes,
+            "fixed_bytes": self.fixed_bytes,
+            "per_sample_bytes": self.per_sample_bytes,
+            "trace_seconds": round(self.trace_seconds, 3),
+            "notes": list(self.notes),
+        }
+
+
+def estimate(
+    model: nn.Module,
+    sample: Sample | Callable[[int], Sample],
+    *,
+    optimizer: OptimizerSpec = "adamw",
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    precision: Precision | str = "fp32",
+    gradient_checkpointing: bool = False,
+    checkpoint_modules: CheckpointTarget | None = None,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    loss_fn: LossFn | None = None,
+    forward_fn: ForwardFn | None = None,
+    cuda_runtime: CudaRuntime | None = None,
+) -> MemoryEstimate:
+    """Predict the peak memory of one training step of ``model`` without running it for real.
+
+    Args:
+        model: the user's module (real, or built on the ``meta`` device). It is left untouched.
+        sample: one batch (tensor, dict, tuple) or a callable ``batch_size -> batch``. Only shapes
+            and dtypes are used; tensors whose first dimension is the batch size are resized.
+        optimizer: an optimizer instance over ``model``'s parameters, an optimizer class or factory
+            (called with the parameters and ``optimizer_kwargs``), a name (``"adamw"``, ``"sgd"``,
+            ``"sgd-momentum"``, ``"adam"``, ``"adafactor"``, ...), or ``None`` for no optimizer.
+        precision: ``"fp32"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"fp16"``/``"16-true"``,
+            ``"bf16"``/``"bf16-true"``.
+        gradient_checkpointing: trace with activation checkpointing; Hugging Face models use their
+            own switch, other modules are wrapped per block (``checkpoint_modules`` or auto-detected).
+        batch_size: batch to report (default: the sample's).
+        device: the target: ``"cuda"`` (default) or ``"cpu"``. A CPU-only torch traces CUDA targets on
+            fake CPU tensors with CUDA kernels' memory substituted (see ``memfit.cuda_semantics``).
+        loss_fn: ``loss_fn(output, batch) -> scalar``; not needed when the model returns ``.loss``.
+        forward_fn: ``forward_fn(model, batch) -> output`` when the model is not called as
+            ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``.
+        cuda_runtime: CUDA context size and compute capability of the target (default: measured on
+            the visible GPU, else an H100-class card).
+
+    Raises:
+        InvalidInputError: an argument cannot be used.
+        TraceError: the model, loss or optimizer failed on the traced step (the message names where).
+        ValueDependentError: the model reads tensor values, which fake tensors do not have.
+    """
+    settings, batches = _prepare(
+        model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
+        checkpoint_modules, batch_size, device, loss_fn, forward_fn, cuda_runtime,
+    )  # fmt: skip
+    primary_batch, secondary_batch, sample_batch = batches
+    runtime = cuda_runtime or CudaRuntime.of_current_device()
+    started = time.perf_counter()
+    primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+    # Growth with batch size lives in forward and backward; one step without optimizer measures it.
+    secondary = trace_steps(
+        model, sample, sample_batch, secondary_batch, settings, steps=1, optimizer_step=False
+    )
+    elapsed = time.perf_counter() - started
+    cuda = settings.targets_cuda
+    return _build_estimate(primary, secondary, settings, runtime if cuda else None, elapsed)
+
+
+def _prepare(
+    model: Any,
+    sample: Any,
+    optimizer: OptimizerSpec,
+    optimizer_kwargs: Mapping[str, Any] | None,
+    precision: Any,
+    gradient_checkpointing: Any,
+    checkpoint_modules: Any,
+    batch_size: Any,
+    device: Any,
+    loss_fn: Any,
+    forward_fn: Any,
+    cuda_runtime: Any,
+) -> tuple[TraceSettings, tuple[int, int, int]]:
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise InvalidInputError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    if not isinstance(gradient_checkpointing, bool):
+        raise InvalidInputError(
+            f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}"
+        )
+    for name, fn in (("loss_fn", loss_fn), ("forward_fn", forward_fn)):
+        if fn is not None and not callable(fn):
+            raise InvalidInputError(f"{name} must be callable or None, got {fn!r}")
+    if cuda_runtime is not None and not isinstance(cuda_runtime, CudaRuntime):
+        raise InvalidInputError(f"cuda_runtime must be a memfit.CudaRuntime, got {cuda_runtime!r}")
+    target = _target_device(device)
+    parsed_precision = Precision.parse(precision)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InvalidInputError(
+            f"{type(model).__name__} has no parameter that requires grad, so there is no training step to "
+            "plan; unfreeze some parameters"
+        )
+
+    is_factory = callable(sample) and not isinstance(sample, (torch.Tensor, Mapping, list, tuple))
+    sample_batch = (batch_size or 1) if is_factory else infer_batch_size(sample)
+    primary = batch_size or sample_batch
+    secondary = primary * 2
+    runtime = cuda_runtime or CudaRuntime.of_current_device()
+    emulate = target.type == "cuda" and not torch.cuda.is_available()
+    settings = TraceSettings(
+        target=target,
+        device=torch.device("cpu") if emulate else target,
+        emulate_cuda=emulate,
+        precision=parsed_precision,
+        optimizer=optimizer,
+        optimizer_kwargs=dict(optimizer_kwargs) if optimizer_kwargs else None,
+        gradient_checkpointing=gradient_checkpointing,
+        checkpoint_modules=checkpoint_modules,
+        loss_fn=loss_fn,
+        forward_fn=forward_fn,
+        workspace_bytes=runtime.workspace_bytes if target.type == "cuda" else 0,
+    )
+    return settings, (primary, secondary, sample_batch)
+
+
+def _target_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device must be 'cuda' or 'cpu', got {device!r}") from exc
+    if target.type not in ("cuda", "cpu"):
+        raise InvalidInputError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    return target
+
+
+def _fit(
+    peaks_a: Sequence[PhasePeak], peaks_b: Sequence[PhasePeak], batch_a: int, batch_b: int
+) -> tuple[PhaseModel, ...]:
+    """Per-phase ``fixed + slope x batch``: slopes of forward and backward come from step 1 at both
+    batch sizes (same content, no optimizer state yet); the optimizer phase grows only by the batch
+    itself, still held while the optimizer runs."""
+    first_a = {p.phase: p for p in peaks_a if p.step == 1}
+    first_b = {p.phase: p for p in peaks_b if p.step == 1}
+    span = batch_b - batch_a
+    inputs_per_sample = first_a[Phase.FORWARD].breakdown.get(Category.INPUTS, 0) / batch_a
+    models = []
+    for peak in peaks_a:
+        if peak.phase is Phase.OPTIMIZER or peak.phase not in first_b:
+            slope = inputs_per_sample
+        else:
+            low, high = first_a[peak.phase], first_b[peak.phase]
+            slope = max(0.0, (high.allocated_bytes - low.allocated_bytes) / span)
+        models.append(PhaseModel(peak.step, peak.phase, round(peak.allocated_bytes - slope * batch_a), slope))
+    return tuple(models)
+
+
+def _build_estimate(
+    primary: StepTrace,
+    secondary: StepTrace,
+    settings: TraceSettings,
+    runtime: CudaRuntime | None,
+    elapsed: float,
+) -> MemoryEstimate:
+    cuda = runtime is not None
+    peaks = replay(primary.recorder, simulate_cuda_allocator=cuda)
+    peaks_b = replay(secondary.recorder, simulate_cuda_allocator=cuda)
+    models = _fit(peaks, peaks_b, primary.batch_size, secondary.batch_size)
+    top = max(peaks, key=lambda p: p.allocated_bytes)
+    top_model = next(m for m in models if (m.step, m.phase) == (top.step, top.phase))
+    notes = []
+    if settings.emulate_cuda:
+        notes.append("traced on fake CPU tensors with CUDA kernels' memory substituted")
+        for name, count in sorted(primary.substitutions.items()):
+            notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
+    if primary.checkpointing:
+        notes.append(f"checkpointing: {primary.checkpointing}")
+    return MemoryEstimate(
+        batch_size=primary.batch_size,
+        device="cuda" if cuda else "cpu",
+        precision=settings.precision,
+        optimizer=optimizer_name(settings.optimizer),
+        gradient_checkpointing=settings.gradient_checkpointing,
+        peak_allocated_bytes=top.allocated_bytes,
+        peak_reserved_bytes=max(p.reserved_bytes for p in peaks),
+        cuda_context_bytes=runtime.cuda_context_bytes if runtime else None,
+        peak_step=top.step,
+        peak_phase=top.phase,
+        breakdown={category: size for category, size in top.breakdown.items()},
+        fixed_bytes=top_model.fixed_bytes,
+        per_sample_bytes=math.ceil(top_model.per_sample_bytes),
+        phases=tuple(peaks),
+        phase_models=models,
+        trace_seconds=elapsed,
+        reserved_to_allocated_ratio=max(
+            max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk))
+            for pk in (peaks, peaks_b)
+        ),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,208 @@
+"""Formula tier: a training step's memory from counts alone, with no model to trace.
+
+This is the cheap first answer: given how many parameters a model has, how many activation
+elements one sample keeps for the backward pass, the batch size, the precision and the optimizer,
+it adds up the bytes each of them needs. It is meant for "will a 7B model fit on this card at all?"
+questions, asked before any code or weights exist.
+
+Accounting rules (bytes per parameter; *trainable* = ``round(parameters * trainable_fraction)``):
+
+* **Parameters** (every parameter): fp32 4 B; pure fp16/bf16 (``16-true`` / ``bf16-true``) 2 B;
+  mixed (``16-mixed`` / ``bf16-mixed``) 2 B for the half-precision working copy.
+* **Master weights** (trainable, mixed precision only): 4 B, the fp32 copy the optimizer updates,
+  as in the ZeRO paper's accounting (2 + 2 + 12 = 16 B per parameter for mixed-precision Adam).
+* **Gradients** (trainable): in the weight dtype, so 4 B for fp32 and 2 B for pure or mixed half.
+* **Optimizer state** (trainable): ``none`` and ``sgd`` 0; ``sgd-momentum`` one state and
+  ``adam`` / ``adamw`` two states, each in the state dtype (fp32, 4 B, for fp32 and mixed
+  precision; 2 B for pure fp16/bf16); ``adafactor`` 4 B, an approximation (its factored second
+  moment is O(rows + cols) per matrix, plus the update), the figure Hugging Face's "anatomy of
+  model memory" guide uses; ``adam-8bit`` 2 B (two 1-byte states).
+* **Activations**: ``activations_per_sample * batch_size`` elements, 4 B each in fp32 and 2 B in
+  any half or mixed precision.
+
+Known limitations: no temporaries (the transient buffers of a forward/backward op), no caching
+allocator rounding or fragmentation, no CUDA context, no buffers or inputs; activations are
+whatever count the user gives, so the estimate is only as good as that number. The traced tiers
+account for all of these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.errors import InvalidInputError
+from memfit.precision import Precision
+
+__all__ = ["OPTIMIZERS", "FormulaEstimate", "estimate_from_counts", "normalize_optimizer"]
+
+_FP32_BYTES = 4
+_HALF_BYTES = 2
+
+# Canonical name -> (states kept in the state dtype, fixed bytes per trainable parameter).
+_OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
+    "none": (0, 0),
+    "sgd": (0, 0),
+    "sgd-momentum": (1, 0),
+    "adam": (2, 0),
+    "adamw": (2, 0),
+    "adafactor": (0, 4),
+    "adam-8bit": (0, 2),
+}
+
+OPTIMIZERS: tuple[str, ...] = tuple(_OPTIMIZER_STATE)
+"""Canonical optimizer names :func:`estimate_from_counts` understands."""
+
+_OPTIMIZER_ALIASES: dict[str, str] = {
+    **{name: name for name in _OPTIMIZER_STATE},
+    "momentum": "sgd-momentum",
+    "sgdm": "sgd-momentum",
+    "adamw-8bit": "adam-8bit",
+    "adam8bit": "adam-8bit",
+    "adamw8bit": "adam-8bit",
+    "bnb-adam8bit": "adam-8bit",
+    "bnb-adamw8bit": "adam-8bit",
+}
+
+
+def normalize_optimizer(name: str | None) -> str:
+    """Return the canonical name of optimizer ``name`` (case-insensitive; ``None`` means ``"none"``)."""
+    if name is None:
+        return "none"
+    if not isinstance(name, str):
+        raise InvalidInputError(f"optimizer must be a name such as 'adamw' or None, got {name!r}")
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    try:
+        return _OPTIMIZER_ALIASES[key]
+    except KeyError:
+        aliases = ", ".join(sorted(set(_OPTIMIZER_ALIASES) - set(_OPTIMIZER_STATE)))
+        raise InvalidInputError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)} (or an alias: {aliases}), got {name!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class FormulaEstimate:
+    """Bytes of each part of a training step, as the formula tier counts them, and the inputs used."""
+
+    parameters_bytes: int
+    gradients_bytes: int
+    master_weights_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    parameters: int
+    batch_size: int
+    activations_per_sample: int
+    precision: Precision
+    optimizer: str
+    trainable_fraction: float
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the components: the predicted peak, as the formula tier keeps them all live at once."""
+        return sum(self.components().values())
+
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameters that get gradients, master weights and optimizer state."""
+        return _trainable(self.parameters, self.trainable_fraction)
+
+    def components(self) -> dict[str, int]:
+        """The ``*_bytes`` components, in display order."""
+        return {
+            "parameters_bytes": self.parameters_bytes,
+            "gradients_bytes": self.gradients_bytes,
+            "master_weights_bytes": self.master_weights_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "activations_bytes": self.activations_bytes,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: every component, the total and the inputs as plain values."""
+        return {
+            **self.components(),
+            "total_bytes": self.total_bytes,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "batch_size": self.batch_size,
+            "activations_per_sample": self.activations_per_sample,
+            "precision": self.precision.short_name,
+            "optimizer": self.optimizer,
+            "trainable_fraction": self.trainable_fraction,
+        }
+
+
+def estimate_from_counts(
+    *,
+    parameters: int,
+    batch_size: int = 1,
+    activations_per_sample: int = 0,
+    precision: Precision | str = "fp32",
+    optimizer: str | None = "adamw",
+    trainable_fraction: float = 1.0,
+) -> FormulaEstimate:
+    """Estimate a training step's memory from counts (see the module docstring for the rules).
+
+    ``activations_per_sample`` is the number of activation *elements* one sample keeps alive for
+    the backward pass; it is multiplied by the batch size and the activation element size.
+    """
+    parameters = _whole("parameters", parameters, minimum=0)
+    batch_size = _whole("batch_size", batch_size, minimum=1)
+    activations_per_sample = _whole("activations_per_sample", activations_per_sample, minimum=0)
+    trainable_fraction = _fraction("trainable_fraction", trainable_fraction)
+    precision = _precision(precision)
+    optimizer = normalize_optimizer(optimizer)
+
+    trainable = _trainable(parameters, trainable_fraction)
+    pure_half = precision in (Precision.FP16_TRUE, Precision.BF16_TRUE)
+    weight_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
+    state_size = _HALF_BYTES if pure_half else _FP32_BYTES
+    activation_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
+    states, fixed_bytes = _OPTIMIZER_STATE[optimizer]
+
+    return FormulaEstimate(
+        parameters_bytes=parameters * weight_size,
+        gradients_bytes=trainable * weight_size,
+        master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
+        optimizer_state_bytes=trainable * (states * state_size + fixed_bytes),
+        activations_bytes=activations_per_sample * batch_size * activation_size,
+        parameters=parameters,
+        batch_size=batch_size,
+        activations_per_sample=activations_per_sample,
+        precision=precision,
+        optimizer=optimizer,
+        trainable_fraction=trainable_fraction,
+    )
+
+
+def _trainable(parameters: int, trainable_fraction: float) -> int:
+    # Exact for the common all-trainable case, where float rounding could bite on huge counts.
+    if trainable_fraction == 1.0:
+        return parameters
+    return round(parameters * trainable_fraction)
+
+
+def _whole(name: str, value: object, *, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; whole floats such as ``7e9`` are accepted, bools are not."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def _fraction(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise InvalidInputError(f"{name} must be a number between 0 and 1 inclusive, got {value!r}")
+    return float(value)
+
+
+def _precision(value: object) -> Precision:
+    try:
+        return Precision.parse(value)  # type: ignore[arg-type]
+    except InvalidInputError:
+        names = ", ".join(p.short_name for p in Precision)
+        raise InvalidInputError(
+            f"precision must be one of {names} (or 32-true, 16-true, bf16-true), got {value!r}"
+        ) from None

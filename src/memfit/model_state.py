@@ -1,0 +1,108 @@
+"""Run a user's module on fake tensors and hand it back exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["module_path_tracker", "preserved_module_state", "preserved_rng_state", "swap_tensors_in"]
+
+
+@contextmanager
+def preserved_module_state(model: nn.Module) -> Iterator[None]:
+    """Restore every submodule's attributes, parameters, buffers, hooks and training flags on exit.
+
+    The trace swaps parameters for fake ones, switches to train mode, may turn on checkpointing
+    (which sets attributes and registers hooks); all of it must be undone, even on error.
+    """
+    saved: list[tuple[nn.Module, dict[str, Any], list[tuple[Any, Any]]]] = []
+    for module in model.modules():
+        attributes = dict(module.__dict__)
+        containers: list[tuple[Any, Any]] = []
+        for value in attributes.values():
+            if isinstance(value, dict):
+                containers.append((value, dict(value)))
+            elif isinstance(value, set):
+                containers.append((value, set(value)))
+        saved.append((module, attributes, containers))
+    try:
+        yield
+    finally:
+        for module, attributes, containers in saved:
+            for container, content in containers:
+                container.clear()
+                container.update(content)
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+
+
+@contextmanager
+def preserved_rng_state() -> Iterator[None]:
+    """Keep the user's CPU (and, if initialised, CUDA) random streams where they were."""
+    cpu_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def swap_tensors_in(model: nn.Module, make: Callable[[torch.Tensor, bool], torch.Tensor]) -> dict[int, Any]:
+    """Replace parameters and buffers by ``make(tensor, is_parameter)``; shared tensors stay shared.
+
+    Returns the mapping ``id(original) -> replacement``. Call inside ``preserved_module_state``.
+    """
+    replacements: dict[int, Any] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replacements:
+                replacements[id(param)] = make(param, True)
+            module._parameters[name] = replacements[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            if id(buffer) not in replacements:
+                replacements[id(buffer)] = make(buffer, False)
+            module._buffers[name] = replacements[id(buffer)]
+    return replacements
+
+
+class module_path_tracker:
+    """Know which submodule is running, so a failure can name it (``encoder.layer.3.attention``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    @property
+    def current(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def __enter__(self) -> module_path_tracker:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module: nn.Module, _args: Any) -> None:
+            name = self._names.get(id(module))
+            if name is not None:
+                self.stack.append(name)
+
+        def post(module: nn.Module, _args: Any, _out: Any) -> None:
+            if id(module) in self._names and self.stack:
+                self.stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

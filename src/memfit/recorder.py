@@ -1,0 +1,174 @@
+"""Record every tensor storage a traced step creates and frees, in order.
+
+The recorder is a ``TorchDispatchMode`` that sits above ``FakeTensorMode``: every aten op's
+outputs pass through it, and each new untyped storage gets an id, a size and a weak reference
+whose callback logs the free. No real memory is involved; the log is replayed afterwards
+(``replay``) to find peaks, and through the caching-allocator simulation to predict what the
+CUDA allocator would reserve.
+
+Known limitations: memory that a kernel uses internally without returning a tensor (cuDNN
+workspaces, NCCL buffers) never passes through dispatch; ``runtime`` models the ones that matter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.categories import Category, Phase
+
+__all__ = ["PhaseMark", "StorageRecorder"]
+
+# Ops that reach cuBLAS on a GPU: the first one on each thread makes cuBLAS allocate its workspace.
+_CUBLAS_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_scaled_mm",
+        "matmul",
+        "linear",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    """The event index where a phase of a step starts."""
+
+    event_index: int
+    step: int
+    phase: Phase
+
+
+class StorageRecorder(TorchDispatchMode):
+    """Log of storage allocations (``+id``) and frees (``-id``) with sizes and categories.
+
+    ``events`` holds signed storage ids; ``sizes[id]`` the storage bytes; ``categories[id]``
+    the role decided so far (absent until a phase end settles it; temporaries by default).
+    ``workspace_bytes`` > 0 adds a cuBLAS workspace the first time a matmul runs in forward and
+    in backward, as on a GPU.
+    """
+
+    def __init__(self, *, workspace_bytes: int = 0) -> None:
+        super().__init__()
+        self.workspace_bytes = workspace_bytes
+        self.events: list[int] = []
+        self.sizes: dict[int, int] = {}
+        self.categories: dict[int, Category] = {}
+        self.alloc_phase: dict[int, int] = {}
+        self.marks: list[PhaseMark] = []
+        self.ops = 0
+        self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self._live: dict[int, int] = {}
+        self._next_id = 1
+        self._closed = False
+        self._workspace_phases: set[Phase] = set()
+
+    # ----------------------------------------------------------------- tracking
+    def track(self, tensor: torch.Tensor, category: Category | None = None) -> int | None:
+        """Register ``tensor``'s storage (once) and optionally settle its category."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        storage = tensor.untyped_storage()
+        sid = self._ids.get(storage)
+        if sid is None:
+            sid = self._new_storage(storage)
+        else:
+            size = storage.nbytes()
+            if size != self.sizes[sid]:  # resize_ grew or shrank the storage in place
+                self._free(sid)
+                self._ids.pop(storage, None)
+                sid = self._new_storage(storage)
+        if category is not None:
+            self.categories[sid] = category
+        return sid
+
+    def storage_id(self, tensor: torch.Tensor) -> int | None:
+        return self._ids.get(tensor.untyped_storage())
+
+    def _new_storage(self, storage: torch.UntypedStorage) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        size = storage.nbytes()
+        self._ids[storage] = sid
+        self.sizes[sid] = size
+        self.alloc_phase[sid] = len(self.marks) - 1
+        self._live[sid] = size
+        self.events.append(sid)
+        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: self._free(sid))
+        return sid
+
+    def _free(self, sid: int) -> None:
+        if self._closed or sid not in self._live:
+            return
+        del self._live[sid]
+        self._refs.pop(sid, None)
+        self.events.append(-sid)
+
+    def _synthetic(self, size: int, category: Category) -> None:
+        """An allocation that no tensor owns (cuBLAS workspace); it lives to the end."""
+        sid = self._next_id
+        self._next_id += 1
+        self.sizes[sid] = size
+        self.categories[sid] = category
+        self.alloc_phase[sid] = len(self.marks) - 1
+        self._live[sid] = size
+        self.events.append(sid)
+
+    # ------------------------------------------------------------------ phases
+    def mark(self, step: int, phase: Phase) -> None:
+        self.marks.append(PhaseMark(len(self.events), step, phase))
+
+    @property
+    def current_phase(self) -> Phase | None:
+        return self.marks[-1].phase if self.marks else None
+
+    def live_ids(self) -> Iterable[int]:
+        return list(self._live)
+
+    def settle_unclassified(self, category: Category, *, phase_index: int) -> None:
+        """Give ``category`` to live storages born in ``phase_index`` that have none yet."""
+        for sid in self._live:
+            if sid not in self.categories and self.alloc_phase.get(sid) == phase_index:
+                self.categories[sid] = category
+
+    def close(self) -> None:
+        """Stop logging frees (the trace is over; what dies now is cleanup, not the step)."""
+        self._closed = True
+
+    # ---------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self.ops += 1
+        if self.workspace_bytes and func.overloadpacket.__name__ in _CUBLAS_OPS:
+            self._maybe_allocate_workspace()
+        out = func(*args, **kwargs)
+        flat, _ = tree_flatten(out)
+        for item in flat:
+            if isinstance(item, torch.Tensor):
+                self.track(item)
+        return out
+
+    def _maybe_allocate_workspace(self) -> None:
+        # cuBLAS keeps one workspace per (handle, stream); the autograd engine runs backward on
+        # its own device thread, which takes its own handle, so forward and backward each add one.
+        phase = self.current_phase
+        key = Phase.BACKWARD if phase is Phase.BACKWARD else Phase.FORWARD
+        if key not in self._workspace_phases:
+            self._workspace_phases.add(key)
+            self._synthetic(self.workspace_bytes, Category.WORKSPACE)

@@ -1,0 +1,81 @@
+"""Turn a storage log into peaks: per phase, allocated and reserved, with a breakdown by category."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.allocator import CachingAllocatorSimulator
+from memfit.categories import Category, Phase
+from memfit.recorder import StorageRecorder
+
+__all__ = ["PhasePeak", "replay"]
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """The highest memory reached in one phase of one traced step.
+
+    ``step`` 1 is the warm-up step (optimizer state appears during it), 2 the steady step.
+    ``breakdown`` splits ``allocated_bytes`` by category at the moment of the peak.
+    """
+
+    step: int
+    phase: Phase
+    allocated_bytes: int
+    reserved_bytes: int
+    breakdown: dict[Category, int]
+
+
+def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[PhasePeak]:
+    """Replay the log in order; with ``simulate_cuda_allocator`` sizes are CUDA blocks and reserved
+    comes from the caching-allocator simulation, else sizes are raw and reserved equals allocated."""
+    allocator = CachingAllocatorSimulator() if simulate_cuda_allocator else None
+    categories = recorder.categories
+    sizes = recorder.sizes
+    held: dict[int, int] = {}
+    by_category: dict[Category, int] = dict.fromkeys(Category, 0)
+    allocated = 0
+    marks = recorder.marks
+    boundaries = [mark.event_index for mark in marks[1:]] + [len(recorder.events)]
+    peaks: list[PhasePeak] = []
+    position = 0
+
+    def apply(event: int) -> None:
+        nonlocal allocated
+        sid = abs(event)
+        category = categories.get(sid, Category.TEMPORARIES)
+        if event > 0:
+            size = allocator.malloc(sid, sizes[sid]) if allocator else sizes[sid]
+            held[sid] = size
+            allocated += size
+            by_category[category] += size
+        else:
+            size = held.pop(sid, None)
+            if size is None:
+                return
+            if allocator:
+                allocator.free(sid)
+            allocated -= size
+            by_category[category] -= size
+
+    events = recorder.events
+    first = marks[0].event_index if marks else len(events)
+    for event in events[:first]:  # parameters, buffers and inputs made before the first step
+        apply(event)
+    position = first
+    for mark, end in zip(marks, boundaries, strict=True):
+        peak_allocated = allocated
+        peak_reserved = allocator.reserved_bytes if allocator else allocated
+        breakdown = dict(by_category)
+        for event in events[position:end]:
+            apply(event)
+            if allocated > peak_allocated:
+                peak_allocated = allocated
+                breakdown = dict(by_category)
+            if allocator:
+                peak_reserved = max(peak_reserved, allocator.reserved_bytes)
+        if not allocator:
+            peak_reserved = peak_allocated
+        peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown))
+        position = end
+    return peaks

@@ -1,0 +1,46 @@
+"""Device memory that no tensor owns: the CUDA context and the cuBLAS workspace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.units import KiB, MiB
+
+__all__ = ["CudaRuntime", "cublas_workspace_bytes"]
+
+# CUDA context with lazy module loading (torch >= 1.13 default). Varies with driver, GPU and
+# torch build (300-600 MiB); the callbacks measure it on the real device when they can.
+DEFAULT_CUDA_CONTEXT_BYTES = 500 * MiB
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int] = (9, 0)) -> int:
+    """Per-handle workspace torch gives cuBLAS (``CublasHandlePool.cpp``).
+
+    Default ``CUBLAS_WORKSPACE_CONFIG``: ``:4096:8`` (32 MiB) on Hopper and newer,
+    ``:4096:2:16:8`` (8 MiB + 128 KiB) before. It comes from the caching allocator, so it counts
+    in ``max_memory_allocated``.
+    """
+    if compute_capability[0] >= 9:
+        return 4096 * KiB * 8
+    return 4096 * KiB * 2 + 16 * KiB * 8
+
+
+@dataclass(frozen=True)
+class CudaRuntime:
+    """Runtime facts of the target GPU that change the estimate."""
+
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
+    compute_capability: tuple[int, int] = (9, 0)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return cublas_workspace_bytes(self.compute_capability)
+
+    @classmethod
+    def of_current_device(cls) -> CudaRuntime:
+        """Facts of the visible GPU when torch has one, else defaults for an H100-class card."""
+        if torch.cuda.is_available():
+            return cls(compute_capability=torch.cuda.get_device_capability())
+        return cls()

@@ -1,0 +1,341 @@
+"""Run real training steps of a user's model on fake tensors and log their memory.
+
+One trace = two steps (forward, loss, backward, optimizer step, ``zero_grad``) at one batch size.
+Two steps because optimizers create their state lazily in the first ``step()``; the second step is
+the one every later step repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from memfit.batch import Sample, call_model, describe, rebatch
+from memfit.categories import Category, Phase
+from memfit.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.cuda_semantics import CudaSemantics
+from memfit.errors import InvalidInputError, TraceError, ValueDependentError
+from memfit.model_state import (
+    module_path_tracker,
+    preserved_module_state,
+    preserved_rng_state,
+    swap_tensors_in,
+)
+from memfit.optimizers import OptimizerSpec, build_optimizer
+from memfit.precision import Precision
+from memfit.recorder import StorageRecorder
+
+__all__ = ["StepTrace", "TraceSettings", "trace_steps"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+ForwardFn = Callable[[nn.Module, Any], Any]
+
+_VALUE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
+STEPS = 2
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """Everything about the step except the batch.
+
+    ``target`` is the device whose memory is predicted; ``device`` the one the fake tensors live on
+    (CPU when a CPU-only torch traces for CUDA, with ``emulate_cuda`` set).
+    """
+
+    target: torch.device
+    device: torch.device
+    emulate_cuda: bool
+    precision: Precision
+    optimizer: OptimizerSpec
+    optimizer_kwargs: dict[str, Any] | None
+    gradient_checkpointing: bool
+    checkpoint_modules: CheckpointTarget | None
+    loss_fn: LossFn | None
+    forward_fn: ForwardFn | None
+    workspace_bytes: int
+
+    @property
+    def targets_cuda(self) -> bool:
+        return self.target.type == "cuda"
+
+
+@dataclass
+class StepTrace:
+    """The storage log of one trace plus what the tracer learnt on the way."""
+
+    batch_size: int
+    recorder: StorageRecorder
+    checkpointing: str | None
+    substitutions: dict[str, int]
+    ops: int
+
+
+def trace_steps(
+    model: nn.Module,
+    sample: Sample,
+    sample_batch: int,
+    batch_size: int,
+    settings: TraceSettings,
+    *,
+    steps: int = STEPS,
+    optimizer_step: bool = True,
+) -> StepTrace:
+    """Trace ``steps`` training steps of ``model`` at ``batch_size`` and return the storage log.
+
+    ``sample`` is a real (or meta) batch of ``sample_batch`` samples, or a callable
+    ``batch_size -> batch``; only its shapes and dtypes are used. ``optimizer_step=False`` skips
+    the optimizer (a cheaper trace that only measures how forward and backward grow with batch).
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    recorder = StorageRecorder(workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0)
+    autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
+    semantics = CudaSemantics(autocast_dtype) if settings.emulate_cuda else None
+    checkpointing: str | None = None
+    if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
+        sample = _call_sample_factory(sample, batch_size)
+        sample_batch = batch_size
+
+    with preserved_module_state(model), preserved_rng_state():
+        model.train()
+        if settings.gradient_checkpointing:
+            checkpointing = enable_checkpointing(model, settings.checkpoint_modules)
+        paths = module_path_tracker(model)
+        with fake_mode, recorder, paths:
+            fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
+            trainable = [
+                p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad
+            ]
+            batch = rebatch(
+                sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
+            )
+            optimizer = _build_optimizer(settings, fakes, trainable) if optimizer_step else None
+            for step in range(1, steps + 1):
+                _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths)
+            recorder.close()
+    return StepTrace(
+        batch_size=batch_size,
+        recorder=recorder,
+        checkpointing=checkpointing,
+        substitutions=dict(semantics.substitutions) if semantics else {},
+        ops=recorder.ops,
+    )
+
+
+def _one_step(
+    model: nn.Module,
+    batch: Any,
+    step: int,
+    optimizer: torch.optim.Optimizer | None,
+    trainable: Sequence[torch.Tensor],
+    settings: TraceSettings,
+    recorder: StorageRecorder,
+    semantics: CudaSemantics | None,
+    paths: module_path_tracker,
+) -> None:
+    recorder.mark(step, Phase.FORWARD)
+    forward_index = len(recorder.marks) - 1
+    with _autocast(settings, semantics), _failure("forward", model, batch, paths):
+        output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
+    with _autocast(settings, semantics), _failure("loss", model, batch, paths):
+        loss = _loss_of(output, batch, settings.loss_fn)
+    del output
+    recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=forward_index)
+
+    recorder.mark(step, Phase.BACKWARD)
+    with _backward_semantics(semantics), _failure("backward", model, batch, paths):
+        loss.backward()
+    del loss
+    for param in trainable:
+        if param.grad is not None:
+            recorder.track(param.grad, Category.GRADIENTS)
+
+    recorder.mark(step, Phase.OPTIMIZER)
+    with _failure("optimizer step", model, batch, paths):
+        if optimizer is not None:
+            optimizer.step()
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        recorder.track(value, Category.OPTIMIZER_STATE)
+        for param in trainable:
+            param.grad = None  # zero_grad(set_to_none=True), the default in torch, Lightning and HF
+
+
+@contextlib.contextmanager
+def _autocast(settings: TraceSettings, semantics: CudaSemantics | None) -> Iterator[None]:
+    """Autocast for the forward: emulated CUDA lists, or the real thing on the traced device."""
+    if not settings.precision.is_mixed:
+        with semantics if semantics is not None else contextlib.nullcontext():
+            yield
+        return
+    if semantics is not None:
+        semantics.autocast_active = True
+        semantics.cache_casts = True
+        try:
+            with semantics:
+                yield
+        finally:
+            semantics.autocast_active = False
+            semantics.cache_casts = False
+            semantics.clear_cast_cache()
+        return
+    with torch.autocast(settings.device.type, dtype=settings.precision.compute_dtype):
+        yield
+
+
+@contextlib.contextmanager
+def _backward_semantics(semantics: CudaSemantics | None) -> Iterator[None]:
+    """Checkpointed blocks re-run their forward inside backward, with the forward's autocast state."""
+    if semantics is None:
+        yield
+        return
+    semantics.autocast_active = semantics.autocast_dtype is not None
+    try:
+        with semantics:
+            yield
+    finally:
+        semantics.autocast_active = False
+
+
+@contextlib.contextmanager
+def _failure(stage: str, model: nn.Module, batch: Any, paths: module_path_tracker) -> Iterator[None]:
+    """Turn whatever the user's code raises under fake tensors into a memfit error that says what to do."""
+    try:
+        yield
+    except TraceError:
+        raise
+    except _VALUE_ERRORS as exc:
+        where = f" in module `{paths.current}`" if paths.current else ""
+        raise ValueDependentError(
+            f"the {stage} of {type(model).__name__} reads tensor values{where} ({_op_of(exc)}), but memfit "
+            "traces with fake tensors that have shapes and no values. Make that code path value-free "
+            "(e.g. skip data checks when torch.compiler.is_compiling() or under a flag), pass a forward_fn/"
+            "loss_fn that avoids it, or use memfit.estimate_from_counts() for a formula estimate."
+        ) from exc
+    except UnsupportedOperatorException as exc:
+        where = f" in module `{paths.current}`" if paths.current else ""
+        raise TraceError(
+            f"the {stage} of {type(model).__name__} uses an operator fake tensors cannot run{where} "
+            f"({_op_of(exc)}); use memfit.estimate_from_counts() for a formula estimate."
+        ) from exc
+    except Exception as exc:
+        where = f" in module `{paths.current}`" if paths.current and stage == "forward" else ""
+        hint = {
+            "forward": f"check that the sample matches what the model expects (got {describe(batch)}); "
+            "pass forward_fn=lambda model, batch: ... if the model is called another way",
+            "loss": "pass loss_fn=lambda output, batch: <scalar loss>",
+            "backward": "check that the loss depends on parameters that require grad",
+            "optimizer step": "check the optimizer and its arguments",
+        }[stage]
+        raise TraceError(
+            f"the {stage} of {type(model).__name__} failed{where}: {type(exc).__name__}: {exc}. {hint}."
+        ) from exc
+
+
+def _op_of(exc: Exception) -> str:
+    func = getattr(exc, "func", None)
+    return str(func) if func is not None else type(exc).__name__
+
+
+def _loss_of(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    loss = loss_fn(output, batch) if loss_fn is not None else _builtin_loss(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TraceError(
+            f"the loss must be a scalar tensor, got {shape}; pass loss_fn=lambda output, batch: <scalar loss>"
+        )
+    if not loss.requires_grad:
+        raise TraceError(
+            "the loss does not require grad: no parameter of the model is trainable, or the loss is "
+            "detached from the output; check requires_grad on the parameters"
+        )
+    return loss
+
+
+def _builtin_loss(output: Any) -> torch.Tensor:
+    """A loss the model computed itself: ``output.loss`` (Hugging Face), ``output["loss"]``, a scalar."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].numel() == 1 else None
+    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss = output
+    if loss is None:
+        what = (
+            f"a tensor of shape {list(output.shape)}"
+            if isinstance(output, torch.Tensor)
+            else type(output).__name__
+        )
+        raise TraceError(
+            f"the model returned {what}, not a loss; pass loss_fn=lambda output, batch: <scalar loss> "
+            "(for Hugging Face models, include labels in the sample)"
+        )
+    return loss
+
+
+def _fake_like(
+    tensor: torch.Tensor, is_param: bool, settings: TraceSettings, recorder: StorageRecorder
+) -> Any:
+    dtype = tensor.dtype
+    if (
+        tensor.is_floating_point()
+        and not settings.precision.is_mixed
+        and settings.precision != Precision.FP32
+    ):
+        dtype = settings.precision.parameter_dtype  # Lightning's "*-true" converts the module
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=settings.device)
+    if is_param:
+        fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    recorder.track(fake, Category.PARAMETERS if is_param else Category.BUFFERS)
+    return fake
+
+
+def _fake_input(
+    tensor: torch.Tensor, shape: tuple, settings: TraceSettings, recorder: StorageRecorder
+) -> torch.Tensor:
+    fake = torch.empty(shape, dtype=tensor.dtype, device=settings.device)
+    recorder.track(fake, Category.INPUTS)
+    return fake
+
+
+def _build_optimizer(
+    settings: TraceSettings, fakes: dict[int, Any], trainable: list[torch.Tensor]
+) -> torch.optim.Optimizer | None:
+    return build_optimizer(
+        settings.optimizer,
+        fakes,
+        trainable,
+        kwargs=settings.optimizer_kwargs,
+        prefer_foreach=settings.targets_cuda,
+    )
+
+
+def _call_sample_factory(factory: Callable[[int], Any], batch_size: int) -> Any:
+    try:
+        return factory(batch_size)
+    except Exception as exc:
+        raise InvalidInputError(
+            f"the sample factory failed for batch_size={batch_size}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _unique(values: Any) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for value in values:
+        if id(value) not in seen:
+            seen.add(id(value))
+            out.append(value)
+    return out

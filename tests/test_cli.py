@@ -1,0 +1,209 @@
+"""The ``memfit`` command line: JSON and table output, count suffixes, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+from memfit.units import format_bytes
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+SEED_ARGS = [
+    "estimate",
+    "--params",
+    "20000000",
+    "--batch-size",
+    "32",
+    "--activations-per-sample",
+    "1000000",
+    "--precision",
+    "fp32",
+    "--optimizer",
+    "none",
+]
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return json.loads(captured.out)
+
+
+def test_json_seed_example(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(capsys, *SEED_ARGS)
+    assert data["total_bytes"] == 288_000_000
+    assert data["parameters_bytes"] == 80_000_000
+    assert data["gradients_bytes"] == 80_000_000
+    assert data["master_weights_bytes"] == 0
+    assert data["optimizer_state_bytes"] == 0
+    assert data["activations_bytes"] == 128_000_000
+    assert data["precision"] == "fp32"
+    assert data["optimizer"] == "none"
+    component_keys = [k for k in data if k.endswith("_bytes") and k != "total_bytes"]
+    assert component_keys == [
+        "parameters_bytes",
+        "gradients_bytes",
+        "master_weights_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+    ]
+    assert sum(data[k] for k in component_keys) == data["total_bytes"]
+
+
+def test_json_sgd_momentum_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(capsys, "estimate", "--params", "19072984", "--optimizer", "sgd-momentum")
+    assert data["total_bytes"] == 228_875_808
+
+
+def test_json_mixed_precision_adam_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(capsys, "estimate", "--params", "7e9", "--precision", "16-mixed", "--optimizer", "adam")
+    assert data["parameters_bytes"] == 14 * 10**9
+    assert data["optimizer_state_bytes"] == 56 * 10**9
+    assert data["total_bytes"] == 112 * 10**9
+
+
+def test_defaults_are_fp32_adamw(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(capsys, "estimate", "--params", "1000")
+    assert data["precision"] == "fp32"
+    assert data["optimizer"] == "adamw"
+    assert data["batch_size"] == 1
+    assert data["total_bytes"] == 1000 * 16
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SEED_ARGS) == 0
+    out = capsys.readouterr().out
+    expected_total = format_bytes(288_000_000)
+    assert expected_total == "274.66 MiB"
+    assert "Total" in out
+    assert expected_total in out
+    for label in ("Parameters", "Gradients", "Master weights", "Optimizer state", "Activations"):
+        assert label in out
+    assert "100.0%" in out
+    assert "20,000,000 parameters" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("124M", 124_000_000),
+        ("124m", 124_000_000),
+        ("7B", 7_000_000_000),
+        ("1.5B", 1_500_000_000),
+        ("20K", 20_000),
+        ("20e6", 20_000_000),
+        ("7e9", 7_000_000_000),
+        ("20_000_000", 20_000_000),
+        ("20,000,000", 20_000_000),
+    ],
+)
+def test_count_suffixes(capsys: pytest.CaptureFixture[str], text: str, expected: int) -> None:
+    data = _run_json(capsys, "estimate", "--params", text, "--optimizer", "none")
+    assert data["parameters"] == expected
+    assert data["parameters_bytes"] == 4 * expected
+
+
+def test_suffixes_apply_to_activations_and_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(
+        capsys,
+        "estimate",
+        "--params",
+        "1K",
+        "--batch-size",
+        "2",
+        "--activations-per-sample",
+        "3M",
+        "--precision",
+        "bf16",
+    )
+    assert data["activations_bytes"] == 2 * 3_000_000 * 2
+
+
+def test_trainable_fraction_option(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _run_json(
+        capsys, "estimate", "--params", "1000", "--optimizer", "sgd", "--trainable-fraction", "0.5"
+    )
+    assert data["trainable_fraction"] == 0.5
+    assert data["gradients_bytes"] == 500 * 4
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--params", "7X"], ["--params", "'7X'"]),
+        (["--params", "-5"], ["--params", "'-5'"]),
+        (["--params", "1.5"], ["--params", "'1.5'"]),
+        (["--params", "10", "--batch-size", "0"], ["batch_size", "got 0"]),
+        (["--params", "10", "--batch-size", "many"], ["--batch-size", "'many'"]),
+        (["--params", "10", "--optimizer", "lion"], ["optimizer", "adamw", "got 'lion'"]),
+        (["--params", "10", "--precision", "fp8"], ["precision", "got 'fp8'"]),
+        (["--params", "10", "--trainable-fraction", "2"], ["trainable_fraction", "got 2.0"]),
+        (["--params", "10", "--trainable-fraction", "half"], ["--trainable-fraction", "'half'"]),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], fragments: list[str]
+) -> None:
+    assert main(["estimate", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("memfit: error: ")
+    assert "Traceback" not in captured.err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_missing_required_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate"]) == 2
+    assert "--params" in capsys.readouterr().err
+
+
+def test_subcommand_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("memfit ")
+    assert len(out.split()) == 2
+
+
+def test_python_dash_m_memfit_runs_the_cli() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "memfit", *SEED_ARGS, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["total_bytes"] == 288_000_000
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "memfit", "estimate", "--params", "lots"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("memfit: error: ")
+    assert "Traceback" not in bad.stderr

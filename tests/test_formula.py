@@ -1,0 +1,330 @@
+"""Formula tier: the seed examples exactly, each accounting rule, and input validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from memfit.errors import InvalidInputError
+from memfit.formula import OPTIMIZERS, FormulaEstimate, estimate_from_counts, normalize_optimizer
+from memfit.precision import Precision
+from memfit.units import MiB, format_bytes
+
+COMPONENT_KEYS = [
+    "parameters_bytes",
+    "gradients_bytes",
+    "master_weights_bytes",
+    "optimizer_state_bytes",
+    "activations_bytes",
+]
+
+
+# --- seed examples -------------------------------------------------------------------------------
+
+
+def test_seed_fp32_no_optimizer_with_activations() -> None:
+    est = estimate_from_counts(
+        parameters=20_000_000,
+        batch_size=32,
+        activations_per_sample=1_000_000,
+        precision="fp32",
+        optimizer="none",
+    )
+    assert est.parameters_bytes == 80_000_000
+    assert est.gradients_bytes == 80_000_000
+    assert est.master_weights_bytes == 0
+    assert est.optimizer_state_bytes == 0
+    assert est.activations_bytes == 128_000_000
+    assert est.total_bytes == 288_000_000
+    assert round(est.total_bytes / MiB, 1) == 274.7
+
+
+def test_seed_fp32_sgd_momentum() -> None:
+    est = estimate_from_counts(parameters=19_072_984, precision="fp32", optimizer="sgd-momentum")
+    assert est.parameters_bytes == 4 * 19_072_984
+    assert est.gradients_bytes == 4 * 19_072_984
+    assert est.optimizer_state_bytes == 4 * 19_072_984
+    assert est.activations_bytes == 0
+    assert est.total_bytes == 228_875_808
+    assert format_bytes(est.total_bytes) == "218.27 MiB"
+
+
+def test_seed_7b_pure_fp16_weights() -> None:
+    est = estimate_from_counts(parameters=7_000_000_000, precision="fp16", optimizer="none")
+    assert est.parameters_bytes == 14_000_000_000
+
+
+def test_seed_7b_fp32_adam_moments() -> None:
+    est = estimate_from_counts(parameters=7_000_000_000, precision="fp32", optimizer="adam")
+    assert est.optimizer_state_bytes == 56_000_000_000
+
+
+def test_seed_7b_mixed_precision_adam_is_16_bytes_per_parameter() -> None:
+    est = estimate_from_counts(parameters=7_000_000_000, precision="16-mixed", optimizer="adam")
+    assert est.parameters_bytes == 14_000_000_000  # fp16 working copy
+    assert est.gradients_bytes == 14_000_000_000  # fp16 gradients
+    assert est.master_weights_bytes == 28_000_000_000  # fp32 master copy
+    assert est.optimizer_state_bytes == 56_000_000_000  # fp32 m and v
+    assert est.activations_bytes == 0
+    assert est.total_bytes == 112_000_000_000
+
+
+# --- rules ---------------------------------------------------------------------------------------
+
+# precision -> (weight/gradient bytes, master bytes, optimizer-state dtype bytes, activation bytes)
+PRECISION_RULES = {
+    "fp32": (4, 0, 4, 4),
+    "16-mixed": (2, 4, 4, 2),
+    "bf16-mixed": (2, 4, 4, 2),
+    "fp16": (2, 0, 2, 2),
+    "16-true": (2, 0, 2, 2),
+    "bf16": (2, 0, 2, 2),
+    "bf16-true": (2, 0, 2, 2),
+}
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISION_RULES))
+def test_precision_rules(precision: str) -> None:
+    weight, master, state, activation = PRECISION_RULES[precision]
+    est = estimate_from_counts(
+        parameters=1000, batch_size=3, activations_per_sample=10, precision=precision, optimizer="adamw"
+    )
+    assert est.parameters_bytes == 1000 * weight
+    assert est.gradients_bytes == 1000 * weight
+    assert est.master_weights_bytes == 1000 * master
+    assert est.optimizer_state_bytes == 1000 * 2 * state
+    assert est.activations_bytes == 30 * activation
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fp32_bytes", "pure_half_bytes"),
+    [
+        ("none", 0, 0),
+        ("sgd", 0, 0),
+        ("sgd-momentum", 4, 2),
+        ("adam", 8, 4),
+        ("adamw", 8, 4),
+        ("adafactor", 4, 4),
+        ("adam-8bit", 2, 2),
+    ],
+)
+def test_optimizer_state_per_trainable_parameter(
+    optimizer: str, fp32_bytes: int, pure_half_bytes: int
+) -> None:
+    assert (
+        estimate_from_counts(parameters=1000, optimizer=optimizer).optimizer_state_bytes == 1000 * fp32_bytes
+    )
+    mixed = estimate_from_counts(parameters=1000, optimizer=optimizer, precision="bf16-mixed")
+    assert mixed.optimizer_state_bytes == 1000 * fp32_bytes
+    pure = estimate_from_counts(parameters=1000, optimizer=optimizer, precision="bf16")
+    assert pure.optimizer_state_bytes == 1000 * pure_half_bytes
+
+
+def test_every_canonical_optimizer_is_covered() -> None:
+    assert set(OPTIMIZERS) == {"none", "sgd", "sgd-momentum", "adam", "adamw", "adafactor", "adam-8bit"}
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [
+        (None, "none"),
+        ("none", "none"),
+        ("None", "none"),
+        ("SGD", "sgd"),
+        ("sgd-momentum", "sgd-momentum"),
+        ("sgd_momentum", "sgd-momentum"),
+        ("Momentum", "sgd-momentum"),
+        ("Adam", "adam"),
+        ("ADAMW", "adamw"),
+        ("adafactor", "adafactor"),
+        ("adam-8bit", "adam-8bit"),
+        ("adamw-8bit", "adam-8bit"),
+        ("adam8bit", "adam-8bit"),
+        ("bnb-adam8bit", "adam-8bit"),
+        ("bnb_adam8bit", "adam-8bit"),
+        (" adamw ", "adamw"),
+    ],
+)
+def test_optimizer_aliases(name: str | None, canonical: str) -> None:
+    assert normalize_optimizer(name) == canonical
+    assert estimate_from_counts(parameters=1, optimizer=name).optimizer == canonical
+
+
+def test_default_is_fp32_adamw_batch_one() -> None:
+    est = estimate_from_counts(parameters=10)
+    assert est.precision is Precision.FP32
+    assert est.optimizer == "adamw"
+    assert est.batch_size == 1
+    assert est.total_bytes == 10 * (4 + 4 + 8)
+
+
+def test_trainable_fraction_scales_only_trained_state() -> None:
+    est = estimate_from_counts(
+        parameters=1000, precision="16-mixed", optimizer="adam", trainable_fraction=0.25
+    )
+    assert est.trainable_parameters == 250
+    assert est.parameters_bytes == 1000 * 2  # every weight is still stored
+    assert est.gradients_bytes == 250 * 2
+    assert est.master_weights_bytes == 250 * 4
+    assert est.optimizer_state_bytes == 250 * 8
+
+
+def test_trainable_fraction_rounds_to_nearest_parameter() -> None:
+    est = estimate_from_counts(parameters=3, optimizer="sgd", trainable_fraction=0.6)
+    assert est.trainable_parameters == 2  # round(1.8)
+    assert est.gradients_bytes == 2 * 4
+
+
+def test_frozen_model_has_weights_only() -> None:
+    est = estimate_from_counts(
+        parameters=1000, precision="bf16-mixed", optimizer="adamw", trainable_fraction=0
+    )
+    assert est.components() == {
+        "parameters_bytes": 2000,
+        "gradients_bytes": 0,
+        "master_weights_bytes": 0,
+        "optimizer_state_bytes": 0,
+        "activations_bytes": 0,
+    }
+
+
+def test_whole_float_parameter_count_is_accepted() -> None:
+    assert (
+        estimate_from_counts(parameters=7e9, precision="fp16", optimizer="none").parameters_bytes
+        == 14 * 10**9
+    )
+
+
+def test_precision_enum_is_accepted() -> None:
+    est = estimate_from_counts(parameters=10, precision=Precision.BF16_MIXED)
+    assert est.precision is Precision.BF16_MIXED
+
+
+# --- the dataclass -------------------------------------------------------------------------------
+
+
+def test_components_order_and_total() -> None:
+    est = estimate_from_counts(parameters=123, batch_size=4, activations_per_sample=7, precision="16-mixed")
+    assert list(est.components()) == COMPONENT_KEYS
+    assert est.total_bytes == sum(est.components().values())
+
+
+def test_estimate_is_frozen() -> None:
+    est = estimate_from_counts(parameters=1)
+    with pytest.raises(AttributeError):
+        est.parameters_bytes = 0  # type: ignore[misc]
+
+
+def test_to_dict_is_json_ready() -> None:
+    est = estimate_from_counts(
+        parameters=20_000_000,
+        batch_size=32,
+        activations_per_sample=1_000_000,
+        precision="fp32",
+        optimizer="none",
+    )
+    data = json.loads(json.dumps(est.to_dict()))
+    for key in COMPONENT_KEYS:
+        assert data[key] == getattr(est, key)
+    assert data["total_bytes"] == 288_000_000
+    assert data["parameters"] == 20_000_000
+    assert data["batch_size"] == 32
+    assert data["activations_per_sample"] == 1_000_000
+    assert data["precision"] == "fp32"
+    assert data["optimizer"] == "none"
+    assert data["trainable_fraction"] == 1.0
+
+
+def test_to_dict_uses_short_precision_names() -> None:
+    assert estimate_from_counts(parameters=1, precision="16-true").to_dict()["precision"] == "fp16"
+    assert estimate_from_counts(parameters=1, precision="bf16-mixed").to_dict()["precision"] == "bf16-mixed"
+
+
+def test_is_a_formula_estimate() -> None:
+    assert isinstance(estimate_from_counts(parameters=1), FormulaEstimate)
+
+
+@given(
+    parameters=st.integers(min_value=0, max_value=10**12),
+    batch_size=st.integers(min_value=1, max_value=4096),
+    activations_per_sample=st.integers(min_value=0, max_value=10**10),
+    precision=st.sampled_from(sorted(PRECISION_RULES)),
+    optimizer=st.sampled_from(OPTIMIZERS),
+    trainable_fraction=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_properties(
+    parameters: int,
+    batch_size: int,
+    activations_per_sample: int,
+    precision: str,
+    optimizer: str,
+    trainable_fraction: float,
+) -> None:
+    kwargs = {
+        "parameters": parameters,
+        "activations_per_sample": activations_per_sample,
+        "precision": precision,
+        "optimizer": optimizer,
+        "trainable_fraction": trainable_fraction,
+    }
+    est = estimate_from_counts(batch_size=batch_size, **kwargs)
+    assert all(isinstance(v, int) and v >= 0 for v in est.components().values())
+    assert est.total_bytes == sum(est.components().values())
+    assert 0 <= est.trainable_parameters <= parameters
+    # Only activations depend on the batch size, and linearly.
+    bigger = estimate_from_counts(batch_size=batch_size + 1, **kwargs)
+    assert bigger.total_bytes - est.total_bytes == est.activations_bytes // batch_size
+    # Training everything never needs less than training a part.
+    everything = estimate_from_counts(batch_size=batch_size, **{**kwargs, "trainable_fraction": 1.0})
+    assert everything.total_bytes >= est.total_bytes
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"parameters": -1}, ["parameters", ">= 0", "got -1"]),
+        ({"parameters": 1.5}, ["parameters", "whole number", "got 1.5"]),
+        ({"parameters": "7B"}, ["parameters", "got '7B'"]),
+        ({"parameters": True}, ["parameters", "got True"]),
+        ({"parameters": math.nan}, ["parameters", "got nan"]),
+        ({"parameters": 10, "batch_size": 0}, ["batch_size", ">= 1", "got 0"]),
+        ({"parameters": 10, "batch_size": False}, ["batch_size", "got False"]),
+        ({"parameters": 10, "batch_size": 2.5}, ["batch_size", "got 2.5"]),
+        ({"parameters": 10, "activations_per_sample": -5}, ["activations_per_sample", ">= 0", "got -5"]),
+        ({"parameters": 10, "activations_per_sample": True}, ["activations_per_sample", "got True"]),
+        ({"parameters": 10, "trainable_fraction": 1.5}, ["trainable_fraction", "between 0 and 1", "got 1.5"]),
+        ({"parameters": 10, "trainable_fraction": -0.1}, ["trainable_fraction", "got -0.1"]),
+        ({"parameters": 10, "trainable_fraction": math.nan}, ["trainable_fraction", "got nan"]),
+        ({"parameters": 10, "trainable_fraction": True}, ["trainable_fraction", "got True"]),
+        ({"parameters": 10, "trainable_fraction": "half"}, ["trainable_fraction", "got 'half'"]),
+        ({"parameters": 10, "precision": "fp8"}, ["precision", "fp32", "bf16-mixed", "got 'fp8'"]),
+        (
+            {"parameters": 10, "optimizer": "lion"},
+            ["optimizer", "adamw", "sgd-momentum", "adam-8bit", "got 'lion'"],
+        ),
+        ({"parameters": 10, "optimizer": 3}, ["optimizer", "got 3"]),
+    ],
+)
+def test_invalid_input_is_rejected_with_a_useful_message(kwargs: dict, fragments: list[str]) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        estimate_from_counts(**kwargs)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_invalid_input_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate_from_counts(parameters=1, batch_size=-3)
+
+
+def test_arguments_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        estimate_from_counts(10)  # type: ignore[misc]
