@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
@@ -17,30 +19,40 @@ __all__ = ["CheckpointTarget", "enable_checkpointing", "find_blocks"]
 CheckpointTarget = Sequence[type | str]
 
 
-def enable_checkpointing(model: nn.Module, modules: CheckpointTarget | None = None) -> str:
+def enable_checkpointing(
+    model: nn.Module,
+    modules: CheckpointTarget | None = None,
+    *,
+    recompute_context: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> str:
     """Enable checkpointing on ``model`` in place and say how. Call inside ``preserved_module_state``.
 
     Hugging Face models use their own switch (``activation_checkpointing_enable`` in transformers
     5, ``gradient_checkpointing_enable`` before), non-reentrant as transformers defaults to. Other
     modules get ``torch.utils.checkpoint`` around each block: the classes or qualified names in
     ``modules``, or by default the children of the longest list of identical blocks.
+    ``recompute_context`` makes a context the recomputation in backward runs under (the autograd
+    engine does not carry torch-function modes into it).
     """
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if recompute_context is not None:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
     if modules is None and getattr(model, "supports_gradient_checkpointing", False):
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return f"{type(model).__name__}'s own checkpointing (non-reentrant)"
     blocks = find_blocks(model, modules)
     for block in blocks:
-        block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+        block.forward = functools.partial(_checkpointed, block.forward, kwargs)  # type: ignore[method-assign]
     kinds = Counter(type(b).__name__ for b in blocks)
     return "torch.utils.checkpoint around " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _checkpointed(forward: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, **options, **kwargs)
 
 
 def find_blocks(model: nn.Module, modules: CheckpointTarget | None = None) -> list[nn.Module]:

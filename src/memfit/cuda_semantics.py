@@ -23,7 +23,8 @@ autocast itself (``torch.autocast(enabled=False)``), are not modelled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -79,8 +80,8 @@ class CudaSemantics(TorchFunctionMode):
     """Make fake CPU tensors use the memory that the same step would use on a CUDA GPU.
 
     ``autocast_dtype`` emulates ``torch.autocast("cuda", dtype=...)`` (``None``: no autocast).
-    ``autocast_active`` is switched by the tracer: on in forward and backward (checkpointing
-    re-runs forward code inside backward with the forward's autocast state), off elsewhere.
+    ``autocast_active`` is switched by the tracer: on in forward and in checkpointing's
+    recomputation, off elsewhere.
     ``cache_casts`` mirrors autocast's weight-cast cache, which lives for one autocast region.
     """
 
@@ -94,6 +95,18 @@ class CudaSemantics(TorchFunctionMode):
 
     def clear_cast_cache(self) -> None:
         self._cast_cache.clear()
+
+    @contextlib.contextmanager
+    def recomputation(self) -> Iterator[None]:
+        """Checkpointing re-runs forward code inside backward, with the forward's autocast state but
+        outside every torch-function mode; this puts the substitutions back for it."""
+        previous = self.autocast_active
+        self.autocast_active = self.autocast_dtype is not None
+        try:
+            with self:
+                yield
+        finally:
+            self.autocast_active = previous
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}

@@ -45,7 +45,7 @@ class BatchPeak:
 
 @dataclass(frozen=True)
 class PhaseModel:
-    """Allocated peak of one phase as ``fixed_bytes + per_sample_bytes x batch``."""
+    """Tensor-bytes peak of one phase as ``fixed_bytes + per_sample_bytes x batch``."""
 
     step: int
     phase: Phase
@@ -65,7 +65,8 @@ class MemoryEstimate:
     adds the CUDA context: what ``nvidia-smi`` shows for the process. On a CPU target the three
     are the tensor bytes. ``breakdown`` splits the allocated peak by category.
     ``fixed_bytes + per_sample_bytes x batch`` is the allocated peak of the peak phase;
-    ``at(batch)`` takes the maximum over all phases.
+    ``at(batch)`` takes the maximum over all phases. ``activation_bytes`` is what one forward keeps
+    for backward (saved tensors and the loss), in tensor bytes before allocator rounding.
     """
 
     batch_size: int
@@ -84,6 +85,8 @@ class MemoryEstimate:
     phases: tuple[PhasePeak, ...]
     phase_models: tuple[PhaseModel, ...]
     trace_seconds: float
+    activation_bytes: int = 0
+    allocated_to_tensor_ratio: float = 1.0
     reserved_to_allocated_ratio: float = 1.0
     notes: tuple[str, ...] = field(default=())
 
@@ -104,9 +107,10 @@ class MemoryEstimate:
         if batch_size == self.batch_size:
             allocated, reserved = self.peak_allocated_bytes, self.peak_reserved_bytes
         else:
-            allocated = max(model.at(batch_size) for model in self.phase_models)
-            # Fragmentation does not grow linearly with the batch: scale by the worst ratio traced.
-            # For a decision at one batch size, trace at that size (estimate(..., batch_size=b)).
+            tensors = max(model.at(batch_size) for model in self.phase_models)
+            # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by
+            # the worst ratios traced. For a decision at one batch size, trace at that size.
+            allocated = math.ceil(tensors * self.allocated_to_tensor_ratio)
             reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
         return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
 
@@ -151,6 +155,7 @@ class MemoryEstimate:
             "allocator_overhead_bytes": self.allocator_overhead_bytes,
             "fixed_bytes": self.fixed_bytes,
             "per_sample_bytes": self.per_sample_bytes,
+            "activation_bytes": self.activation_bytes,
             "trace_seconds": round(self.trace_seconds, 3),
             "notes": list(self.notes),
         }
@@ -206,10 +211,7 @@ def estimate(
     runtime = cuda_runtime or CudaRuntime.of_current_device()
     started = time.perf_counter()
     primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
-    # Growth with batch size lives in forward and backward; one step without optimizer measures it.
-    secondary = trace_steps(
-        model, sample, sample_batch, secondary_batch, settings, steps=1, optimizer_step=False
-    )
+    secondary = trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     cuda = settings.targets_cuda
     return _build_estimate(primary, secondary, settings, runtime if cuda else None, elapsed)
@@ -289,22 +291,33 @@ def _target_device(device: Any) -> torch.device:
 def _fit(
     peaks_a: Sequence[PhasePeak], peaks_b: Sequence[PhasePeak], batch_a: int, batch_b: int
 ) -> tuple[PhaseModel, ...]:
-    """Per-phase ``fixed + slope x batch``: slopes of forward and backward come from step 1 at both
-    batch sizes (same content, no optimizer state yet); the optimizer phase grows only by the batch
-    itself, still held while the optimizer runs."""
-    first_a = {p.phase: p for p in peaks_a if p.step == 1}
-    first_b = {p.phase: p for p in peaks_b if p.step == 1}
+    """Per-phase ``fixed + slope x batch`` from the same phase of the same step at two batch sizes.
+
+    The peak can sit at a different op in each step (warm-up vs steady), so phases are only ever
+    compared with themselves.
+    """
+    by_key = {(p.step, p.phase): p for p in peaks_b}
     span = batch_b - batch_a
-    inputs_per_sample = first_a[Phase.FORWARD].breakdown.get(Category.INPUTS, 0) / batch_a
     models = []
     for peak in peaks_a:
-        if peak.phase is Phase.OPTIMIZER or peak.phase not in first_b:
-            slope = inputs_per_sample
-        else:
-            low, high = first_a[peak.phase], first_b[peak.phase]
-            slope = max(0.0, (high.allocated_bytes - low.allocated_bytes) / span)
-        models.append(PhaseModel(peak.step, peak.phase, round(peak.allocated_bytes - slope * batch_a), slope))
+        other = by_key[(peak.step, peak.phase)]
+        slope = max(0.0, (other.tensor_bytes - peak.tensor_bytes) / span)
+        models.append(PhaseModel(peak.step, peak.phase, round(peak.tensor_bytes - slope * batch_a), slope))
     return tuple(models)
+
+
+def _ratio(peaks: Sequence[PhasePeak], numerator: str, denominator: str) -> float:
+    top = max(getattr(p, numerator) for p in peaks)
+    return top / max(1, max(getattr(p, denominator) for p in peaks))
+
+
+def _kept_from_first_forward(trace: StepTrace) -> int:
+    recorder = trace.recorder
+    return sum(
+        recorder.sizes[sid]
+        for sid, category in recorder.categories.items()
+        if category is Category.ACTIVATIONS and recorder.alloc_phase.get(sid) == 0
+    )
 
 
 def _build_estimate(
@@ -344,6 +357,7 @@ def _build_estimate(
         phases=tuple(peaks),
         phase_models=models,
         trace_seconds=elapsed,
+        activation_bytes=_kept_from_first_forward(primary),
         reserved_to_allocated_ratio=max(
             max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk))
             for pk in (peaks, peaks_b)

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["module_path_tracker", "preserved_module_state", "preserved_rng_state", "swap_tensors_in"]
+__all__ = [
+    "module_path_tracker",
+    "onednn_disabled",
+    "preserved_module_state",
+    "preserved_rng_state",
+    "swap_tensors_in",
+]
 
 
 @contextmanager
@@ -51,6 +57,21 @@ def preserved_rng_state() -> Iterator[None]:
         torch.random.set_rng_state(cpu_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextmanager
+def onednn_disabled() -> Iterator[None]:
+    """Turn oneDNN (mkldnn) off for the trace and back to what it was after.
+
+    Done through the plain switch rather than ``torch.backends.mkldnn.flags``, which also resets
+    TF32 settings and warns on builds without Intel GPU support.
+    """
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
 
 
 def swap_tensors_in(model: nn.Module, make: Callable[[torch.Tensor, bool], torch.Tensor]) -> dict[int, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.allocator import CachingAllocatorSimulator
+from memfit.allocator import CachingAllocatorSimulator, round_size
 from memfit.categories import Category, Phase
 from memfit.recorder import StorageRecorder
 
@@ -17,6 +17,8 @@ class PhasePeak:
 
     ``step`` 1 is the warm-up step (optimizer state appears during it), 2 the steady step.
     ``breakdown`` splits ``allocated_bytes`` by category at the moment of the peak.
+    ``tensor_bytes`` is the peak of the storages' own sizes (rounded to 512 B on CUDA) without the
+    allocator's whole-block handouts: it grows linearly with the batch, ``allocated_bytes`` nearly so.
     """
 
     step: int
@@ -24,6 +26,7 @@ class PhasePeak:
     allocated_bytes: int
     reserved_bytes: int
     breakdown: dict[Category, int]
+    tensor_bytes: int = 0
 
 
 def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[PhasePeak]:
@@ -35,19 +38,21 @@ def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[
     held: dict[int, int] = {}
     by_category: dict[Category, int] = dict.fromkeys(Category, 0)
     allocated = 0
+    tensors = 0
     marks = recorder.marks
     boundaries = [mark.event_index for mark in marks[1:]] + [len(recorder.events)]
     peaks: list[PhasePeak] = []
     position = 0
 
     def apply(event: int) -> None:
-        nonlocal allocated
+        nonlocal allocated, tensors
         sid = abs(event)
         category = categories.get(sid, Category.TEMPORARIES)
         if event > 0:
             size = allocator.malloc(sid, sizes[sid]) if allocator else sizes[sid]
             held[sid] = size
             allocated += size
+            tensors += round_size(sizes[sid]) if allocator else sizes[sid]
             by_category[category] += size
         else:
             size = held.pop(sid, None)
@@ -56,6 +61,7 @@ def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[
             if allocator:
                 allocator.free(sid)
             allocated -= size
+            tensors -= round_size(sizes[sid]) if allocator else sizes[sid]
             by_category[category] -= size
 
     events = recorder.events
@@ -65,6 +71,7 @@ def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[
     position = first
     for mark, end in zip(marks, boundaries, strict=True):
         peak_allocated = allocated
+        peak_tensors = tensors
         peak_reserved = allocator.reserved_bytes if allocator else allocated
         breakdown = dict(by_category)
         for event in events[position:end]:
@@ -72,10 +79,11 @@ def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[
             if allocated > peak_allocated:
                 peak_allocated = allocated
                 breakdown = dict(by_category)
+            peak_tensors = max(peak_tensors, tensors)
             if allocator:
                 peak_reserved = max(peak_reserved, allocator.reserved_bytes)
         if not allocator:
             peak_reserved = peak_allocated
-        peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown))
+        peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown, peak_tensors))
         position = end
     return peaks

@@ -28,6 +28,7 @@ from memfit.cuda_semantics import CudaSemantics
 from memfit.errors import InvalidInputError, TraceError, ValueDependentError
 from memfit.model_state import (
     module_path_tracker,
+    onednn_disabled,
     preserved_module_state,
     preserved_rng_state,
     swap_tensors_in,
@@ -89,13 +90,11 @@ def trace_steps(
     settings: TraceSettings,
     *,
     steps: int = STEPS,
-    optimizer_step: bool = True,
 ) -> StepTrace:
     """Trace ``steps`` training steps of ``model`` at ``batch_size`` and return the storage log.
 
     ``sample`` is a real (or meta) batch of ``sample_batch`` samples, or a callable
-    ``batch_size -> batch``; only its shapes and dtypes are used. ``optimizer_step=False`` skips
-    the optimizer (a cheaper trace that only measures how forward and backward grow with batch).
+    ``batch_size -> batch``; only its shapes and dtypes are used.
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = StorageRecorder(workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0)
@@ -106,10 +105,15 @@ def trace_steps(
         sample = _call_sample_factory(sample, batch_size)
         sample_batch = batch_size
 
-    with preserved_module_state(model), preserved_rng_state():
+    # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
+    # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
+    with preserved_module_state(model), preserved_rng_state(), onednn_disabled():
         model.train()
         if settings.gradient_checkpointing:
-            checkpointing = enable_checkpointing(model, settings.checkpoint_modules)
+            recompute = semantics.recomputation if semantics is not None else None
+            checkpointing = enable_checkpointing(
+                model, settings.checkpoint_modules, recompute_context=recompute
+            )
         paths = module_path_tracker(model)
         with fake_mode, recorder, paths:
             fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
@@ -119,7 +123,7 @@ def trace_steps(
             batch = rebatch(
                 sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
             )
-            optimizer = _build_optimizer(settings, fakes, trainable) if optimizer_step else None
+            optimizer = _build_optimizer(settings, fakes, trainable)
             for step in range(1, steps + 1):
                 _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths)
             recorder.close()
@@ -153,7 +157,7 @@ def _one_step(
     recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=forward_index)
 
     recorder.mark(step, Phase.BACKWARD)
-    with _backward_semantics(semantics), _failure("backward", model, batch, paths):
+    with _failure("backward", model, batch, paths):
         loss.backward()
     del loss
     for param in trainable:
@@ -192,20 +196,6 @@ def _autocast(settings: TraceSettings, semantics: CudaSemantics | None) -> Itera
         return
     with torch.autocast(settings.device.type, dtype=settings.precision.compute_dtype):
         yield
-
-
-@contextlib.contextmanager
-def _backward_semantics(semantics: CudaSemantics | None) -> Iterator[None]:
-    """Checkpointed blocks re-run their forward inside backward, with the forward's autocast state."""
-    if semantics is None:
-        yield
-        return
-    semantics.autocast_active = semantics.autocast_dtype is not None
-    try:
-        with semantics:
-            yield
-    finally:
-        semantics.autocast_active = False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,268 @@
+"""Behaviour of memfit.estimate: what it reports, what it accepts, and that the model is left alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+import zoo
+from memfit import Category, Phase
+from memfit.allocator import round_size
+from memfit.runtime import cublas_workspace_bytes
+
+
+def _param_bytes(model: nn.Module, element_size: int | None = None) -> int:
+    return sum(p.numel() * (element_size or p.element_size()) for p in model.parameters())
+
+
+def _phase(estimate: memfit.MemoryEstimate, step: int, phase: Phase) -> memfit.PhasePeak:
+    return next(p for p in estimate.phases if p.step == step and p.phase is phase)
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {
+        "params": [
+            (name, id(p), p.detach().clone(), p.device, p.requires_grad)
+            for name, p in model.named_parameters()
+        ],
+        "buffers": [(name, id(b), b.clone()) for name, b in model.named_buffers()],
+        "training": [m.training for m in model.modules()],
+        "hooks": [
+            (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for m in model.modules()
+        ],
+        "instance_forward": ["forward" in vars(m) for m in model.modules()],
+        "dict_keys": [sorted(vars(m)) for m in model.modules()],
+    }
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    assert [(n, i, d, r) for n, i, _, d, r in before["params"]] == [
+        (n, i, d, r) for n, i, _, d, r in after["params"]
+    ]
+    for (_, _, old, _, _), (_, _, new, _, _) in zip(before["params"], after["params"], strict=True):
+        assert torch.equal(old, new)
+    for (_, old_id, old), (_, new_id, new) in zip(before["buffers"], after["buffers"], strict=True):
+        assert old_id == new_id and torch.equal(old, new)
+    for key in ("training", "hooks", "instance_forward", "dict_keys"):
+        assert before[key] == after[key], key
+
+
+def test_reports_a_breakdown_that_adds_up_at_the_peak() -> None:
+    case = zoo.gpt2_case()
+    estimate = memfit.estimate(case.model, case.batch, device="cpu")
+    assert estimate.peak_allocated_bytes == sum(estimate.breakdown.values())
+    assert estimate.breakdown[Category.PARAMETERS] == _param_bytes(case.model)
+    assert estimate.peak_phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+    assert estimate.peak_reserved_bytes == estimate.peak_allocated_bytes  # no caching allocator on CPU
+    assert estimate.cuda_context_bytes is None
+    assert json.loads(json.dumps(estimate.to_dict()))["peak_allocated_bytes"] == estimate.peak_allocated_bytes
+
+
+def test_optimizer_state_of_adamw_is_two_moments_and_a_step_counter_per_parameter() -> None:
+    case = zoo.resnet_case()
+    estimate = memfit.estimate(
+        case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn
+    )
+    steady = _phase(estimate, 2, Phase.OPTIMIZER)
+    n_params = len(list(case.model.parameters()))
+    assert steady.breakdown[Category.OPTIMIZER_STATE] == 2 * _param_bytes(case.model) + 4 * n_params
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs", "moments"),
+    [
+        ("sgd", None, 0),
+        ("sgd-momentum", None, 1),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 1),
+        (torch.optim.Adam, None, 2),
+        (None, None, 0),
+    ],
+)
+def test_optimizer_given_by_name_class_or_none(optimizer, kwargs, moments) -> None:
+    case = zoo.resnet_case()
+    estimate = memfit.estimate(
+        case.model,
+        case.batch,
+        device="cpu",
+        optimizer=optimizer,
+        optimizer_kwargs=kwargs,
+        loss_fn=case.loss_fn,
+        forward_fn=case.forward_fn,
+    )
+    state = _phase(estimate, 2, Phase.OPTIMIZER).breakdown[Category.OPTIMIZER_STATE]
+    step_counters = 4 * len(list(case.model.parameters())) if moments == 2 else 0
+    assert state == moments * _param_bytes(case.model) + step_counters
+
+
+def test_optimizer_instance_is_rebuilt_with_its_hyperparameters_and_left_alone() -> None:
+    case = zoo.resnet_case()
+    frozen = case.model.head
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    trainable = [p for p in case.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
+    estimate = memfit.estimate(
+        case.model,
+        case.batch,
+        device="cpu",
+        optimizer=optimizer,
+        loss_fn=case.loss_fn,
+        forward_fn=case.forward_fn,
+    )
+    state = _phase(estimate, 2, Phase.OPTIMIZER).breakdown[Category.OPTIMIZER_STATE]
+    assert state == sum(p.numel() * 4 for p in trainable)
+    gradients = _phase(estimate, 2, Phase.OPTIMIZER).breakdown[Category.GRADIENTS]
+    assert gradients == sum(p.numel() * 4 for p in trainable)  # frozen head: no gradient
+    assert optimizer.state == {}  # the user's optimizer never stepped
+
+
+def test_factory_sample_gives_the_same_estimate_as_a_batch() -> None:
+    case = zoo.resnet_case(batch=4)
+    from_batch = memfit.estimate(
+        case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn
+    )
+    from_factory = memfit.estimate(
+        case.model,
+        lambda b: (torch.randn(b, 3, 16, 16), torch.zeros(b, dtype=torch.long)),
+        batch_size=4,
+        device="cpu",
+        loss_fn=case.loss_fn,
+        forward_fn=case.forward_fn,
+    )
+    assert from_factory.peak_allocated_bytes == from_batch.peak_allocated_bytes
+
+
+def test_model_is_left_untouched_after_tracing_with_checkpointing() -> None:
+    case = zoo.gpt2_case()
+    case.model.eval()
+    before = _snapshot(case.model)
+    memfit.estimate(case.model, case.batch, gradient_checkpointing=True)
+    _assert_same(before, _snapshot(case.model))
+    assert not case.model.is_activation_checkpointing
+    plain = zoo.resnet_case()
+    before = _snapshot(plain.model)
+    memfit.estimate(
+        plain.model,
+        plain.batch,
+        gradient_checkpointing=True,
+        loss_fn=plain.loss_fn,
+        forward_fn=plain.forward_fn,
+    )
+    _assert_same(before, _snapshot(plain.model))
+
+
+def test_checkpointing_keeps_fewer_activations_for_hf_and_plain_models() -> None:
+    case = zoo.gpt2_case(batch=4, seq=96)
+    full = memfit.estimate(case.model, case.batch)
+    ckpt = memfit.estimate(case.model, case.batch, gradient_checkpointing=True)
+    assert ckpt.activation_bytes < 0.5 * full.activation_bytes
+    assert any("own checkpointing" in note for note in ckpt.notes)
+
+    plain = zoo.resnet_case(batch=8)
+    kwargs = {"loss_fn": plain.loss_fn, "forward_fn": plain.forward_fn}
+    full = memfit.estimate(plain.model, plain.batch, **kwargs)
+    auto = memfit.estimate(plain.model, plain.batch, gradient_checkpointing=True, **kwargs)
+    named = memfit.estimate(
+        plain.model, plain.batch, gradient_checkpointing=True, checkpoint_modules=[zoo.BasicBlock], **kwargs
+    )
+    assert auto.activation_bytes < 0.6 * full.activation_bytes
+    assert named.activation_bytes == auto.activation_bytes
+    assert any("BasicBlock" in note for note in auto.notes)
+
+
+def test_cuda_target_rounds_blocks_adds_workspace_and_simulates_reserved() -> None:
+    case = zoo.gpt2_case()
+    estimate = memfit.estimate(case.model, case.batch, device="cuda")
+    assert estimate.device == "cuda"
+    assert estimate.breakdown[Category.WORKSPACE] == 2 * cublas_workspace_bytes((9, 0))
+    assert estimate.peak_allocated_bytes % 512 == 0
+    assert estimate.peak_reserved_bytes >= estimate.peak_allocated_bytes
+    assert estimate.peak_reserved_bytes % (2 * 1024**2) == 0  # segments are whole 2 MiB multiples
+    assert estimate.peak_bytes == estimate.peak_reserved_bytes + estimate.cuda_context_bytes
+
+
+def test_cuda_target_models_foreach_adam_temporaries() -> None:
+    case = zoo.gpt2_case()
+    cuda = memfit.estimate(case.model, case.batch, device="cuda")
+    cpu = memfit.estimate(case.model, case.batch, device="cpu")
+    # foreach AdamW (CUDA's default) holds a temporary as large as all parameters; CPU's per-parameter
+    # loop holds two temporaries of the largest parameter (sqrt, then the division) at most
+    assert _phase(cuda, 2, Phase.OPTIMIZER).breakdown[Category.TEMPORARIES] >= _param_bytes(case.model)
+    largest = max(p.numel() * p.element_size() for p in case.model.parameters())
+    assert _phase(cpu, 2, Phase.OPTIMIZER).breakdown[Category.TEMPORARIES] == 2 * largest
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only emulation of CUDA kernels")
+def test_cuda_attention_and_autocast_are_substituted_on_a_cpu_only_torch() -> None:
+    case = zoo.gpt2_case(batch=2, seq=128)
+    fp32 = memfit.estimate(case.model, case.batch, device="cuda")
+    cpu = memfit.estimate(case.model, case.batch, device="cpu")
+    mixed = memfit.estimate(case.model, case.batch, device="cuda", precision="bf16-mixed")
+    assert any(note.startswith("efficient_attention") for note in fp32.notes)
+    assert any(note.startswith("flash_attention") for note in mixed.notes)
+    # no seq x seq attention matrix on CUDA: fewer activations than CPU's math path
+    assert fp32.activation_bytes < cpu.activation_bytes
+    assert mixed.activation_bytes < fp32.activation_bytes
+    # mixed precision keeps fp32 weights (each in its own 512-byte-rounded block on CUDA)
+    fp32_blocks = sum(round_size(p.numel() * 4) for p in case.model.parameters())
+    assert mixed.breakdown[Category.PARAMETERS] == fp32_blocks
+
+
+def test_pure_half_precision_halves_weights() -> None:
+    case = zoo.resnet_case()
+    kwargs = {"device": "cpu", "loss_fn": case.loss_fn, "forward_fn": case.forward_fn}
+    half = memfit.estimate(case.model, case.batch, precision="bf16", **kwargs)
+    assert half.breakdown[Category.PARAMETERS] == _param_bytes(case.model, element_size=2)
+    assert half.precision is memfit.Precision.BF16_TRUE
+
+
+def test_meta_device_model_plans_like_the_real_one() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    real = GPT2LMHeadModel(config)
+    with torch.device("meta"):
+        meta = GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    assert memfit.estimate(meta, batch).peak_bytes == memfit.estimate(real, batch).peak_bytes
+
+
+def test_at_and_max_batch_size_agree() -> None:
+    case = zoo.gpt2_case()
+    estimate = memfit.estimate(case.model, case.batch)
+    assert estimate.at(estimate.batch_size).allocated_bytes == estimate.peak_allocated_bytes
+    capacity = estimate.at(10).device_bytes
+    best = estimate.max_batch_size(capacity)
+    assert best is not None and best >= 10
+    assert estimate.at(best).device_bytes <= capacity < estimate.at(best + 1).device_bytes
+    assert estimate.max_batch_size(estimate.cuda_context_bytes) is None
+    assert estimate.at(8).allocated_bytes > estimate.at(4).allocated_bytes
+
+
+def test_value_free_loss_from_output_dict_and_tuple() -> None:
+    model = nn.Linear(8, 3)
+
+    class DictOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x: torch.Tensor) -> dict:
+            return {"loss": self.inner(x).square().mean()}
+
+    estimate = memfit.estimate(DictOut(), torch.randn(4, 8), device="cpu")
+    assert estimate.peak_allocated_bytes > 0
+    estimate = memfit.estimate(
+        model,
+        torch.randn(4, 8),
+        device="cpu",
+        loss_fn=lambda out, batch: F.mse_loss(out, torch.zeros_like(out)),
+    )
+    assert estimate.batch_size == 4

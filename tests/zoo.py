@@ -1,0 +1,177 @@
+"""Small models built from configs with random weights, and independent memory counts on real tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the shortcut."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + x)
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, channels: int = 32, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self, vocab: int = 500, hidden: int = 64, layers: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
+@dataclass
+class Case:
+    """A model, a batch, and how to get a scalar loss from them."""
+
+    name: str
+    model: nn.Module
+    batch: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    forward_fn: Callable[[nn.Module, Any], Any] | None
+
+
+def gpt2_case(batch: int = 2, seq: int = 64) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128))
+    ids = torch.randint(0, 1000, (batch, seq))
+    return Case("gpt2", model, {"input_ids": ids, "labels": ids}, None, None)
+
+
+def bert_case(batch: int = 2, seq: int = 64) -> Case:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000
+    )
+    model = BertForSequenceClassification(config)
+    ids = torch.randint(0, 1000, (batch, seq))
+    return Case("bert", model, {"input_ids": ids, "labels": torch.zeros(batch, dtype=torch.long)}, None, None)
+
+
+def resnet_case(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    images = torch.randn(batch, 3, 16, 16)
+    labels = torch.randint(0, 10, (batch,))
+    return Case(
+        "resnet",
+        SmallResNet(),
+        (images, labels),
+        lambda out, b: F.cross_entropy(out, b[1]),
+        lambda model, b: model(b[0]),
+    )
+
+
+def lstm_case(batch: int = 4, seq: int = 24) -> Case:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 500, (batch, seq))
+    labels = torch.randint(0, 5, (batch,))
+    return Case(
+        "lstm",
+        LSTMClassifier(),
+        (tokens, labels),
+        lambda out, b: F.cross_entropy(out, b[1]),
+        lambda model, b: model(b[0]),
+    )
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "gpt2": gpt2_case,
+    "bert": bert_case,
+    "resnet": resnet_case,
+    "lstm": lstm_case,
+}
+
+
+def _storages(obj: Any) -> list[torch.UntypedStorage]:
+    if isinstance(obj, torch.Tensor):
+        return [obj.untyped_storage()]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _storages(v)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in _storages(v)]
+    return []
+
+
+def saved_activation_bytes(case: Case) -> int:
+    """Bytes a real CPU forward keeps for backward, counted with autograd's saved-tensor hooks.
+
+    Deduplicated by storage; parameters, buffers and the batch itself are not activations. The loss
+    is added: it is alive between forward and backward too. oneDNN is off, as in memfit's trace:
+    its RNN kernels keep a workspace whose size fake tensors cannot know.
+    """
+    model = case.model
+    model.train()
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    excluded |= {s.data_ptr() for s in _storages(case.batch)}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with onednn_off(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = case.forward_fn(model, case.batch) if case.forward_fn else _call(model, case.batch)
+        loss = case.loss_fn(output, case.batch) if case.loss_fn else output.loss
+        del output
+    storage = loss.untyped_storage()
+    saved[storage.data_ptr()] = storage.nbytes()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+@contextlib.contextmanager
+def onednn_off() -> Iterator[None]:
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
