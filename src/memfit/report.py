@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from memfit.categories import Category
+from memfit.estimate import MemoryEstimate
 from memfit.formula import FormulaEstimate
 from memfit.units import format_bytes
 
-__all__ = ["formula_table"]
+__all__ = ["estimate_table", "formula_table", "phases_table"]
 
 _LABELS: dict[str, str] = {
     "parameters_bytes": "Parameters",
@@ -57,3 +59,74 @@ def formula_table(estimate: FormulaEstimate) -> Table:
         title += f", {estimate.trainable_fraction:g} of parameters trainable"
     caption = "Excludes temporaries, allocator overhead and the CUDA context."
     return _sizes_table(title, estimate.components(), estimate.total_bytes, caption)
+
+
+_CATEGORY_LABELS: dict[Category, str] = {
+    Category.PARAMETERS: "Parameters",
+    Category.BUFFERS: "Buffers",
+    Category.GRADIENTS: "Gradients",
+    Category.OPTIMIZER_STATE: "Optimizer state",
+    Category.INPUTS: "Inputs (batch)",
+    Category.ACTIVATIONS: "Activations",
+    Category.TEMPORARIES: "Temporaries",
+    Category.WORKSPACE: "cuBLAS workspace",
+}
+
+
+def estimate_table(estimate: MemoryEstimate) -> Table:
+    """The peak of a traced step: tensors by category, then what the runtime adds on a GPU."""
+    title = (
+        f"Peak of one training step: batch {estimate.batch_size}, {estimate.precision.short_name}, "
+        f"optimizer {estimate.optimizer}{', checkpointing' if estimate.gradient_checkpointing else ''}\n"
+        f"target {estimate.device}, peak in step {estimate.peak_step} {estimate.peak_phase.value}"
+    )
+    table = Table(title=title, min_width=max(len(line) for line in title.splitlines()))
+    table.add_column("Component")
+    table.add_column("Size", justify="right")
+    table.add_column("Share", justify="right")
+    total = estimate.peak_bytes
+    for category, label in _CATEGORY_LABELS.items():
+        size = estimate.breakdown.get(category, 0)
+        if size:
+            table.add_row(label, format_bytes(size), _share(size, total))
+    table.add_section()
+    table.add_row(
+        "Allocated (tensors)",
+        format_bytes(estimate.peak_allocated_bytes),
+        _share(estimate.peak_allocated_bytes, total),
+    )
+    if estimate.device == "cuda":
+        overhead = estimate.allocator_overhead_bytes
+        table.add_row("Allocator rounding + fragmentation", format_bytes(overhead), _share(overhead, total))
+        table.add_row(
+            "Reserved (caching allocator)",
+            format_bytes(estimate.peak_reserved_bytes),
+            _share(estimate.peak_reserved_bytes, total),
+        )
+        context = estimate.cuda_context_bytes or 0
+        table.add_row("CUDA context", format_bytes(context), _share(context, total))
+    table.add_section()
+    table.add_row("Peak device memory", format_bytes(total), _share(total, total), style="bold")
+    return table
+
+
+def phases_table(estimate: MemoryEstimate) -> Table:
+    """Peak of each phase of the two traced steps, and how it grows per sample."""
+    table = Table(title="Peaks by phase (step 1 creates the optimizer state; step 2 repeats from then on)")
+    table.add_column("Step", justify="right")
+    table.add_column("Phase")
+    table.add_column("Allocated", justify="right")
+    table.add_column("Reserved", justify="right")
+    table.add_column("Per sample", justify="right")
+    models = {(m.step, m.phase): m for m in estimate.phase_models}
+    for peak in estimate.phases:
+        model = models.get((peak.step, peak.phase))
+        per_sample = format_bytes(round(model.per_sample_bytes)) if model else "-"
+        table.add_row(
+            str(peak.step),
+            peak.phase.value,
+            format_bytes(peak.allocated_bytes),
+            format_bytes(peak.reserved_bytes),
+            per_sample,
+        )
+    return table

@@ -1,0 +1,98 @@
+"""How long an estimate takes, and how much real memory it needs, on this machine.
+
+    python benchmarks/speed.py
+
+Each case runs in a fresh process so its peak RSS is its own:
+* GPT-2 124M (12 layers, 768 wide), batch 8, seq 1024, AdamW: the first ``memfit.estimate`` call in
+  a process (cold: includes one-time imports and kernel-cache warm-up) and the second (warm). Each
+  call traces two steps at two batch sizes.
+* A Llama-style 7B (32 layers, 4096 wide, built on the ``meta`` device), batch 1, seq 2048,
+  bf16-mixed AdamW: seconds and the process's peak resident memory.
+Results go to ``benchmarks/results/speed.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import memfit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def gpt2_124m() -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config())
+    ids = torch.zeros(8, 1024, dtype=torch.long)
+    sample = {"input_ids": ids, "labels": ids}
+    timings = []
+    for _ in range(3):
+        started = time.perf_counter()
+        estimate = memfit.estimate(model, sample, optimizer="adamw")
+        timings.append(time.perf_counter() - started)
+    return {
+        "case": "gpt2-124m b8 s1024 fp32 adamw",
+        "cold_seconds": round(timings[0], 2),
+        "warm_seconds": round(min(timings[1:]), 2),
+        "predicted_peak_bytes": estimate.peak_bytes,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def llama_7b() -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(1, 2048, dtype=torch.long)
+    started = time.perf_counter()
+    estimate = memfit.estimate(
+        model, {"input_ids": ids, "labels": ids}, optimizer="adamw", precision="bf16-mixed"
+    )
+    return {
+        "case": "llama-7b (meta) b1 s2048 bf16-mixed adamw",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "cold_seconds": round(time.perf_counter() - started, 2),
+        "predicted_peak_bytes": estimate.peak_bytes,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b}
+
+
+def main() -> None:
+    if len(sys.argv) == 2 and sys.argv[1] in CASES:
+        print(json.dumps(CASES[sys.argv[1]]()))
+        return
+    rows = []
+    for name in CASES:
+        out = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for row in rows:
+        extra = f", warm {row['warm_seconds']} s" if "warm_seconds" in row else ""
+        peak = memfit.format_bytes(row["predicted_peak_bytes"])
+        rss = memfit.format_bytes(row["max_rss_bytes"])
+        print(f"{row['case']}: cold {row['cold_seconds']} s{extra}; predicted peak {peak}; peak RSS {rss}")
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Plan a GPT-2 (124M) fine-tune for an 80 GiB GPU, from a laptop with no GPU.
+
+Runs two training steps of the real model on fake tensors, prints where the memory goes, then
+picks the largest micro batch that fits with a safety margin and the gradient accumulation that
+keeps an effective batch of 64. Run: ``python examples/quickstart.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from rich.console import Console
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import memfit
+from memfit.report import estimate_table, phases_table
+
+CAPACITY = memfit.parse_bytes("80GiB")  # an H100 80GB
+MARGIN = 0.05  # keep 5 % free
+TARGET_EFFECTIVE_BATCH = 64
+SEQ_LEN = 1024
+
+
+def main() -> None:
+    console = Console()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config())  # random weights, no download
+    tokens = torch.randint(0, model.config.vocab_size, (8, SEQ_LEN))
+    sample = {"input_ids": tokens, "labels": tokens}
+
+    estimate = memfit.estimate(model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda")
+    console.print(estimate_table(estimate))
+    console.print(phases_table(estimate))
+    console.print(
+        f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes)
+    )
+
+    budget = int(CAPACITY * (1 - MARGIN))
+    largest = estimate.max_batch_size(budget)
+    if largest is None:
+        console.print(f"[red]Even batch 1 needs {memfit.format_bytes(estimate.at(1).device_bytes)}.[/red]")
+        return
+    accumulation = math.ceil(TARGET_EFFECTIVE_BATCH / largest)
+    micro = math.ceil(TARGET_EFFECTIVE_BATCH / accumulation)  # the smallest micro batch for that many steps
+    confirmed = memfit.estimate(
+        model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda", batch_size=micro
+    )  # one more trace at the chosen size: exact allocator simulation instead of interpolation
+    console.print(
+        f"\n[bold]Plan for {memfit.format_bytes(CAPACITY)} with a {MARGIN:.0%} margin[/bold]: "
+        f"largest micro batch that fits is {largest}; to keep an effective batch of {TARGET_EFFECTIVE_BATCH} "
+        f"use micro batch {micro} x {accumulation} accumulation step(s) = {micro * accumulation}.\n"
+        f"Predicted peak at micro batch {micro}: {memfit.format_bytes(confirmed.peak_bytes)} "
+        f"(budget {memfit.format_bytes(budget)})."
+    )
+
+
+if __name__ == "__main__":
+    main()
