@@ -237,7 +237,9 @@ def test_meta_device_model_plans_like_the_real_one() -> None:
 def test_at_and_max_batch_size_agree() -> None:
     case = zoo.gpt2_case()
     estimate = memfit.estimate(case.model, case.batch)
-    assert estimate.at(estimate.batch_size).allocated_bytes == estimate.peak_allocated_bytes
+    at_traced = estimate.at(estimate.batch_size)
+    assert estimate.peak_allocated_bytes <= at_traced.allocated_bytes <= 1.01 * estimate.peak_allocated_bytes
+    assert estimate.peak_reserved_bytes <= at_traced.reserved_bytes
     capacity = estimate.at(10).device_bytes
     best = estimate.max_batch_size(capacity)
     assert best is not None and best >= 10

@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from memfit.categories import Category, Phase
 from memfit.errors import (
     EstimationError,
+    InsufficientMemoryError,
     InvalidInputError,
     MemfitError,
     TraceError,
@@ -14,6 +15,7 @@ from memfit.errors import (
 )
 from memfit.estimate import BatchPeak, MemoryEstimate, PhaseModel, estimate
 from memfit.formula import FormulaEstimate, estimate_from_counts
+from memfit.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.replay import PhasePeak
 from memfit.runtime import CudaRuntime
@@ -30,12 +32,14 @@ __all__ = [
     "CudaRuntime",
     "EstimationError",
     "FormulaEstimate",
+    "InsufficientMemoryError",
     "InvalidInputError",
     "MemfitError",
     "MemoryEstimate",
     "Phase",
     "PhaseModel",
     "PhasePeak",
+    "Plan",
     "Precision",
     "TraceError",
     "ValueDependentError",
@@ -44,4 +48,5 @@ __all__ = [
     "estimate_from_counts",
     "format_bytes",
     "parse_bytes",
+    "plan",
 ]

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["EstimationError", "InvalidInputError", "MemfitError", "TraceError", "ValueDependentError"]
+__all__ = [
+    "EstimationError",
+    "InsufficientMemoryError",
+    "InvalidInputError",
+    "MemfitError",
+    "TraceError",
+    "ValueDependentError",
+]
 
 
 class MemfitError(Exception):
@@ -23,3 +30,7 @@ class TraceError(EstimationError):
 
 class ValueDependentError(TraceError):
     """The model reads tensor *values* (``.item()``, ``nonzero``, masks) that a fake-tensor trace lacks."""
+
+
+class InsufficientMemoryError(MemfitError):
+    """Not even the smallest allowed micro batch fits the memory budget."""

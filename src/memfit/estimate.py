@@ -101,17 +101,18 @@ class MemoryEstimate:
         return self.peak_reserved_bytes - self.peak_allocated_bytes
 
     def at(self, batch_size: int) -> BatchPeak:
-        """Predicted peaks at ``batch_size``, from the per-phase linear models."""
+        """Predicted peaks at ``batch_size``, from the per-phase linear models.
+
+        At the traced batch this is at least the traced peak (the worst allocator ratios of both
+        traces are applied); for a decision at one batch size, trace at that size.
+        """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if batch_size == self.batch_size:
-            allocated, reserved = self.peak_allocated_bytes, self.peak_reserved_bytes
-        else:
-            tensors = max(model.at(batch_size) for model in self.phase_models)
-            # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by
-            # the worst ratios traced. For a decision at one batch size, trace at that size.
-            allocated = math.ceil(tensors * self.allocated_to_tensor_ratio)
-            reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
+        tensors = max(model.at(batch_size) for model in self.phase_models)
+        # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by the
+        # worst ratios traced, which keeps at() monotonic and never below the traced peaks.
+        allocated = math.ceil(tensors * self.allocated_to_tensor_ratio)
+        reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
         return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
 
     def max_batch_size(self, capacity_bytes: int, *, include_context: bool = True) -> int | None:

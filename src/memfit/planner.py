@@ -1,0 +1,232 @@
+"""Choose the micro batch, gradient accumulation and checkpointing that fit a memory budget.
+
+Pure arithmetic over ``MemoryEstimate`` objects: no framework, no device. The rules:
+
+* budget = capacity x (1 - margin); a micro batch fits when its predicted peak is within budget;
+* the effective batch (micro x accumulation x world size) is a hyperparameter: keep the target
+  (by default what the user configured), using the fewest accumulation steps that fit, and say
+  so when integer arithmetic cannot hit it exactly; ``"max"`` instead maximises the micro batch
+  with no accumulation, as Lightning's ``BatchSizeFinder`` does;
+* activation checkpointing costs time (about 20-30 % per step: a second forward), so it is turned
+  on only when the minimum micro batch does not fit without it, or when it buys a markedly larger
+  micro batch for a run that would otherwise crawl (``CHECKPOINTING_MIN_GAIN``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.estimate import MemoryEstimate
+from memfit.units import format_bytes
+
+__all__ = ["CHECKPOINTING_MIN_GAIN", "SMALL_MICRO_BATCH", "Plan", "plan"]
+
+# Checkpointing is worth its recompute when the micro batch without it would be below
+# SMALL_MICRO_BATCH and checkpointing makes it at least CHECKPOINTING_MIN_GAIN times larger.
+SMALL_MICRO_BATCH = 4
+CHECKPOINTING_MIN_GAIN = 4.0
+_UNBOUNDED = 1 << 31
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run with, the prediction behind it, and why, in plain words."""
+
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    gradient_checkpointing: bool
+    world_size: int
+    effective_batch_size: int
+    target_batch_size: int | None
+    predicted_peak_bytes: int
+    capacity_bytes: int
+    budget_bytes: int
+    margin: float
+    largest_micro_batch: int
+    reasons: tuple[str, ...] = field(default=())
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.predicted_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "world_size": self.world_size,
+            "effective_batch_size": self.effective_batch_size,
+            "target_batch_size": self.target_batch_size,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "budget_bytes": self.budget_bytes,
+            "margin": self.margin,
+            "largest_micro_batch": self.largest_micro_batch,
+            "reasons": list(self.reasons),
+        }
+
+    def summary(self) -> str:
+        """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``."""
+        target = f" (target {self.target_batch_size})" if self.target_batch_size else ""
+        ckpt = ", checkpointing on" if self.gradient_checkpointing else ""
+        return (
+            f"micro batch {self.micro_batch_size} x accumulation {self.accumulate_grad_batches} x "
+            f"{self.world_size} device(s) = {self.effective_batch_size}{target}{ckpt}; predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)} budget"
+        )
+
+
+EstimateSource = MemoryEstimate | Callable[[], MemoryEstimate] | None
+
+
+def plan(
+    estimate: MemoryEstimate,
+    capacity_bytes: int,
+    *,
+    margin: float = 0.05,
+    target_batch_size: int | Literal["max"] | None = None,
+    world_size: int = 1,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    allow_checkpointing: bool = True,
+    checkpointed: EstimateSource = None,
+    include_context: bool = True,
+) -> Plan:
+    """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
+
+    Args:
+        capacity_bytes: memory the run may use on each device.
+        margin: fraction of the capacity kept free, for what no prediction covers.
+        target_batch_size: effective batch to keep across micro batches, accumulation and devices;
+            ``None`` keeps the estimate's batch x ``world_size``; ``"max"`` maximises the micro batch.
+        min_batch_size / max_batch_size: bounds on the micro batch.
+        checkpointed: the same step traced with checkpointing, or a callable that traces it on
+            demand (only called when checkpointing is considered).
+        include_context: ``False`` when ``capacity_bytes`` was measured after CUDA started in this
+            process, so the context is already outside it.
+
+    Raises:
+        InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
+    """
+    _validate(capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size)
+    budget = int(capacity_bytes * (1.0 - margin))
+    cap = max_batch_size or _UNBOUNDED
+    per_device_target = None
+    if isinstance(target_batch_size, int):
+        per_device_target = math.ceil(target_batch_size / world_size)
+        cap = min(cap, per_device_target)
+    elif target_batch_size is None:
+        target_batch_size = estimate.batch_size * world_size
+        per_device_target = estimate.batch_size
+        cap = min(cap, per_device_target)
+    reasons: list[str] = []
+
+    def largest(source: MemoryEstimate) -> int:
+        fit = source.max_batch_size(budget, include_context=include_context)
+        return 0 if fit is None else min(fit, cap)
+
+    chosen = estimate
+    micro = largest(estimate)
+    use_checkpointing = False
+    if micro < min_batch_size or (allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < cap):
+        with_ckpt = _resolve(checkpointed) if allow_checkpointing else None
+        micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
+        if micro < min_batch_size and micro_ckpt >= min_batch_size:
+            reasons.append(
+                f"micro batch {min_batch_size} needs {_peak(estimate, min_batch_size, include_context)} "
+                f"without checkpointing, over the {format_bytes(budget)} budget; checkpointing brings it "
+                "within (about 20-30 % slower per step)"
+            )
+            chosen, micro, use_checkpointing = with_ckpt, micro_ckpt, True
+        elif micro >= min_batch_size and micro_ckpt >= CHECKPOINTING_MIN_GAIN * max(micro, 1):
+            reasons.append(
+                f"without checkpointing only micro batch {micro} fits; with it {micro_ckpt} fits, worth its "
+                "recompute (about 20-30 % slower per step)"
+            )
+            chosen, micro, use_checkpointing = with_ckpt, micro_ckpt, True
+    if micro < min_batch_size:
+        tried = " even with checkpointing" if allow_checkpointing and checkpointed is not None else ""
+        raise InsufficientMemoryError(
+            f"micro batch {min_batch_size} does not fit{tried}: predicted peak "
+            f"{_peak(estimate, min_batch_size, include_context)} against a budget of {format_bytes(budget)} "
+            f"({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin). Use a smaller model or "
+            "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
+        )
+
+    largest_micro = micro
+    if per_device_target is None:  # "max": the largest micro batch, no accumulation
+        accumulation = 1
+        reasons.append(f"largest micro batch that fits: {micro}")
+    else:
+        accumulation = math.ceil(per_device_target / micro)
+        micro = math.ceil(per_device_target / accumulation)  # same steps, smallest micro batch
+        if accumulation > 1:
+            reasons.append(
+                f"micro batch {largest_micro} is the largest that fits; {accumulation} accumulation "
+                "steps keep the effective batch"
+            )
+        else:
+            reasons.append(f"the target fits in one micro batch of {micro}")
+    effective = micro * accumulation * world_size
+    if isinstance(target_batch_size, int) and effective != target_batch_size:
+        reasons.append(
+            f"effective batch {effective} differs from the target {target_batch_size}: integer micro "
+            f"batches x {accumulation} steps x {world_size} device(s) cannot hit it exactly"
+        )
+    peak = chosen.at(micro)
+    predicted = peak.device_bytes if include_context else peak.reserved_bytes
+    return Plan(
+        micro_batch_size=micro,
+        accumulate_grad_batches=accumulation,
+        gradient_checkpointing=use_checkpointing,
+        world_size=world_size,
+        effective_batch_size=effective,
+        target_batch_size=target_batch_size if isinstance(target_batch_size, int) else None,
+        predicted_peak_bytes=predicted,
+        capacity_bytes=capacity_bytes,
+        budget_bytes=budget,
+        margin=margin,
+        largest_micro_batch=largest_micro,
+        reasons=tuple(reasons),
+    )
+
+
+def _resolve(source: EstimateSource) -> MemoryEstimate | None:
+    return source() if callable(source) and not isinstance(source, MemoryEstimate) else source
+
+
+def _peak(estimate: MemoryEstimate, batch: int, include_context: bool) -> str:
+    peak = estimate.at(batch)
+    return format_bytes(peak.device_bytes if include_context else peak.reserved_bytes)
+
+
+def _validate(
+    capacity_bytes: Any,
+    margin: Any,
+    target_batch_size: Any,
+    world_size: Any,
+    min_batch_size: Any,
+    max_batch_size: Any,
+) -> None:
+    def positive_int(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        raise InvalidInputError(f"capacity_bytes must be a positive number of bytes, got {capacity_bytes!r}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise InvalidInputError(f"margin must be a fraction in [0, 1), got {margin!r}")
+    if target_batch_size is not None and target_batch_size != "max":
+        positive_int("target_batch_size", target_batch_size)
+    positive_int("world_size", world_size)
+    positive_int("min_batch_size", min_batch_size)
+    if max_batch_size is not None:
+        positive_int("max_batch_size", max_batch_size)
+        if max_batch_size < min_batch_size:
+            raise InvalidInputError(
+                f"max_batch_size ({max_batch_size}) must be at least min_batch_size ({min_batch_size})"
+            )

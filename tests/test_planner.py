@@ -1,0 +1,203 @@
+"""The planner's rules, as properties over synthetic estimates (no tracing needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import memfit
+from memfit import (
+    InsufficientMemoryError,
+    InvalidInputError,
+    MemoryEstimate,
+    Phase,
+    PhaseModel,
+    Precision,
+    plan,
+)
+from memfit.units import GiB, MiB
+
+
+def linear_estimate(
+    fixed: int, per_sample: float, *, batch: int = 8, context: int | None = 500 * MiB, ratio: float = 1.0
+) -> MemoryEstimate:
+    """An estimate whose peak is ``fixed + per_sample x batch`` (allocated), reserved ``ratio`` x that."""
+    model = PhaseModel(2, Phase.BACKWARD, fixed, per_sample)
+    allocated = model.at(batch)
+    return MemoryEstimate(
+        batch_size=batch,
+        device="cuda",
+        precision=Precision.FP32,
+        optimizer="adamw",
+        gradient_checkpointing=False,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=math.ceil(allocated * ratio),
+        cuda_context_bytes=context,
+        peak_step=2,
+        peak_phase=Phase.BACKWARD,
+        breakdown={},
+        fixed_bytes=fixed,
+        per_sample_bytes=math.ceil(per_sample),
+        phases=(),
+        phase_models=(model,),
+        trace_seconds=0.0,
+        reserved_to_allocated_ratio=ratio,
+    )
+
+
+estimates = st.builds(
+    linear_estimate,
+    fixed=st.integers(100 * MiB, 40 * GiB),
+    per_sample=st.floats(1 * MiB, 4 * GiB),
+    batch=st.integers(1, 64),
+    ratio=st.floats(1.0, 1.3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    estimate=estimates,
+    capacity=st.integers(1 * GiB, 200 * GiB),
+    margin=st.floats(0.0, 0.3),
+    target=st.integers(1, 4096),
+    world=st.integers(1, 8),
+    max_batch=st.one_of(st.none(), st.integers(1, 512)),
+)
+def test_plan_fits_is_maximal_and_keeps_the_effective_batch(
+    estimate, capacity, margin, target, world, max_batch
+):
+    budget = int(capacity * (1 - margin))
+    try:
+        chosen = plan(
+            estimate,
+            capacity,
+            margin=margin,
+            target_batch_size=target,
+            world_size=world,
+            max_batch_size=max_batch,
+        )
+    except InsufficientMemoryError as error:
+        assert estimate.at(1).device_bytes > budget
+        assert "micro batch 1 does not fit" in str(error)
+        return
+    assert chosen.budget_bytes == budget
+    assert estimate.at(chosen.micro_batch_size).device_bytes <= budget
+    assert chosen.predicted_peak_bytes == estimate.at(chosen.micro_batch_size).device_bytes
+    # the largest fitting micro batch really is the largest, unless a cap stopped it
+    cap = min(max_batch or 1 << 31, math.ceil(target / world))
+    largest = chosen.largest_micro_batch
+    assert largest == cap or estimate.at(largest + 1).device_bytes > budget
+    # fewest accumulation steps, then the smallest micro batch for them
+    per_device = math.ceil(target / world)
+    assert chosen.accumulate_grad_batches == math.ceil(per_device / largest)
+    assert chosen.micro_batch_size * chosen.accumulate_grad_batches >= per_device
+    assert (chosen.micro_batch_size - 1) * chosen.accumulate_grad_batches < per_device
+    assert chosen.effective_batch_size == chosen.micro_batch_size * chosen.accumulate_grad_batches * world
+    assert chosen.effective_batch_size >= target
+    differs = any("differs from the target" in reason for reason in chosen.reasons)
+    assert differs == (chosen.effective_batch_size != target)
+    assert not chosen.gradient_checkpointing
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    estimate=estimates,
+    capacity=st.integers(1 * GiB, 200 * GiB),
+    max_batch=st.one_of(st.none(), st.integers(1, 512)),
+)
+def test_max_mode_takes_the_largest_micro_batch_without_accumulation(estimate, capacity, max_batch):
+    assume(estimate.at(1).device_bytes <= int(capacity * 0.95))
+    chosen = plan(estimate, capacity, target_batch_size="max", max_batch_size=max_batch)
+    assert chosen.accumulate_grad_batches == 1
+    assert chosen.target_batch_size is None
+    micro = chosen.micro_batch_size
+    assert micro == max_batch or estimate.at(micro + 1).device_bytes > chosen.budget_bytes
+
+
+def test_default_target_is_the_configured_batch_times_devices() -> None:
+    estimate = linear_estimate(2 * GiB, 1 * GiB, batch=32)
+    chosen = plan(estimate, 20 * GiB, margin=0.0, world_size=2)
+    # 20 GiB - 0.5 GiB context - 2 GiB fixed leaves room for 17 samples per micro batch
+    assert chosen.largest_micro_batch == 17
+    assert (chosen.micro_batch_size, chosen.accumulate_grad_batches) == (16, 2)
+    assert chosen.effective_batch_size == chosen.target_batch_size == 64
+
+
+def test_checkpointing_only_when_needed_and_traced_only_then() -> None:
+    without = linear_estimate(10 * GiB, 3 * GiB)
+    with_ckpt = linear_estimate(10 * GiB, 0.5 * GiB)
+    calls = []
+
+    def trace_checkpointed() -> MemoryEstimate:
+        calls.append(1)
+        return with_ckpt
+
+    roomy = plan(without, 80 * GiB, target_batch_size=16, checkpointed=trace_checkpointed)
+    assert not roomy.gradient_checkpointing and calls == []
+
+    tight = plan(without, 12 * GiB, target_batch_size=16, checkpointed=trace_checkpointed)
+    assert tight.gradient_checkpointing and calls == [1]
+    assert tight.micro_batch_size >= 1
+    assert any("checkpointing brings it within" in reason for reason in tight.reasons)
+
+    with pytest.raises(InsufficientMemoryError):
+        plan(
+            without,
+            12 * GiB,
+            target_batch_size=16,
+            checkpointed=trace_checkpointed,
+            allow_checkpointing=False,
+        )
+
+
+def test_checkpointing_for_a_markedly_larger_micro_batch() -> None:
+    without = linear_estimate(1 * GiB, 6 * GiB)  # 2 samples fit in 15 GiB
+    with_ckpt = linear_estimate(1 * GiB, 0.5 * GiB)  # 26 samples fit
+    chosen = plan(without, 16 * GiB, target_batch_size=64, checkpointed=with_ckpt)
+    assert chosen.gradient_checkpointing
+    assert chosen.largest_micro_batch >= 4 * 2
+
+
+def test_too_small_budget_names_the_numbers() -> None:
+    estimate = linear_estimate(30 * GiB, 1 * GiB)
+    with pytest.raises(InsufficientMemoryError) as error:
+        plan(estimate, 16 * GiB, checkpointed=linear_estimate(29 * GiB, 0.1 * GiB))
+    message = str(error.value)
+    assert "even with checkpointing" in message
+    assert "15.20 GiB" in message and "16.00 GiB" in message  # budget and capacity
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"margin": 1.0}, "margin must be a fraction"),
+        ({"target_batch_size": 0}, "target_batch_size must be a positive integer"),
+        ({"target_batch_size": "most"}, "target_batch_size must be a positive integer"),
+        ({"world_size": 0}, "world_size"),
+        ({"min_batch_size": 4, "max_batch_size": 2}, "at least min_batch_size"),
+    ],
+)
+def test_bad_plan_arguments(kwargs, match) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        plan(linear_estimate(GiB, MiB), 10 * GiB, **kwargs)
+    with pytest.raises(InvalidInputError, match="capacity_bytes"):
+        plan(linear_estimate(GiB, MiB), 0)
+
+
+def test_plan_on_a_real_trace() -> None:
+    import zoo
+
+    case = zoo.gpt2_case(batch=4, seq=128)
+    estimate = memfit.estimate(case.model, case.batch)
+    capacity = estimate.at(3).device_bytes + 1
+    chosen = plan(estimate, capacity, margin=0.0, target_batch_size=12)
+    assert chosen.largest_micro_batch == 3
+    assert (chosen.micro_batch_size, chosen.accumulate_grad_batches, chosen.effective_batch_size) == (
+        3,
+        4,
+        12,
+    )
+    assert "micro batch 3 x accumulation 4" in chosen.summary()
