@@ -25,25 +25,30 @@ def enable_checkpointing(
     *,
     recompute_context: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> str:
-    """Enable checkpointing on ``model`` in place and say how. Call inside ``preserved_module_state``.
+    """Enable checkpointing on ``model`` in place and say how. Inside a trace, call it within
+    ``preserved_module_state``; in a real run it stays on.
 
-    Hugging Face models use their own switch (``activation_checkpointing_enable`` in transformers
-    5, ``gradient_checkpointing_enable`` before), non-reentrant as transformers defaults to. Other
-    modules get ``torch.utils.checkpoint`` around each block: the classes or qualified names in
-    ``modules``, or by default the children of the longest list of identical blocks.
-    ``recompute_context`` makes a context the recomputation in backward runs under (the autograd
-    engine does not carry torch-function modes into it).
+    Hugging Face models, also when nested in another module (a LightningModule), use their own switch
+    (``activation_checkpointing_enable`` in transformers 5, ``gradient_checkpointing_enable``
+    before), non-reentrant as transformers defaults to. Other modules get ``torch.utils.checkpoint``
+    around each block: the classes or qualified names in ``modules``, or by default the children
+    of the longest list of identical blocks. ``recompute_context`` makes a context the
+    recomputation in backward runs under (the autograd engine does not carry torch-function modes
+    into it).
     """
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if recompute_context is not None:
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
-    if modules is None and getattr(model, "supports_gradient_checkpointing", False):
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return f"{type(model).__name__}'s own checkpointing (non-reentrant)"
+    hf_models = _outermost(_supports_hf_checkpointing(m) for m in model.modules()) if modules is None else []
+    if hf_models:
+        for hf_model in hf_models:
+            enable = getattr(hf_model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        names = ", ".join(sorted({type(m).__name__ for m in hf_models}))
+        return f"{names}'s own checkpointing (non-reentrant)"
     blocks = find_blocks(model, modules)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward, kwargs)  # type: ignore[method-assign]
@@ -77,10 +82,24 @@ def find_blocks(model: nn.Module, modules: CheckpointTarget | None = None) -> li
                 f"found no repeated blocks to checkpoint in {type(model).__name__}; "
                 "pass checkpoint_modules=[YourBlockClass]"
             )
+    return _outermost(chosen)
+
+
+def _supports_hf_checkpointing(module: nn.Module) -> nn.Module | None:
+    """A Hugging Face model (at any depth, e.g. inside a LightningModule) with its own switch."""
+    supported = getattr(module, "supports_gradient_checkpointing", False) is True
+    has_switch = hasattr(module, "activation_checkpointing_enable") or hasattr(
+        module, "gradient_checkpointing_enable"
+    )
+    return module if supported and has_switch else None
+
+
+def _outermost(modules: Any) -> list[nn.Module]:
+    """Drop modules that sit inside an earlier one (``model.modules()`` order is parents first)."""
     outermost: list[nn.Module] = []
     inside: set[int] = set()
-    for module in chosen:
-        if id(module) in inside:
+    for module in modules:
+        if module is None or id(module) in inside:
             continue
         outermost.append(module)
         inside.update(id(sub) for sub in module.modules())
