@@ -60,9 +60,7 @@ def llama_7b() -> dict:
         model = LlamaForCausalLM(config)
     ids = torch.zeros(1, 2048, dtype=torch.long)
     started = time.perf_counter()
-    estimate = memfit.estimate(
-        model, {"input_ids": ids, "labels": ids}, optimizer="adamw", precision="bf16-mixed"
-    )
+    estimate = memfit.estimate(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", precision="bf16-mixed")
     return {
         "case": "llama-7b (meta) b1 s2048 bf16-mixed adamw",
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -180,9 +180,7 @@ def measure(config: Config, steps: int = 3) -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(steps):
-        with torch.autocast(
-            "cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
-        ):
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             output = config.forward_fn(model, batch) if config.forward_fn else model(**batch)
             loss = config.loss_fn(output, batch) if config.loss_fn else output.loss
         del output
@@ -210,9 +208,7 @@ def _nvml_used() -> int | None:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(
-            int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-        )
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]))
         return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
     except Exception:
         return None
@@ -225,9 +221,7 @@ def _error(predicted: int, measured: int | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="also measure each config on the visible GPU")
     parser.add_argument("--only", help="run the configs whose name contains this text")
     parser.add_argument("--measure-one", help=argparse.SUPPRESS)

@@ -32,9 +32,7 @@ def main() -> None:
     estimate = memfit.estimate(model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda")
     console.print(estimate_table(estimate))
     console.print(phases_table(estimate))
-    console.print(
-        f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes)
-    )
+    console.print(f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes))
 
     budget = int(CAPACITY * (1 - MARGIN))
     largest = estimate.max_batch_size(budget)

@@ -128,9 +128,7 @@ def test_suffixes_apply_to_activations_and_batch(capsys: pytest.CaptureFixture[s
 
 
 def test_trainable_fraction_option(capsys: pytest.CaptureFixture[str]) -> None:
-    data = _run_json(
-        capsys, "estimate", "--params", "1000", "--optimizer", "sgd", "--trainable-fraction", "0.5"
-    )
+    data = _run_json(capsys, "estimate", "--params", "1000", "--optimizer", "sgd", "--trainable-fraction", "0.5")
     assert data["trainable_fraction"] == 0.5
     assert data["gradients_bytes"] == 500 * 4
 

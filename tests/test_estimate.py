@@ -27,24 +27,18 @@ def _phase(estimate: memfit.MemoryEstimate, step: int, phase: Phase) -> memfit.P
 def _snapshot(model: nn.Module) -> dict:
     return {
         "params": [
-            (name, id(p), p.detach().clone(), p.device, p.requires_grad)
-            for name, p in model.named_parameters()
+            (name, id(p), p.detach().clone(), p.device, p.requires_grad) for name, p in model.named_parameters()
         ],
         "buffers": [(name, id(b), b.clone()) for name, b in model.named_buffers()],
         "training": [m.training for m in model.modules()],
-        "hooks": [
-            (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-            for m in model.modules()
-        ],
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
         "instance_forward": ["forward" in vars(m) for m in model.modules()],
         "dict_keys": [sorted(vars(m)) for m in model.modules()],
     }
 
 
 def _assert_same(before: dict, after: dict) -> None:
-    assert [(n, i, d, r) for n, i, _, d, r in before["params"]] == [
-        (n, i, d, r) for n, i, _, d, r in after["params"]
-    ]
+    assert [(n, i, d, r) for n, i, _, d, r in before["params"]] == [(n, i, d, r) for n, i, _, d, r in after["params"]]
     for (_, _, old, _, _), (_, _, new, _, _) in zip(before["params"], after["params"], strict=True):
         assert torch.equal(old, new)
     for (_, old_id, old), (_, new_id, new) in zip(before["buffers"], after["buffers"], strict=True):
@@ -66,9 +60,7 @@ def test_reports_a_breakdown_that_adds_up_at_the_peak() -> None:
 
 def test_optimizer_state_of_adamw_is_two_moments_and_a_step_counter_per_parameter() -> None:
     case = zoo.resnet_case()
-    estimate = memfit.estimate(
-        case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn
-    )
+    estimate = memfit.estimate(case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn)
     steady = _phase(estimate, 2, Phase.OPTIMIZER)
     n_params = len(list(case.model.parameters()))
     assert steady.breakdown[Category.OPTIMIZER_STATE] == 2 * _param_bytes(case.model) + 4 * n_params
@@ -124,9 +116,7 @@ def test_optimizer_instance_is_rebuilt_with_its_hyperparameters_and_left_alone()
 
 def test_factory_sample_gives_the_same_estimate_as_a_batch() -> None:
     case = zoo.resnet_case(batch=4)
-    from_batch = memfit.estimate(
-        case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn
-    )
+    from_batch = memfit.estimate(case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn)
     from_factory = memfit.estimate(
         case.model,
         lambda b: (torch.randn(b, 3, 16, 16), torch.zeros(b, dtype=torch.long)),

@@ -112,12 +112,8 @@ def test_precision_rules(precision: str) -> None:
         ("adam-8bit", 2, 2),
     ],
 )
-def test_optimizer_state_per_trainable_parameter(
-    optimizer: str, fp32_bytes: int, pure_half_bytes: int
-) -> None:
-    assert (
-        estimate_from_counts(parameters=1000, optimizer=optimizer).optimizer_state_bytes == 1000 * fp32_bytes
-    )
+def test_optimizer_state_per_trainable_parameter(optimizer: str, fp32_bytes: int, pure_half_bytes: int) -> None:
+    assert estimate_from_counts(parameters=1000, optimizer=optimizer).optimizer_state_bytes == 1000 * fp32_bytes
     mixed = estimate_from_counts(parameters=1000, optimizer=optimizer, precision="bf16-mixed")
     assert mixed.optimizer_state_bytes == 1000 * fp32_bytes
     pure = estimate_from_counts(parameters=1000, optimizer=optimizer, precision="bf16")
@@ -163,9 +159,7 @@ def test_default_is_fp32_adamw_batch_one() -> None:
 
 
 def test_trainable_fraction_scales_only_trained_state() -> None:
-    est = estimate_from_counts(
-        parameters=1000, precision="16-mixed", optimizer="adam", trainable_fraction=0.25
-    )
+    est = estimate_from_counts(parameters=1000, precision="16-mixed", optimizer="adam", trainable_fraction=0.25)
     assert est.trainable_parameters == 250
     assert est.parameters_bytes == 1000 * 2  # every weight is still stored
     assert est.gradients_bytes == 250 * 2
@@ -180,9 +174,7 @@ def test_trainable_fraction_rounds_to_nearest_parameter() -> None:
 
 
 def test_frozen_model_has_weights_only() -> None:
-    est = estimate_from_counts(
-        parameters=1000, precision="bf16-mixed", optimizer="adamw", trainable_fraction=0
-    )
+    est = estimate_from_counts(parameters=1000, precision="bf16-mixed", optimizer="adamw", trainable_fraction=0)
     assert est.components() == {
         "parameters_bytes": 2000,
         "gradients_bytes": 0,
@@ -193,10 +185,7 @@ def test_frozen_model_has_weights_only() -> None:
 
 
 def test_whole_float_parameter_count_is_accepted() -> None:
-    assert (
-        estimate_from_counts(parameters=7e9, precision="fp16", optimizer="none").parameters_bytes
-        == 14 * 10**9
-    )
+    assert estimate_from_counts(parameters=7e9, precision="fp16", optimizer="none").parameters_bytes == 14 * 10**9
 
 
 def test_precision_enum_is_accepted() -> None:

@@ -66,9 +66,7 @@ estimates = st.builds(
     world=st.integers(1, 8),
     max_batch=st.one_of(st.none(), st.integers(1, 512)),
 )
-def test_plan_fits_is_maximal_and_keeps_the_effective_batch(
-    estimate, capacity, margin, target, world, max_batch
-):
+def test_plan_fits_is_maximal_and_keeps_the_effective_batch(estimate, capacity, margin, target, world, max_batch):
     budget = int(capacity * (1 - margin))
     try:
         chosen = plan(

@@ -30,9 +30,7 @@ class BasicBlock(nn.Module):
 class SmallResNet(nn.Module):
     def __init__(self, channels: int = 32, blocks: int = 3, classes: int = 10) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
-        )
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
         self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(blocks)])
         self.head = nn.Linear(channels, classes)
 

@@ -255,9 +255,7 @@ class CachingAllocatorSimulator:
         block when the leftover would be too small to split off.
         """
         if key in self._live:
-            raise InvalidInputError(
-                f"storage {key!r} is already allocated; free it before allocating it again"
-            )
+            raise InvalidInputError(f"storage {key!r} is already allocated; free it before allocating it again")
         _check_nbytes(nbytes, "the requested size")
         if nbytes == 0:
             self._live[key] = None
@@ -288,9 +286,7 @@ class CachingAllocatorSimulator:
         try:
             block = self._live.pop(key)
         except KeyError:
-            raise KeyError(
-                f"storage {key!r} is not allocated: it was never allocated or was already freed"
-            ) from None
+            raise KeyError(f"storage {key!r} is not allocated: it was never allocated or was already freed") from None
         if block is None:
             return
         self._allocated -= block.size

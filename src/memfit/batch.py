@@ -37,9 +37,7 @@ def infer_batch_size(sample: Sample) -> int:
     return max(counts, key=lambda size: (counts[size], size))
 
 
-def rebatch(
-    sample: Sample, old_batch: int, new_batch: int, make: Callable[[torch.Tensor, tuple], Any]
-) -> Any:
+def rebatch(sample: Sample, old_batch: int, new_batch: int, make: Callable[[torch.Tensor, tuple], Any]) -> Any:
     """Rebuild ``sample`` with ``make(tensor, shape)``; dim 0 equal to ``old_batch`` becomes ``new_batch``."""
     if isinstance(sample, torch.Tensor):
         shape = tuple(sample.shape)

@@ -88,9 +88,7 @@ def find_blocks(model: nn.Module, modules: CheckpointTarget | None = None) -> li
 def _supports_hf_checkpointing(module: nn.Module) -> nn.Module | None:
     """A Hugging Face model (at any depth, e.g. inside a LightningModule) with its own switch."""
     supported = getattr(module, "supports_gradient_checkpointing", False) is True
-    has_switch = hasattr(module, "activation_checkpointing_enable") or hasattr(
-        module, "gradient_checkpointing_enable"
-    )
+    has_switch = hasattr(module, "activation_checkpointing_enable") or hasattr(module, "gradient_checkpointing_enable")
     return module if supported and has_switch else None
 
 

@@ -109,9 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default fp32",
     )
-    estimate.add_argument(
-        "--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}; default adamw"
-    )
+    estimate.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}; default adamw")
     estimate.add_argument(
         "--trainable-fraction",
         default="1.0",

@@ -234,14 +234,10 @@ def _prepare(
 ) -> tuple[TraceSettings, tuple[int, int, int]]:
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidInputError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     if not isinstance(gradient_checkpointing, bool):
-        raise InvalidInputError(
-            f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}"
-        )
+        raise InvalidInputError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
     for name, fn in (("loss_fn", loss_fn), ("forward_fn", forward_fn)):
         if fn is not None and not callable(fn):
             raise InvalidInputError(f"{name} must be callable or None, got {fn!r}")
@@ -360,8 +356,7 @@ def _build_estimate(
         trace_seconds=elapsed,
         activation_bytes=_kept_from_first_forward(primary),
         reserved_to_allocated_ratio=max(
-            max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk))
-            for pk in (peaks, peaks_b)
+            max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk)) for pk in (peaks, peaks_b)
         ),
         notes=tuple(notes),
     )

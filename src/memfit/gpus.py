@@ -68,6 +68,4 @@ def gpu_by_name(name: str) -> GPU:
         return _BY_KEY[key[:-4]]
     close = difflib.get_close_matches(key, list(_BY_KEY), n=3, cutoff=0.5)
     names = ", ".join(_BY_KEY[k].name for k in close) or ", ".join(gpu.name for gpu in _CATALOG)
-    raise InvalidInputError(
-        f"unknown GPU {name!r}; did you mean {names}? Or give the budget in bytes ('20GiB')"
-    )
+    raise InvalidInputError(f"unknown GPU {name!r}; did you mean {names}? Or give the budget in bytes ('20GiB')")

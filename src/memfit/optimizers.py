@@ -36,9 +36,7 @@ def optimizer_name(spec: OptimizerSpec) -> str:
         return spec.lower()
     if isinstance(spec, Optimizer):
         return type(spec).__name__
-    return getattr(spec, "__name__", None) or getattr(
-        getattr(spec, "func", None), "__name__", type(spec).__name__
-    )
+    return getattr(spec, "__name__", None) or getattr(getattr(spec, "func", None), "__name__", type(spec).__name__)
 
 
 def build_optimizer(

@@ -132,6 +132,7 @@ def plan(
     chosen = estimate
     micro = largest(estimate)
     use_checkpointing = False
+    with_ckpt: MemoryEstimate | None = None
     if micro < min_batch_size or (allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < cap):
         with_ckpt = _resolve(checkpointed) if allow_checkpointing else None
         micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
@@ -149,10 +150,12 @@ def plan(
             )
             chosen, micro, use_checkpointing = with_ckpt, micro_ckpt, True
     if micro < min_batch_size:
-        tried = " even with checkpointing" if allow_checkpointing and checkpointed is not None else ""
+        peaks = f"predicted peak {_peak(estimate, min_batch_size, include_context)}"
+        if with_ckpt is not None:
+            peaks += f" ({_peak(with_ckpt, min_batch_size, include_context)} with checkpointing)"
+        tried = " even with checkpointing" if with_ckpt is not None else ""
         raise InsufficientMemoryError(
-            f"micro batch {min_batch_size} does not fit{tried}: predicted peak "
-            f"{_peak(estimate, min_batch_size, include_context)} against a budget of {format_bytes(budget)} "
+            f"micro batch {min_batch_size} does not fit{tried}: {peaks} against a budget of {format_bytes(budget)} "
             f"({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin). Use a smaller model or "
             "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
         )

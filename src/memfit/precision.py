@@ -35,9 +35,7 @@ class Precision(str, Enum):
         try:
             return _ALIASES[key]
         except KeyError:
-            names = ", ".join(
-                sorted({"fp32", "fp16", "bf16", "16-mixed", "bf16-mixed", "16-true", "bf16-true"})
-            )
+            names = ", ".join(sorted({"fp32", "fp16", "bf16", "16-mixed", "bf16-mixed", "16-true", "bf16-true"}))
             raise InvalidInputError(f"unknown precision {value!r}; use one of {names}") from None
 
     @property
@@ -47,9 +45,7 @@ class Precision(str, Enum):
     @property
     def parameter_dtype(self) -> torch.dtype:
         """dtype the weights are stored in."""
-        return {Precision.FP16_TRUE: torch.float16, Precision.BF16_TRUE: torch.bfloat16}.get(
-            self, torch.float32
-        )
+        return {Precision.FP16_TRUE: torch.float16, Precision.BF16_TRUE: torch.bfloat16}.get(self, torch.float32)
 
     @property
     def compute_dtype(self) -> torch.dtype:

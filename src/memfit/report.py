@@ -32,9 +32,7 @@ def _share(part_bytes: int, total_bytes: int) -> str:
     return f"{100.0 * part_bytes / total_bytes:.1f}%"
 
 
-def _sizes_table(
-    title: str, components: dict[str, int], total_bytes: int, caption: str | None = None
-) -> Table:
+def _sizes_table(title: str, components: dict[str, int], total_bytes: int, caption: str | None = None) -> Table:
     """One row per component plus a Total row: the shape every estimate table shares."""
     # Wide enough that the title's lines are not wrapped to the (narrow) width of the columns.
     table = Table(title=title, caption=caption, min_width=max(len(line) for line in title.splitlines()))

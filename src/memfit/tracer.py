@@ -111,15 +111,11 @@ def trace_steps(
         model.train()
         if settings.gradient_checkpointing:
             recompute = semantics.recomputation if semantics is not None else None
-            checkpointing = enable_checkpointing(
-                model, settings.checkpoint_modules, recompute_context=recompute
-            )
+            checkpointing = enable_checkpointing(model, settings.checkpoint_modules, recompute_context=recompute)
         paths = module_path_tracker(model)
         with fake_mode, recorder, paths:
             fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
-            trainable = [
-                p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad
-            ]
+            trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
             batch = rebatch(
                 sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
             )
@@ -263,11 +259,7 @@ def _builtin_loss(output: Any) -> torch.Tensor:
     if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
         loss = output
     if loss is None:
-        what = (
-            f"a tensor of shape {list(output.shape)}"
-            if isinstance(output, torch.Tensor)
-            else type(output).__name__
-        )
+        what = f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
         raise TraceError(
             f"the model returned {what}, not a loss; pass loss_fn=lambda output, batch: <scalar loss> "
             "(for Hugging Face models, include labels in the sample)"
@@ -275,15 +267,9 @@ def _builtin_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def _fake_like(
-    tensor: torch.Tensor, is_param: bool, settings: TraceSettings, recorder: StorageRecorder
-) -> Any:
+def _fake_like(tensor: torch.Tensor, is_param: bool, settings: TraceSettings, recorder: StorageRecorder) -> Any:
     dtype = tensor.dtype
-    if (
-        tensor.is_floating_point()
-        and not settings.precision.is_mixed
-        and settings.precision != Precision.FP32
-    ):
+    if tensor.is_floating_point() and not settings.precision.is_mixed and settings.precision != Precision.FP32:
         dtype = settings.precision.parameter_dtype  # Lightning's "*-true" converts the module
     fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=settings.device)
     if is_param:
@@ -292,9 +278,7 @@ def _fake_like(
     return fake
 
 
-def _fake_input(
-    tensor: torch.Tensor, shape: tuple, settings: TraceSettings, recorder: StorageRecorder
-) -> torch.Tensor:
+def _fake_input(tensor: torch.Tensor, shape: tuple, settings: TraceSettings, recorder: StorageRecorder) -> torch.Tensor:
     fake = torch.empty(shape, dtype=tensor.dtype, device=settings.device)
     recorder.track(fake, Category.INPUTS)
     return fake

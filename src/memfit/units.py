@@ -53,8 +53,7 @@ def parse_bytes(value: int | float | str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(
-            f"could not read {value!r} as a size; use bytes or a number with a unit "
-            f"such as '20GiB', '512MiB' or '16GB'"
+            f"could not read {value!r} as a size; use bytes or a number with a unit such as '20GiB', '512MiB' or '16GB'"
         )
     return int(float(match.group(1)) * _UNITS[unit])
 

@@ -1,0 +1,462 @@
+"""The Lightning callback's logic, shared by the ``lightning`` and ``pytorch_lightning`` namespaces.
+
+The two public modules (``memfit.lightning``, ``memfit.pytorch_lightning``) subclass this with
+their namespace's ``Callback`` and utilities; everything memory-related lives in the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memfit.batch import infer_batch_size
+from memfit.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.drift import DriftMonitor
+from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
+from memfit.estimate import MemoryEstimate, estimate
+from memfit.gpus import gpu_by_name
+from memfit.measure import PeakSampler, current_rss_bytes
+from memfit.planner import Plan, plan
+from memfit.precision import Precision
+from memfit.units import format_bytes, parse_bytes
+
+__all__ = ["MemoryPlannerBase"]
+
+Mode = Literal["plan", "observe"]
+
+
+@dataclass
+class _Decision:
+    """What every rank applies: the plan (or ``None``), and the predictions drift is measured against."""
+
+    plan: dict[str, Any] | None
+    predicted_allocated_bytes: int | None
+    predicted_reserved_bytes: int | None
+    error: str | None = None
+
+
+class MemoryPlannerBase:
+    """See ``memfit.lightning.MemoryPlanner`` for the documentation."""
+
+    _pl: ModuleType  # lightning.pytorch or pytorch_lightning, set by the subclass
+
+    def __init__(
+        self,
+        budget: int | str | None = None,
+        margin: float = 0.05,
+        target_batch_size: int | Literal["max"] | None = None,
+        batch_arg_name: str = "batch_size",
+        allow_checkpointing: bool = True,
+        checkpoint_modules: CheckpointTarget | None = None,
+        mode: Mode = "plan",
+        sample: Any = None,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        log_every_n_steps: int | None = None,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        self.budget_bytes = _parse_budget(budget)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
+        if target_batch_size is not None and target_batch_size != "max":
+            _check_positive("target_batch_size", target_batch_size, extra=", 'max' or None")
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise InvalidInputError(f"`batch_arg_name` must be an attribute name, got {batch_arg_name!r}")
+        if mode not in ("plan", "observe"):
+            raise InvalidInputError(f"`mode` must be one of 'plan', 'observe', got {mode!r}")
+        _check_positive("min_batch_size", min_batch_size)
+        if max_batch_size is not None:
+            _check_positive("max_batch_size", max_batch_size)
+        if log_every_n_steps is not None:
+            _check_positive("log_every_n_steps", log_every_n_steps)
+        self.margin = float(margin)
+        self.target_batch_size = target_batch_size
+        self.batch_arg_name = batch_arg_name
+        self.allow_checkpointing = bool(allow_checkpointing)
+        self.checkpoint_modules = checkpoint_modules
+        self.mode = mode
+        self.sample = sample
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.log_every_n_steps = log_every_n_steps
+        self.verbose = verbose
+        self.plan: Plan | None = None
+        self.estimate: MemoryEstimate | None = None
+        self._decision: _Decision | None = None
+        self._restored_plan: dict[str, Any] | None = None
+        self._sampler: PeakSampler | None = None
+        self._monitor: DriftMonitor | None = None
+        self._last_logged_step = -1
+        self._baseline_rss = 0
+        self._resident_bytes = 0
+        self._hparams_logged = False
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._decide_and_apply(trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_measuring(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._maybe_log_drift(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log_final_drift(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict() if self.plan else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_plan = state_dict.get("plan")
+        if self._restored_plan and self._trainer_module is not None:
+            self._reapply_restored(*self._trainer_module)
+
+    # --------------------------------------------------------------- planning
+    _trainer_module: tuple[Any, Any] | None = None
+
+    def _decide_and_apply(self, trainer: Any, pl_module: Any) -> None:
+        self._trainer_module = (trainer, pl_module)
+        strategy = trainer.strategy
+        capacity = self._capacity_on_this_rank(trainer)
+        capacities = _all_gather_ints(strategy, capacity)
+        decision = None
+        if trainer.is_global_zero:
+            decision = self._decide_on_rank_zero(trainer, pl_module, min(capacities))
+        decision = strategy.broadcast(decision, src=0)
+        self._decision = decision
+        if decision.error is not None:
+            if decision.error.startswith("InsufficientMemoryError: "):
+                raise InsufficientMemoryError(decision.error.removeprefix("InsufficientMemoryError: "))
+            self._warn(f"memfit could not plan this run ({decision.error}); training continues as configured.")
+            return
+        if decision.plan is not None and self.mode == "plan":
+            self._apply(trainer, pl_module, decision.plan)
+
+    def _capacity_on_this_rank(self, trainer: Any) -> int:
+        """Bytes this rank may use: the explicit budget, or the device's free memory now (0 if unknown)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        device = trainer.strategy.root_device
+        try:
+            if device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(device)
+                return int(free) + int(torch.cuda.memory_reserved(device))
+            if device.type == "cpu":
+                return _available_ram_bytes()
+        except Exception:
+            return 0
+        return 0
+
+    def _decide_on_rank_zero(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
+        try:
+            return self._decide(trainer, pl_module, capacity)
+        except InsufficientMemoryError as error:
+            return _Decision(None, None, None, error=f"InsufficientMemoryError: {error}")
+        except MemfitError as error:
+            return _Decision(None, None, None, error=str(error))
+        except Exception as error:  # never let memfit end the run
+            return _Decision(None, None, None, error=f"{type(error).__name__}: {error}")
+
+    def _decide(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
+        device = trainer.strategy.root_device
+        if device.type not in ("cuda", "cpu"):
+            raise InvalidInputError(f"memfit plans CUDA and CPU runs; this one runs on {device.type}")
+        if not getattr(pl_module, "automatic_optimization", True):
+            raise InvalidInputError("manual optimization is not traced yet; use mode='observe' or plan by hand")
+        precision = Precision.parse(str(trainer.precision))
+        sample = self._sample_batch(trainer)
+        sample_batch = infer_batch_size(sample) if not callable(sample) else None
+        configured = self._configured_batch(pl_module) or sample_batch
+        if configured is None:
+            raise InvalidInputError(
+                f"cannot tell the batch size: the module has no `{self.batch_arg_name}` attribute and the sample "
+                "is a callable; set batch_arg_name"
+            )
+        optimizer = self._first_optimizer(pl_module)
+        kwargs: dict[str, Any] = {
+            "optimizer": optimizer,
+            "precision": precision,
+            "device": device.type,
+            "forward_fn": _training_step,
+            "loss_fn": _loss_of_training_step,
+            "checkpoint_modules": self.checkpoint_modules,
+        }
+        self._resident_bytes = sum(
+            t.numel() * t.element_size() for t in [*pl_module.parameters(), *pl_module.buffers()]
+        )
+        traced = estimate(pl_module, sample, batch_size=configured, **kwargs)
+        self.estimate = traced
+        world = trainer.world_size
+        if self.mode == "observe":
+            peak = traced.at(configured)
+            return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
+        if capacity <= 0:
+            raise InvalidInputError(
+                f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
+            )
+        target = self.target_batch_size
+        if target is None:
+            target = configured * trainer.accumulate_grad_batches * world
+        include_context = device.type == "cuda" and self.budget_bytes is not None
+
+        def traced_with_checkpointing() -> MemoryEstimate:
+            return estimate(pl_module, sample, batch_size=configured, gradient_checkpointing=True, **kwargs)
+
+        chosen = plan(
+            traced,
+            capacity,
+            margin=self.margin,
+            target_batch_size=target,
+            world_size=world,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+            allow_checkpointing=self.allow_checkpointing,
+            checkpointed=traced_with_checkpointing,
+            include_context=include_context,
+        )
+        source = traced_with_checkpointing() if chosen.gradient_checkpointing else traced
+        peak = source.at(chosen.micro_batch_size)
+        self.plan = chosen
+        return _Decision(chosen.to_dict(), peak.allocated_bytes, peak.reserved_bytes)
+
+    def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
+        """Set micro batch, accumulation and checkpointing, all or nothing."""
+        micro = plan_dict["micro_batch_size"]
+        parsing = self._pl.utilities.parsing
+        if not parsing.lightning_hasattr(pl_module, self.batch_arg_name):
+            self._warn(
+                f"memfit planned micro batch {micro} x {plan_dict['accumulate_grad_batches']} accumulation steps but "
+                f"found no `{self.batch_arg_name}` on the module, its hparams or the datamodule to set it; nothing "
+                "was changed. Expose the batch size there (or set batch_arg_name) to let memfit apply its plan."
+            )
+            return
+        previous_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
+        previous_accumulation = trainer.accumulate_grad_batches
+        try:
+            parsing.lightning_setattr(pl_module, self.batch_arg_name, micro)
+            trainer.accumulate_grad_batches = plan_dict["accumulate_grad_batches"]
+            if plan_dict["gradient_checkpointing"]:
+                enable_checkpointing(pl_module, self.checkpoint_modules)
+        except Exception as error:
+            parsing.lightning_setattr(pl_module, self.batch_arg_name, previous_batch)
+            trainer.accumulate_grad_batches = previous_accumulation
+            self._warn(f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was changed.")
+            return
+        if getattr(trainer.fit_loop, "_combined_loader", None) is not None:
+            trainer.fit_loop._combined_loader = None  # built early (e.g. by estimated_stepping_batches): rebuild
+        if self.verbose:
+            self._info("memfit plan: " + _summary(plan_dict) + "".join(f"\n  - {r}" for r in plan_dict["reasons"]))
+
+    def _reapply_restored(self, trainer: Any, pl_module: Any) -> None:
+        """On resume, keep the plan the run started with instead of whatever a fresh plan says."""
+        saved = self._restored_plan
+        if saved is None or self.mode != "plan":
+            return
+        current = self.plan.to_dict() if self.plan else None
+        keys = ("micro_batch_size", "accumulate_grad_batches", "gradient_checkpointing")
+        if current is not None and all(current[k] == saved[k] for k in keys):
+            return
+        if current is not None and current["gradient_checkpointing"] and not saved["gradient_checkpointing"]:
+            self._warn("memfit: resuming without checkpointing as the run started, though a fresh plan would use it")
+        self._apply(trainer, pl_module, saved)
+        self.plan = Plan(**{**saved, "reasons": (*saved["reasons"], "restored from the checkpoint")})
+        if self._decision is not None:
+            self._decision.plan = saved
+
+    def _sample_batch(self, trainer: Any) -> Any:
+        if self.sample is not None:
+            return self.sample
+        loader = trainer.fit_loop._data_source.dataloader()
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise InvalidInputError(
+                f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
+            )
+        with _preserved_rng():  # taking a batch must not shift the run's shuffling
+            return next(iter(loader))
+
+    def _configured_batch(self, pl_module: Any) -> int | None:
+        parsing = self._pl.utilities.parsing
+        if parsing.lightning_hasattr(pl_module, self.batch_arg_name):
+            value = parsing.lightning_getattr(pl_module, self.batch_arg_name)
+            return value if isinstance(value, int) and value > 0 else None
+        return None
+
+    def _first_optimizer(self, pl_module: Any) -> Any:
+        from_module = self._pl.core.optimizer._init_optimizers_and_lr_schedulers
+        optimizers, _schedulers = from_module(pl_module)
+        if not optimizers:
+            return None
+        if len(optimizers) > 1:
+            self._warn("memfit plans with the first of several optimizers")
+        optimizer = optimizers[0]
+        return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the torch one
+
+    # -------------------------------------------------------------- measuring
+    def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
+        decision = self._decision
+        if decision is None or decision.predicted_allocated_bytes is None:
+            return
+        try:
+            self._baseline_rss = current_rss_bytes()
+            self._sampler = PeakSampler(trainer.strategy.root_device)
+            self._monitor = DriftMonitor(
+                predicted_allocated_bytes=decision.predicted_allocated_bytes,
+                predicted_reserved_bytes=decision.predicted_reserved_bytes or decision.predicted_allocated_bytes,
+                margin=self.margin,
+                baseline_rss_bytes=self._baseline_rss,
+                resident_bytes=self._resident_bytes,
+            )
+        except Exception as error:
+            self._sampler = None
+            self._warn(f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift is logged.")
+            return
+        if trainer.is_global_zero and decision.plan is not None and not self._hparams_logged:
+            self._hparams_logged = True
+            params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
+            params["memfit/mode"] = self.mode
+            for logger in trainer.loggers:
+                with contextlib.suppress(Exception):
+                    logger.log_hyperparams(params)
+
+    def _maybe_log_drift(self, trainer: Any) -> None:
+        if self._sampler is None or self._monitor is None:
+            return
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 50
+        if step == self._last_logged_step or step == 0 or step % every:
+            return
+        self._last_logged_step = step
+        self._record(trainer, step)
+
+    def _log_final_drift(self, trainer: Any) -> None:
+        if self._monitor is None or self._sampler is None:
+            return
+        if trainer.global_step != self._last_logged_step:
+            self._record(trainer, trainer.global_step)
+        history = [d for d in self._monitor.history if d.drift_pct is not None]
+        if history and self.verbose:
+            worst = max(history, key=lambda d: d.drift_pct)
+            cuda = worst.sample.reserved_bytes is not None
+            predicted = worst.predicted_reserved_bytes if cuda else worst.predicted_allocated_bytes
+            self._info(
+                f"memfit drift: predicted peak {format_bytes(predicted)}, measured up to "
+                f"{format_bytes(worst.compared_bytes)} ({worst.drift_pct:+.1f}%) over {len(history)} window(s)"
+            )
+
+    def _record(self, trainer: Any, step: int) -> None:
+        try:
+            drift = self._monitor.observe(step, self._sampler.sample())
+        except Exception as error:
+            self._sampler = None
+            self._warn(f"memfit stopped measuring ({type(error).__name__}: {error}); training goes on.")
+            return
+        if not trainer.is_global_zero:
+            return
+        for alarm in drift.alarms:
+            self._warn("memfit: " + alarm)
+        metrics = drift.metrics()
+        for logger in trainer.loggers:
+            try:
+                logger.log_metrics(metrics, step=step)
+            except Exception as error:
+                self._warn(f"memfit could not log to {type(logger).__name__} ({error})")
+
+    # ------------------------------------------------------------------ utils
+    def _warn(self, message: str) -> None:
+        self._pl.utilities.rank_zero_warn(message)
+
+    def _info(self, message: str) -> None:
+        self._pl.utilities.rank_zero_info(message)
+
+
+def _summary(plan_dict: dict[str, Any]) -> str:
+    target = plan_dict["target_batch_size"]
+    return (
+        f"micro batch {plan_dict['micro_batch_size']} x accumulation {plan_dict['accumulate_grad_batches']} x "
+        f"{plan_dict['world_size']} device(s) = {plan_dict['effective_batch_size']}"
+        + (f" (target {target})" if target else "")
+        + (", checkpointing on" if plan_dict["gradient_checkpointing"] else "")
+        + f"; predicted peak {format_bytes(plan_dict['predicted_peak_bytes'])} within "
+        f"{format_bytes(plan_dict['budget_bytes'])}"
+    )
+
+
+def _training_step(module: nn.Module, batch: Any) -> Any:
+    """Call ``training_step`` as the loop would, with ``self.log`` silenced (no loop to log to)."""
+    with _logging_silenced(module):
+        return module.training_step(batch, 0)
+
+
+def _loss_of_training_step(output: Any, batch: Any) -> torch.Tensor:
+    if isinstance(output, dict):
+        output = output.get("loss")
+    if not isinstance(output, torch.Tensor):
+        raise InvalidInputError("training_step must return the loss (a tensor or a dict with 'loss') to be planned")
+    return output
+
+
+@contextlib.contextmanager
+def _logging_silenced(module: Any) -> Iterator[None]:
+    def silent(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    had = {name: name in vars(module) for name in ("log", "log_dict")}
+    module.log, module.log_dict = silent, silent
+    try:
+        yield
+    finally:
+        for name, present in had.items():
+            if not present:
+                vars(module).pop(name, None)
+
+
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    state = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _all_gather_ints(strategy: Any, value: int) -> Sequence[int]:
+    if getattr(strategy, "world_size", 1) <= 1:
+        return [value]
+    gathered = strategy.all_gather(torch.tensor([value], dtype=torch.int64, device=strategy.root_device))
+    return [int(v) for v in gathered.flatten().tolist()]
+
+
+def _available_ram_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _parse_budget(budget: int | str | None) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, str) and not any(ch.isdigit() for ch in budget[:1]):
+        return gpu_by_name(budget).memory_bytes
+    try:
+        value = parse_bytes(budget)
+    except ValueError as error:
+        raise InvalidInputError(f"`budget` {error}; or name a GPU such as 'h100'") from None
+    if value <= 0:
+        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
+    return value
+
+
+def _check_positive(name: str, value: Any, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"`{name}` must be a positive integer{extra}, got {value!r}")

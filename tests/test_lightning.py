@@ -1,0 +1,225 @@
+"""MemoryPlanner with a real lightning.Trainer on CPU and real loggers whose files are read back."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+
+import memfit
+from lightning_models import SEQ, ModuleForDataModule, NoBatchAttribute, ReadsValues, TinyGPT, TokenData
+from memfit.lightning import MemoryPlanner
+
+MARGIN = 0.05
+DRIFT_KEYS = {
+    "memfit/predicted_peak_allocated_bytes",
+    "memfit/measured_peak_rss_bytes",
+    "memfit/measured_tensor_bytes_from_rss",
+    "memfit/drift_rss_pct",
+}
+
+
+def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12) -> int:
+    """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``."""
+    ids = torch.zeros(configured, SEQ, dtype=torch.long)
+    estimate = memfit.estimate(
+        module, (ids,), device="cpu", forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0])
+    )
+    low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
+    assert low < high
+    return math.ceil((low + high) / 2 / (1 - MARGIN))
+
+
+def trainer(tmp_path: Path, callback: MemoryPlanner, loggers: list | None = None, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=kwargs.pop("max_steps", 6),
+        callbacks=[callback],
+        logger=loggers if loggers is not None else CSVLogger(tmp_path),
+        log_every_n_steps=kwargs.pop("log_every_n_steps", 2),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def read_csv_metrics(logger: CSVLogger) -> list[dict[str, str]]:
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_plan_sets_micro_batch_and_accumulation_and_keeps_the_effective_batch(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN)
+    fit = trainer(tmp_path, callback)
+    fit.fit(module)
+    assert module.batch_size == 3
+    assert fit.train_dataloader.batch_size == 3
+    assert fit.accumulate_grad_batches == 4
+    assert set(module.seen_batch_sizes) == {3}
+    plan = callback.plan
+    assert plan is not None and plan.effective_batch_size == plan.target_batch_size == 12
+    assert plan.largest_micro_batch == 3 and not plan.gradient_checkpointing
+    assert fit.global_step == 6  # 6 optimizer steps of 4 micro batches each
+    assert len(module.seen_batch_sizes) == 24
+
+
+def test_csv_tensorboard_and_mlflow_receive_the_documented_keys(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    module = TinyGPT(batch_size=12)
+    csv_logger = CSVLogger(tmp_path / "csv")
+    tb_logger = TensorBoardLogger(tmp_path / "tb")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_logger = MLFlowLogger(experiment_name="memfit", tracking_uri=uri)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 4), margin=MARGIN)
+    trainer(tmp_path, callback, loggers=[csv_logger, tb_logger, mlflow_logger]).fit(module)
+
+    rows = [r for r in read_csv_metrics(csv_logger) if r.get("memfit/drift_rss_pct")]
+    assert {int(r["step"]) for r in rows} == {2, 4, 6}
+    assert set(rows[0]) >= DRIFT_KEYS
+    for row in rows:
+        assert int(float(row["memfit/predicted_peak_allocated_bytes"])) == callback._decision.predicted_allocated_bytes
+        assert float(row["memfit/measured_peak_rss_bytes"]) > 50 * 2**20  # a Python process with torch loaded
+        assert math.isfinite(float(row["memfit/drift_rss_pct"]))
+    hparams = (Path(csv_logger.log_dir) / "hparams.yaml").read_text()
+    assert "memfit/micro_batch_size: 4" in hparams and "memfit/accumulate_grad_batches: 3" in hparams
+
+    events = EventAccumulator(str(tb_logger.log_dir))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert scalars >= DRIFT_KEYS
+    assert [e.step for e in events.Scalars("memfit/drift_rss_pct")] == [2, 4, 6]
+
+    run = mlflow.tracking.MlflowClient(tracking_uri=uri).get_run(mlflow_logger.run_id)
+    assert set(run.data.metrics) >= DRIFT_KEYS
+    assert run.data.params["memfit/micro_batch_size"] == "4"
+    assert float(run.data.params["memfit/predicted_peak_bytes"]) > 0
+
+
+def test_observe_mode_changes_nothing_and_still_logs(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN, mode="observe")
+    fit = trainer(tmp_path, callback, max_steps=4)
+    fit.fit(module)
+    assert module.batch_size == 12 and fit.accumulate_grad_batches == 1
+    assert set(module.seen_batch_sizes) == {12}
+    rows = [r for r in read_csv_metrics(fit.logger) if r.get("memfit/drift_rss_pct")]
+    assert len(rows) == 2
+
+
+def test_batch_size_on_the_datamodule_is_planned(tmp_path: Path) -> None:
+    module = ModuleForDataModule()
+    data = TokenData(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 6), margin=MARGIN)
+    fit = trainer(tmp_path, callback, max_steps=2)
+    fit.fit(module, datamodule=data)
+    assert data.batch_size == 6 and fit.accumulate_grad_batches == 2
+    assert set(module.seen_batch_sizes) == {6}
+
+
+def test_target_max_takes_the_largest_micro_batch(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=2)
+    callback = MemoryPlanner(
+        budget=budget_for_micro_batch(module, 5, configured=2), margin=MARGIN, target_batch_size="max"
+    )
+    fit = trainer(tmp_path, callback, max_steps=2)
+    fit.fit(module)
+    assert module.batch_size == 5 and fit.accumulate_grad_batches == 1
+
+
+def test_budget_too_small_even_with_checkpointing_fails_before_training(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=12)
+    fit = trainer(tmp_path, MemoryPlanner(budget=100_000))
+    with pytest.raises(memfit.InsufficientMemoryError) as error:
+        fit.fit(module)
+    assert "micro batch 1 does not fit even with checkpointing" in str(error.value)
+    assert "against a budget of 92.77 KiB (97.66 KiB capacity, 5% margin)" in str(error.value)
+    assert "with checkpointing)" in str(error.value)
+    assert fit.global_step == 0 and module.seen_batch_sizes == []
+
+
+def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=12, n_layer=4)
+    ids = torch.zeros(12, SEQ, dtype=torch.long)
+    kwargs = {"device": "cpu", "forward_fn": lambda m, b: m.model(input_ids=b[0], labels=b[0])}
+    plain = memfit.estimate(module, (ids,), **kwargs)
+    checkpointed = memfit.estimate(module, (ids,), gradient_checkpointing=True, **kwargs)
+    budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
+    assert checkpointed.at(1).device_bytes < plain.at(1).device_bytes
+    callback = MemoryPlanner(budget=budget, margin=MARGIN)
+    fit = trainer(tmp_path, callback, max_steps=1)
+    fit.fit(module)
+    assert callback.plan.gradient_checkpointing
+    assert module.model.is_activation_checkpointing
+
+
+def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> None:
+    module = NoBatchAttribute()
+    fit = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(TinyGPT(), 3), margin=MARGIN), max_steps=2)
+    with pytest.warns(UserWarning, match="found no `batch_size`"):
+        fit.fit(module)
+    assert fit.accumulate_grad_batches == 1 and set(module.seen_batch_sizes) == {12}
+
+
+def test_a_model_memfit_cannot_trace_still_trains(tmp_path: Path) -> None:
+    module = ReadsValues(batch_size=12)
+    fit = trainer(tmp_path, MemoryPlanner(budget="1GiB"), max_steps=2)
+    with pytest.warns(UserWarning, match="memfit could not plan this run.*reads tensor values"):
+        fit.fit(module)
+    assert fit.global_step == 2 and module.batch_size == 12 and fit.accumulate_grad_batches == 1
+
+
+def test_resume_keeps_the_plan_of_the_first_run(tmp_path: Path) -> None:
+    module = TinyGPT(batch_size=12)
+    first = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN), max_steps=2,
+                    enable_checkpointing=True)  # fmt: skip
+    first.fit(module)
+    checkpoint = first.checkpoint_callback.best_model_path
+    assert checkpoint
+
+    resumed_module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(resumed_module, 6), margin=MARGIN)  # would plan 6 x 2
+    second = trainer(tmp_path, callback, max_steps=4)
+    second.fit(resumed_module, ckpt_path=checkpoint)
+    assert resumed_module.batch_size == 3 and second.accumulate_grad_batches == 4
+    assert set(resumed_module.seen_batch_sizes) == {3}
+    assert "restored from the checkpoint" in callback.plan.reasons
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"margin": 1.5}, "`margin` must be a fraction"),
+        ({"mode": "apply"}, "`mode` must be one of 'plan', 'observe', got 'apply'"),
+        ({"target_batch_size": 0}, "`target_batch_size` must be a positive integer, 'max' or None, got 0"),
+        ({"budget": "12 parsecs"}, "could not read '12 parsecs'"),
+        ({"budget": "h1000"}, "unknown GPU 'h1000'; did you mean H100"),
+        ({"log_every_n_steps": 0}, "`log_every_n_steps` must be a positive integer"),
+    ],
+)
+def test_constructor_validates_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MemoryPlanner(**kwargs)
+
+
+def test_gpu_name_budget_and_pytorch_lightning_namespace() -> None:
+    assert MemoryPlanner(budget="H100-80GB").budget_bytes == 80 * 2**30
+    pl_namespace = pytest.importorskip("memfit.pytorch_lightning")
+    import pytorch_lightning
+
+    assert isinstance(pl_namespace.MemoryPlanner(), pytorch_lightning.Callback)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(MemoryPlanner(), L.pytorch.Callback)
