@@ -88,11 +88,15 @@ def test_plan_fits_is_maximal_and_keeps_the_effective_batch(estimate, capacity, 
     cap = min(max_batch or 1 << 31, math.ceil(target / world))
     largest = chosen.largest_micro_batch
     assert largest == cap or estimate.at(largest + 1).device_bytes > budget
-    # fewest accumulation steps, then the smallest micro batch for them
+    # fewest accumulation steps, or a few more for an exact split; then the smallest micro batch for them
     per_device = math.ceil(target / world)
-    assert chosen.accumulate_grad_batches == math.ceil(per_device / largest)
+    fewest = math.ceil(per_device / largest)
+    exact = [a for a in range(fewest, 2 * fewest + 1) if per_device % a == 0 and per_device // a >= largest / 2]
+    assert chosen.accumulate_grad_batches == (exact[0] if exact else fewest)
     assert chosen.micro_batch_size * chosen.accumulate_grad_batches >= per_device
     assert (chosen.micro_batch_size - 1) * chosen.accumulate_grad_batches < per_device
+    if exact and target % world == 0:
+        assert chosen.effective_batch_size == target
     assert chosen.effective_batch_size == chosen.micro_batch_size * chosen.accumulate_grad_batches * world
     assert chosen.effective_batch_size >= target
     differs = any("differs from the target" in reason for reason in chosen.reasons)
@@ -183,6 +187,16 @@ def test_bad_plan_arguments(kwargs, match) -> None:
         plan(linear_estimate(GiB, MiB), 10 * GiB, **kwargs)
     with pytest.raises(InvalidInputError, match="capacity_bytes"):
         plan(linear_estimate(GiB, MiB), 0)
+
+
+def test_an_exact_split_beats_the_fewest_steps() -> None:
+    estimate = linear_estimate(1 * GiB, 1 * GiB, context=None)
+    chosen = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=32)  # 7 samples fit
+    assert chosen.largest_micro_batch == 7
+    assert (chosen.micro_batch_size, chosen.accumulate_grad_batches, chosen.effective_batch_size) == (4, 8, 32)
+    odd = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=31)  # prime: no exact split under 7
+    assert (odd.micro_batch_size, odd.accumulate_grad_batches, odd.effective_batch_size) == (7, 5, 35)
+    assert any("differs from the target 31" in reason for reason in odd.reasons)
 
 
 def test_plan_on_a_real_trace() -> None:

@@ -4,9 +4,10 @@ Pure arithmetic over ``MemoryEstimate`` objects: no framework, no device. The ru
 
 * budget = capacity x (1 - margin); a micro batch fits when its predicted peak is within budget;
 * the effective batch (micro x accumulation x world size) is a hyperparameter: keep the target
-  (by default what the user configured), using the fewest accumulation steps that fit, and say
-  so when integer arithmetic cannot hit it exactly; ``"max"`` instead maximises the micro batch
-  with no accumulation, as Lightning's ``BatchSizeFinder`` does;
+  (by default what the user configured) with the fewest accumulation steps that fit, taking a few
+  more steps when that splits the target exactly, and say so when integer arithmetic cannot hit
+  it; ``"max"`` instead maximises the micro batch with no accumulation, as Lightning's
+  ``BatchSizeFinder`` does;
 * activation checkpointing costs time (about 20-30 % per step: a second forward), so it is turned
   on only when the minimum micro batch does not fit without it, or when it buys a markedly larger
   micro batch for a run that would otherwise crawl (``CHECKPOINTING_MIN_GAIN``).
@@ -165,12 +166,12 @@ def plan(
         accumulation = 1
         reasons.append(f"largest micro batch that fits: {micro}")
     else:
-        accumulation = math.ceil(per_device_target / micro)
+        accumulation = _accumulation_steps(per_device_target, micro)
         micro = math.ceil(per_device_target / accumulation)  # same steps, smallest micro batch
         if accumulation > 1:
             reasons.append(
                 f"micro batch {largest_micro} is the largest that fits; {accumulation} accumulation "
-                "steps keep the effective batch"
+                f"steps of {micro} keep the effective batch"
             )
         else:
             reasons.append(f"the target fits in one micro batch of {micro}")
@@ -196,6 +197,19 @@ def plan(
         largest_micro_batch=largest_micro,
         reasons=tuple(reasons),
     )
+
+
+def _accumulation_steps(per_device_target: int, largest: int) -> int:
+    """Fewest steps whose micro batch fits; a few more steps if that hits the target exactly.
+
+    The effective batch is a hyperparameter, so an exact split (32 = 4 x 8) is preferred to the
+    fewest steps (7 x 5 = 35), as long as the micro batch stays at least half the largest that fits.
+    """
+    fewest = math.ceil(per_device_target / largest)
+    for steps in range(fewest, 2 * fewest + 1):
+        if per_device_target % steps == 0 and per_device_target // steps >= largest / 2:
+            return steps
+    return fewest
 
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:
