@@ -7,6 +7,7 @@ their namespace's ``Callback`` and utilities; everything memory-related lives in
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -186,7 +187,7 @@ class MemoryPlannerBase:
             "optimizer": optimizer,
             "precision": precision,
             "device": device.type,
-            "forward_fn": _training_step,
+            "forward_fn": functools.partial(_training_step, device=device),
             "loss_fn": _loss_of_training_step,
             "checkpoint_modules": self.checkpoint_modules,
         }
@@ -390,10 +391,25 @@ def _summary(plan_dict: dict[str, Any]) -> str:
     )
 
 
-def _training_step(module: nn.Module, batch: Any) -> Any:
-    """Call ``training_step`` as the loop would, with ``self.log`` silenced (no loop to log to)."""
-    with _logging_silenced(module):
+def _training_step(module: nn.Module, batch: Any, *, device: torch.device) -> Any:
+    """Call ``training_step`` as the loop would: ``self.log`` silenced (no loop to log to yet) and
+    ``self.device`` already the training device (the strategy moves the module only after setup)."""
+    with _logging_silenced(module), _device_reported_as(module, device):
         return module.training_step(batch, 0)
+
+
+@contextlib.contextmanager
+def _device_reported_as(module: Any, device: torch.device) -> Iterator[None]:
+    previous = vars(module).get("_device", None)
+    had = "_device" in vars(module)
+    module._device = device
+    try:
+        yield
+    finally:
+        if had:
+            module._device = previous
+        else:
+            vars(module).pop("_device", None)
 
 
 def _loss_of_training_step(output: Any, batch: Any) -> torch.Tensor:
