@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from memfit.batch import infer_batch_size
+from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.drift import DriftMonitor
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
-from memfit.gpus import gpu_by_name
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import format_bytes
 
 __all__ = ["MemoryPlannerBase"]
 
@@ -63,7 +63,7 @@ class MemoryPlannerBase:
         verbose: bool = True,
     ) -> None:
         super().__init__()
-        self.budget_bytes = _parse_budget(budget)
+        self.budget_bytes = parse_budget(budget)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
         if target_batch_size is not None and target_batch_size != "max":
@@ -146,16 +146,7 @@ class MemoryPlannerBase:
         """Bytes this rank may use: the explicit budget, or the device's free memory now (0 if unknown)."""
         if self.budget_bytes is not None:
             return self.budget_bytes
-        device = trainer.strategy.root_device
-        try:
-            if device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(device)
-                return int(free) + int(torch.cuda.memory_reserved(device))
-            if device.type == "cpu":
-                return _available_ram_bytes()
-        except Exception:
-            return 0
-        return 0
+        return free_device_bytes(trainer.strategy.root_device)
 
     def _decide_on_rank_zero(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         try:
@@ -449,28 +440,6 @@ def _all_gather_ints(strategy: Any, value: int) -> Sequence[int]:
         return [value]
     gathered = strategy.all_gather(torch.tensor([value], dtype=torch.int64, device=strategy.root_device))
     return [int(v) for v in gathered.flatten().tolist()]
-
-
-def _available_ram_bytes() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _parse_budget(budget: int | str | None) -> int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, str) and not any(ch.isdigit() for ch in budget[:1]):
-        return gpu_by_name(budget).memory_bytes
-    try:
-        value = parse_bytes(budget)
-    except ValueError as error:
-        raise InvalidInputError(f"`budget` {error}; or name a GPU such as 'h100'") from None
-    if value <= 0:
-        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
-    return value
 
 
 def _check_positive(name: str, value: Any, extra: str = "") -> None:

@@ -109,9 +109,14 @@ def trace_steps(
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
     with preserved_module_state(model), preserved_rng_state(), onednn_disabled():
         model.train()
-        if settings.gradient_checkpointing:
+        already_on = _hf_checkpointing_on(model)
+        if settings.gradient_checkpointing or (already_on and semantics is not None):
+            # Emulated CUDA semantics must reach checkpointing's recomputation, so a model that
+            # already checkpoints gets its checkpoint function re-wired for the trace.
             recompute = semantics.recomputation if semantics is not None else None
             checkpointing = enable_checkpointing(model, settings.checkpoint_modules, recompute_context=recompute)
+        elif already_on:
+            checkpointing = "the model's own checkpointing, as configured"
         paths = module_path_tracker(model)
         with fake_mode, recorder, paths:
             fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
@@ -303,6 +308,13 @@ def _call_sample_factory(factory: Callable[[int], Any], batch_size: int) -> Any:
         raise InvalidInputError(
             f"the sample factory failed for batch_size={batch_size}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    return any(
+        getattr(m, "gradient_checkpointing", False) is True and hasattr(m, "_gradient_checkpointing_func")
+        for m in model.modules()
+    )
 
 
 def _unique(values: Any) -> list[Any]:

@@ -1,0 +1,55 @@
+"""How much memory a run may use: an explicit budget, a GPU name, or what the device has free now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from memfit.errors import InvalidInputError
+from memfit.gpus import gpu_by_name
+from memfit.units import parse_bytes
+
+__all__ = ["available_ram_bytes", "free_device_bytes", "parse_budget"]
+
+
+def parse_budget(budget: int | str | None) -> int | None:
+    """``None`` (measure later), bytes, a size such as ``"20GiB"``, or a GPU name such as ``"h100"``."""
+    if budget is None:
+        return None
+    if isinstance(budget, str) and budget.strip()[:1].isalpha():
+        return gpu_by_name(budget).memory_bytes
+    try:
+        value = parse_bytes(budget)
+    except ValueError as error:
+        raise InvalidInputError(f"`budget` {error}; or name a GPU such as 'h100'") from None
+    if value <= 0:
+        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
+    return value
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Memory this process could still use on ``device`` now: free memory plus what its own caching
+    allocator holds (CUDA), or the machine's available RAM (CPU). ``0`` when it cannot be told."""
+    try:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free) + int(torch.cuda.memory_reserved(device))
+        if device.type == "cpu":
+            return available_ram_bytes()
+    except Exception:
+        return 0
+    return 0
+
+
+def available_ram_bytes() -> int:
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    return int(psutil.virtual_memory().available)

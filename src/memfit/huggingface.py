@@ -1,0 +1,353 @@
+"""Hugging Face ``transformers.Trainer``: plan the batch before the Trainer exists, log drift while it trains.
+
+``Trainer.__init__`` copies ``per_device_train_batch_size`` into the Trainer before any callback
+runs and never hands callbacks the Trainer, so no callback can change the micro batch. memfit
+therefore plans in two places:
+
+    from memfit.huggingface import MemoryPlannerCallback, plan_training_arguments
+
+    planned = plan_training_arguments(model, args, train_dataset, budget="h100")  # batch, accumulation, ckpt
+    trainer = Trainer(model=model, args=planned.args, train_dataset=train_dataset,
+                      callbacks=[MemoryPlannerCallback(plan=planned.plan)])      # drift to every report_to tracker
+
+``plan_training_arguments`` traces the real model with the optimizer ``args.optim`` names, the
+precision of ``args.bf16`` / ``args.fp16`` and a batch collated from ``train_dataset`` as the
+Trainer would collate it, and returns a copy of ``args`` with ``per_device_train_batch_size``,
+``gradient_accumulation_steps`` and ``activation_checkpointing`` planned. ``MemoryPlannerCallback``
+predicts the peak of what actually runs at ``on_train_begin`` and logs measured vs predicted
+memory every ``logging_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+try:
+    from transformers import TrainerCallback, TrainingArguments
+    from transformers.trainer import Trainer
+    from transformers.trainer_utils import get_last_checkpoint
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
+
+from memfit.capacity import free_device_bytes, parse_budget
+from memfit.drift import DriftMonitor
+from memfit.errors import InvalidInputError, MemfitError
+from memfit.estimate import MemoryEstimate, estimate
+from memfit.measure import PeakSampler, current_rss_bytes
+from memfit.planner import Plan, plan
+from memfit.units import format_bytes
+
+__all__ = ["PLAN_FILE", "MemoryPlannerCallback", "PlannedArguments", "plan_training_arguments"]
+
+PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
+
+
+class PlannedArguments(NamedTuple):
+    """``TrainingArguments`` with the plan applied, the plan, and the estimate behind it."""
+
+    args: TrainingArguments
+    plan: Plan
+    estimate: MemoryEstimate
+
+
+def plan_training_arguments(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    train_dataset: Any,
+    *,
+    data_collator: Any = None,
+    processing_class: Any = None,
+    budget: int | str | None = None,
+    margin: float = 0.05,
+    target_batch_size: int | Literal["max"] | None = None,
+    allow_checkpointing: bool = True,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    resume_from_checkpoint: str | bool | None = None,
+) -> PlannedArguments:
+    """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
+
+    Args:
+        model, args, train_dataset, data_collator, processing_class: what you will pass to ``Trainer``.
+        budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the
+            device the run will use (the CUDA GPU if there is one, else the available RAM).
+        margin: fraction of the budget kept free.
+        target_batch_size: effective batch to keep; default ``per_device_train_batch_size x
+            gradient_accumulation_steps x world_size``; ``"max"`` for the largest micro batch.
+        resume_from_checkpoint: as for ``Trainer.train``: when the checkpoint holds a memfit plan,
+            that plan is returned unchanged so a resumed run keeps its batch.
+
+    Returns:
+        ``PlannedArguments(args, plan, estimate)``; ``args`` is a copy, the input is not changed.
+    """
+    if not isinstance(args, TrainingArguments):
+        raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+    budget_bytes = parse_budget(budget)
+    configured = args.per_device_train_batch_size
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+    sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class)
+    optimizer = _optimizer_factory(args, model)
+    precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
+    kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
+    traced = estimate(model, sample, batch_size=configured, **kwargs)
+
+    restored = _saved_plan(args, resume_from_checkpoint)
+    if restored is not None:
+        chosen = Plan(**{**restored, "reasons": (*restored["reasons"], "restored from the checkpoint")})
+    else:
+        capacity = budget_bytes or free_device_bytes(device)
+        if capacity <= 0:
+            raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
+        target = target_batch_size or configured * args.gradient_accumulation_steps * args.world_size
+        chosen = plan(
+            traced,
+            capacity,
+            margin=margin,
+            target_batch_size=target,
+            world_size=args.world_size,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            allow_checkpointing=allow_checkpointing,
+            checkpointed=lambda: estimate(model, sample, batch_size=configured, gradient_checkpointing=True, **kwargs),
+            include_context=device.type == "cuda" and budget_bytes is not None,
+        )
+    # transformers 5 calls the switch activation_checkpointing; 4.x called it gradient_checkpointing
+    switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    planned = dataclasses.replace(
+        args,
+        per_device_train_batch_size=chosen.micro_batch_size,
+        gradient_accumulation_steps=chosen.accumulate_grad_batches,
+        **{switch: chosen.gradient_checkpointing or bool(getattr(args, switch))},
+    )
+    return PlannedArguments(planned, chosen, traced)
+
+
+def collated_sample(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    train_dataset: Any,
+    batch_size: int,
+    data_collator: Any = None,
+    processing_class: Any = None,
+) -> Any:
+    """One batch as the Trainer would build it: unused columns dropped, the Trainer's default collator."""
+    if train_dataset is None or len(train_dataset) == 0:
+        raise InvalidInputError("train_dataset is empty or None: memfit needs one batch of it to plan")
+    if data_collator is None:
+        from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
+
+        use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
+        data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
+    examples = [train_dataset[i % len(train_dataset)] for i in range(batch_size)]
+    batch = data_collator(examples)
+    if args.remove_unused_columns and isinstance(batch, dict):
+        accepted = set(inspect.signature(model.forward).parameters) | {"labels"}
+        batch = {key: value for key, value in batch.items() if key in accepted}
+    return dict(batch) if isinstance(batch, dict) else batch
+
+
+def _optimizer_factory(args: TrainingArguments, model: torch.nn.Module) -> Any:
+    """The optimizer ``args.optim`` names, built the way the Trainer builds it."""
+    try:
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except Exception as error:
+        raise InvalidInputError(f"cannot build the optimizer {args.optim!r} to trace it: {error}") from error
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        return optimizer_cls(params, **optimizer_kwargs)
+
+    build.__name__ = getattr(optimizer_cls, "__name__", str(args.optim))
+    return build
+
+
+def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:
+    if not resume_from_checkpoint:
+        return None
+    folder = get_last_checkpoint(args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+    if folder is None:
+        return None
+    path = Path(folder) / PLAN_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+class MemoryPlannerCallback(TrainerCallback):
+    """Measure peak memory while the Trainer trains and log it against memfit's prediction.
+
+    At ``on_train_begin`` the callback traces the model with the batch size, accumulation,
+    precision, optimizer and checkpointing that are about to run (one batch built from the train
+    dataloader's dataset and collator). Every ``logging_steps`` it reads the peaks of the window
+    and adds the metrics below to the Trainer's logs *before* the ``report_to`` trackers see them
+    (it moves itself to the front of the Trainer's callback list for that), so TensorBoard, MLflow,
+    W&B and the rest all receive them. The plan from ``plan_training_arguments`` is saved into each
+    checkpoint (``memfit_plan.json``) so a resumed run keeps it.
+
+    Logged keys (only those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
+    ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,
+    ``memfit/measured_peak_reserved_bytes``, ``memfit/drift_allocated_pct``,
+    ``memfit/drift_reserved_pct``, ``memfit/measured_device_used_bytes`` (CUDA; NVML with
+    ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes``, ``memfit/measured_tensor_bytes_from_rss``,
+    ``memfit/drift_rss_pct`` (CPU). With a plan, the first log also carries ``memfit/micro_batch_size``,
+    ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing`` and
+    ``memfit/effective_batch_size``.
+
+    Any failure inside memfit becomes one warning and training goes on untouched.
+
+    Args:
+        plan: the ``Plan`` returned by ``plan_training_arguments`` (optional; logged and checkpointed).
+        margin: drift above this fraction of the prediction raises a warning (once).
+        verbose: log the prediction and the final drift line.
+    """
+
+    def __init__(self, plan: Plan | None = None, margin: float = 0.05, verbose: bool = True) -> None:
+        if plan is not None and not isinstance(plan, Plan):
+            raise InvalidInputError(f"`plan` must be a memfit.Plan or None, got {type(plan).__name__}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
+        self.plan = plan
+        self.margin = float(margin)
+        self.verbose = verbose
+        self.estimate: MemoryEstimate | None = None
+        self.monitor: DriftMonitor | None = None
+        self._sampler: PeakSampler | None = None
+        self._pending: dict[str, float] = {}
+        self._first_log = True
+        self._warned: set[str] = set()
+
+    # ---------------------------------------------------------------- events
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._move_to_front():
+            self._warn(
+                "front",
+                "memfit could not place its callback before the report_to trackers; its metrics reach only "
+                "trackers that run after it (and the logs printed to the console)",
+            )
+        if self.plan is not None and args.per_device_train_batch_size != self.plan.micro_batch_size:
+            self._warn(
+                "mismatch",
+                f"the Trainer runs per_device_train_batch_size={args.per_device_train_batch_size}, not the planned "
+                f"{self.plan.micro_batch_size}: pass the args returned by plan_training_arguments to Trainer",
+            )
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        try:
+            self._predict(args, kwargs.get("model"), kwargs.get("train_dataloader"))
+        except MemfitError as error:
+            self._warn("predict", f"memfit could not predict this run ({error}); no drift is logged")
+        except Exception as error:  # never let memfit end the run
+            self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        every = state.logging_steps or args.logging_steps
+        if self._sampler is None or not state.global_step or state.global_step % max(1, int(every)):
+            return
+        try:
+            drift = self.monitor.observe(state.global_step, self._sampler.sample())
+        except Exception as error:
+            self._sampler = None
+            self._warn("measure", f"memfit stopped measuring ({type(error).__name__}: {error})")
+            return
+        for alarm in drift.alarms:
+            self._warn(alarm, "memfit: " + alarm)
+        self._pending.update(drift.metrics())
+
+    def on_log(
+        self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or not self._pending or "loss" not in logs:
+            return  # only training logs carry memory metrics
+        logs.update(self._pending)
+        if self._first_log and self.plan is not None:
+            for key in ("micro_batch_size", "accumulate_grad_batches", "effective_batch_size"):
+                logs[f"memfit/{key}"] = getattr(self.plan, key)
+            logs["memfit/gradient_checkpointing"] = int(self.plan.gradient_checkpointing)
+        self._first_log = False
+        self._pending = {}
+
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.plan is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            (folder / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2))
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None or not self.verbose or not state.is_world_process_zero:
+            return
+        measured = [d for d in self.monitor.history if d.drift_pct is not None]
+        if measured:
+            worst = max(measured, key=lambda d: d.drift_pct)
+            predicted = self.monitor.predicted_reserved_bytes if worst.sample.reserved_bytes is not None else (
+                self.monitor.predicted_allocated_bytes
+            )  # fmt: skip
+            _info(
+                f"memfit drift: predicted peak {format_bytes(predicted)}, measured up to "
+                f"{format_bytes(worst.compared_bytes)} ({worst.drift_pct:+.1f}%) over {len(measured)} window(s)"
+            )
+
+    # --------------------------------------------------------------- helpers
+    def _predict(self, args: TrainingArguments, model: Any, loader: Any) -> None:
+        if model is None or loader is None:
+            raise InvalidInputError("the Trainer passed no model or train dataloader")
+        micro = args.per_device_train_batch_size
+        sample = loader.collate_fn([loader.dataset[i % len(loader.dataset)] for i in range(micro)])
+        device = next(model.parameters()).device
+        precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
+        traced = estimate(
+            model,
+            dict(sample) if isinstance(sample, dict) else sample,
+            batch_size=micro,
+            optimizer=_optimizer_factory(args, model),
+            precision=precision,
+            device="cuda" if device.type == "cuda" else "cpu",
+        )
+        self.estimate = traced
+        resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        self.monitor = DriftMonitor(
+            predicted_allocated_bytes=traced.peak_allocated_bytes,
+            predicted_reserved_bytes=traced.peak_reserved_bytes,
+            margin=self.margin,
+            baseline_rss_bytes=current_rss_bytes(),
+            resident_bytes=resident,
+        )
+        self._sampler = PeakSampler(device)
+        if self.verbose:
+            _info(
+                f"memfit: predicted peak {format_bytes(traced.peak_reserved_bytes)} reserved, "
+                f"{format_bytes(traced.peak_allocated_bytes)} allocated at micro batch {micro}"
+                + (f" (plan: {self.plan.summary()})" if self.plan else "")
+            )
+
+    def _move_to_front(self) -> bool:
+        """Put this callback first in the Trainer's CallbackHandler so ``on_log`` can add keys the trackers see.
+
+        Callbacks are never handed the Trainer or its handler; the handler is found as the owner of
+        the list that holds this callback.
+        """
+        for holder in gc.get_referrers(self):
+            if not isinstance(holder, list):
+                continue
+            for owner in gc.get_referrers(holder):
+                if type(owner).__name__ == "CallbackHandler" and getattr(owner, "callbacks", None) is holder:
+                    holder.remove(self)
+                    holder.insert(0, self)
+                    return True
+        return False
+
+    def _warn(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _info(message: str) -> None:
+    print(message, flush=True)

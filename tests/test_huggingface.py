@@ -1,0 +1,175 @@
+"""plan_training_arguments and MemoryPlannerCallback with a real transformers.Trainer on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import memfit
+from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, plan_training_arguments
+
+SEQ = 32
+VOCAB = 500
+MARGIN = 0.05
+DRIFT_KEYS = {"memfit/predicted_peak_allocated_bytes", "memfit/measured_peak_rss_bytes", "memfit/drift_rss_pct"}
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 240) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index], "note": "not a model input"}
+
+
+def tiny_gpt2(layers: int = 2) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, loss_type="ForCausalLM")
+    return GPT2LMHeadModel(config)
+
+
+def training_args(tmp_path: Path, **kwargs) -> TrainingArguments:
+    defaults = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 12,
+        "max_steps": 6,
+        "logging_steps": 2,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    return TrainingArguments(**{**defaults, **kwargs})
+
+
+def budget_between(estimate: memfit.MemoryEstimate, micro: int) -> int:
+    low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
+    return math.ceil((low + high) / 2 / (1 - MARGIN))
+
+
+class BatchSizes:
+    """Record the batch size of every real forward (memfit's trace runs on fake tensors)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: list[int] = []
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is not None and not torch._subclasses.fake_tensor.is_fake(ids):
+            self.seen.append(ids.shape[0])
+
+
+def test_planned_arguments_take_effect_in_a_real_trainer(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path)
+    roomy = plan_training_arguments(model, args, data, budget="1GiB")
+    assert roomy.plan.micro_batch_size == 12 and roomy.args.gradient_accumulation_steps == 1
+    planned = plan_training_arguments(model, args, data, budget=budget_between(roomy.estimate, 3), margin=MARGIN)
+    assert args.per_device_train_batch_size == 12  # the input is left alone
+    assert (planned.args.per_device_train_batch_size, planned.args.gradient_accumulation_steps) == (3, 4)
+    assert planned.plan.effective_batch_size == 12
+
+    sizes = BatchSizes(model)
+    trainer = Trainer(
+        model=model, args=planned.args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=planned.plan)]
+    )
+    trainer.train()
+    assert trainer.state.train_batch_size == 3
+    assert trainer.state.global_step == 6
+    assert set(sizes.seen) == {3} and len(sizes.seen) == 24  # 6 steps x 4 micro batches
+
+
+def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(layers=4), Tokens()
+    args = training_args(tmp_path, max_steps=1)
+    plain = plan_training_arguments(model, args, data, budget="1GiB").estimate
+    sample = {"input_ids": data.ids[:12], "labels": data.ids[:12]}
+    checkpointed = memfit.estimate(model, sample, device="cpu", gradient_checkpointing=True)
+    budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
+    planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
+    assert planned.plan.gradient_checkpointing and planned.args.activation_checkpointing
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+    trainer.train()
+    assert model.is_activation_checkpointing
+
+
+def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "memfit-hf")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path, report_to=["tensorboard", "mlflow"])
+    planned = plan_training_arguments(model, args, data, budget="1GiB")
+    callback = MemoryPlannerCallback(plan=planned.plan)
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data, callbacks=[callback])
+    assert trainer.callback_handler.callbacks[0] is callback  # moved before the trackers
+    trainer.train()
+
+    event_files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert event_files
+    events = EventAccumulator(str(event_files[0].parent))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {f"train/{key}" for key in DRIFT_KEYS} <= scalars  # HF's TensorBoard callback prefixes train/
+    assert [e.step for e in events.Scalars("train/memfit/drift_rss_pct")] == [2, 4, 6]
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("memfit-hf")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert set(run.data.metrics) >= DRIFT_KEYS  # "/" is kept by HF's MLflow key sanitiser
+    assert run.data.metrics["memfit/micro_batch_size"] == 12
+    history = client.get_metric_history(run.info.run_id, "memfit/drift_rss_pct")
+    assert [m.step for m in history] == [2, 4, 6]
+
+
+def test_resume_keeps_the_plan_saved_in_the_checkpoint(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=2)
+    roomy = plan_training_arguments(model, args, data, budget="1GiB")
+    first = plan_training_arguments(model, args, data, budget=budget_between(roomy.estimate, 3), margin=MARGIN)
+    Trainer(
+        model=model, args=first.args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=first.plan)]
+    ).train()
+    saved = Path(args.output_dir) / "checkpoint-2" / PLAN_FILE
+    assert json.loads(saved.read_text())["micro_batch_size"] == 3
+
+    resumed = plan_training_arguments(model, args, data, budget="1GiB", resume_from_checkpoint=True)
+    assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (3, 4)
+    assert "restored from the checkpoint" in resumed.plan.reasons
+
+
+def test_callback_without_a_plan_observes_and_warns_on_mismatch(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path, max_steps=2)
+    other_plan = plan_training_arguments(model, args, data, budget="1GiB").plan
+    mismatched = memfit.Plan(**{**other_plan.to_dict(), "micro_batch_size": 5, "reasons": ()})
+    with pytest.warns(UserWarning, match="not the planned 5"):
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=mismatched)])
+    callback = MemoryPlannerCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert callback.estimate is not None and callback.estimate.batch_size == 12
+    assert [d.step for d in callback.monitor.history] == [2]
+
+
+def test_bad_input() -> None:
+    with pytest.raises(memfit.InvalidInputError, match="TrainingArguments"):
+        plan_training_arguments(tiny_gpt2(), {"per_device_train_batch_size": 8}, Tokens())
+    with pytest.raises(memfit.InvalidInputError, match="`margin`"):
+        MemoryPlannerCallback(margin=2)
