@@ -111,6 +111,7 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)  # HF keeps a process-wide URI if one is set (Lightning's MLFlowLogger sets it)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "memfit-hf")
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     model, data = tiny_gpt2(), Tokens()

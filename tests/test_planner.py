@@ -199,6 +199,25 @@ def test_an_exact_split_beats_the_fewest_steps() -> None:
     assert any("differs from the target 31" in reason for reason in odd.reasons)
 
 
+def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_optimistic() -> None:
+    optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says 9 samples fit in 10 GiB
+    calls = []
+
+    def confirm(micro: int, checkpointing: bool) -> MemoryEstimate:
+        calls.append(micro)
+        return linear_estimate(2 * GiB, 1 * GiB, batch=micro, context=None)  # the real step is 1 GiB heavier
+
+    chosen = plan(optimistic, 10 * GiB, margin=0.0, target_batch_size="max", confirm=confirm)
+    assert calls == [9, 8]
+    assert chosen.micro_batch_size == 8 and chosen.predicted_peak_bytes == 10 * GiB
+    assert chosen.predicted_allocated_bytes == 10 * GiB
+    assert any("a trace at micro batch 9 predicts" in reason for reason in chosen.reasons)
+
+    with pytest.raises(InsufficientMemoryError, match="a trace at that size predicts"):
+        plan(linear_estimate(1 * GiB, 1 * GiB, context=None), 2 * GiB, margin=0.0, target_batch_size="max",
+             confirm=lambda micro, ckpt: linear_estimate(3 * GiB, 1 * GiB, batch=micro, context=None))  # fmt: skip
+
+
 def test_plan_on_a_real_trace() -> None:
     import zoo
 

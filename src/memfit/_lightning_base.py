@@ -203,6 +203,9 @@ class MemoryPlannerBase:
         def traced_with_checkpointing() -> MemoryEstimate:
             return estimate(pl_module, sample, batch_size=configured, gradient_checkpointing=True, **kwargs)
 
+        def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
+            return estimate(pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
+
         chosen = plan(
             traced,
             capacity,
@@ -214,11 +217,10 @@ class MemoryPlannerBase:
             allow_checkpointing=self.allow_checkpointing,
             checkpointed=traced_with_checkpointing,
             include_context=include_context,
+            confirm=traced_at,
         )
-        source = traced_with_checkpointing() if chosen.gradient_checkpointing else traced
-        peak = source.at(chosen.micro_batch_size)
         self.plan = chosen
-        return _Decision(chosen.to_dict(), peak.allocated_bytes, peak.reserved_bytes)
+        return _Decision(chosen.to_dict(), chosen.predicted_allocated_bytes, chosen.predicted_reserved_bytes)
 
     def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
         """Set micro batch, accumulation and checkpointing, all or nothing."""

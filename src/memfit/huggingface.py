@@ -117,6 +117,9 @@ def plan_training_arguments(
             allow_checkpointing=allow_checkpointing,
             checkpointed=lambda: estimate(model, sample, batch_size=configured, gradient_checkpointing=True, **kwargs),
             include_context=device.type == "cuda" and budget_bytes is not None,
+            confirm=lambda micro, ckpt: estimate(
+                model, sample, batch_size=micro, gradient_checkpointing=ckpt, **kwargs
+            ),
         )
     # transformers 5 calls the switch activation_checkpointing; 4.x called it gradient_checkpointing
     switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"

@@ -48,6 +48,8 @@ class Plan:
     budget_bytes: int
     margin: float
     largest_micro_batch: int
+    predicted_allocated_bytes: int = 0
+    predicted_reserved_bytes: int = 0
     reasons: tuple[str, ...] = field(default=())
 
     @property
@@ -67,6 +69,8 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "margin": self.margin,
             "largest_micro_batch": self.largest_micro_batch,
+            "predicted_allocated_bytes": self.predicted_allocated_bytes,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "reasons": list(self.reasons),
         }
 
@@ -96,6 +100,7 @@ def plan(
     allow_checkpointing: bool = True,
     checkpointed: EstimateSource = None,
     include_context: bool = True,
+    confirm: Callable[[int, bool], MemoryEstimate] | None = None,
 ) -> Plan:
     """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
 
@@ -109,6 +114,9 @@ def plan(
             demand (only called when checkpointing is considered).
         include_context: ``False`` when ``capacity_bytes`` was measured after CUDA started in this
             process, so the context is already outside it.
+        confirm: ``confirm(micro_batch, checkpointing)`` traces the step at the chosen micro batch; the
+            plan then uses that exact prediction instead of the interpolation, and steps down while it
+            is over budget (interpolating below the traced batch can underestimate).
 
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
@@ -162,27 +170,44 @@ def plan(
         )
 
     largest_micro = micro
-    if per_device_target is None:  # "max": the largest micro batch, no accumulation
-        accumulation = 1
-        reasons.append(f"largest micro batch that fits: {micro}")
-    else:
-        accumulation = _accumulation_steps(per_device_target, micro)
-        micro = math.ceil(per_device_target / accumulation)  # same steps, smallest micro batch
-        if accumulation > 1:
-            reasons.append(
-                f"micro batch {largest_micro} is the largest that fits; {accumulation} accumulation "
-                f"steps of {micro} keep the effective batch"
+    while True:
+        micro, accumulation = _split(per_device_target, largest_micro)
+        if confirm is None:
+            peak = chosen.at(micro)
+            allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
+            predicted = peak.device_bytes if include_context else peak.reserved_bytes
+            break
+        exact = confirm(micro, use_checkpointing)
+        allocated, reserved = exact.peak_allocated_bytes, exact.peak_reserved_bytes
+        predicted = exact.peak_bytes if include_context else exact.peak_reserved_bytes
+        if predicted <= budget:
+            break
+        if micro - 1 < min_batch_size:
+            raise InsufficientMemoryError(
+                f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} against "
+                f"a budget of {format_bytes(budget)} ({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin)."
             )
-        else:
-            reasons.append(f"the target fits in one micro batch of {micro}")
+        reasons.append(
+            f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the interpolation "
+            f"allowed; trying {micro - 1}"
+        )
+        largest_micro = micro - 1
+
+    if per_device_target is None:
+        reasons.append(f"largest micro batch that fits: {micro}")
+    elif accumulation > 1:
+        reasons.append(
+            f"micro batch {largest_micro} is the largest that fits; {accumulation} accumulation "
+            f"steps of {micro} keep the effective batch"
+        )
+    else:
+        reasons.append(f"the target fits in one micro batch of {micro}")
     effective = micro * accumulation * world_size
     if isinstance(target_batch_size, int) and effective != target_batch_size:
         reasons.append(
             f"effective batch {effective} differs from the target {target_batch_size}: integer micro "
             f"batches x {accumulation} steps x {world_size} device(s) cannot hit it exactly"
         )
-    peak = chosen.at(micro)
-    predicted = peak.device_bytes if include_context else peak.reserved_bytes
     return Plan(
         micro_batch_size=micro,
         accumulate_grad_batches=accumulation,
@@ -195,8 +220,18 @@ def plan(
         budget_bytes=budget,
         margin=margin,
         largest_micro_batch=largest_micro,
+        predicted_allocated_bytes=allocated,
+        predicted_reserved_bytes=reserved,
         reasons=tuple(reasons),
     )
+
+
+def _split(per_device_target: int | None, largest: int) -> tuple[int, int]:
+    """Micro batch and accumulation for a per-device target (``None``: "max", no accumulation)."""
+    if per_device_target is None:
+        return largest, 1
+    accumulation = _accumulation_steps(per_device_target, largest)
+    return math.ceil(per_device_target / accumulation), accumulation  # same steps, smallest micro batch
 
 
 def _accumulation_steps(per_device_target: int, largest: int) -> int:
