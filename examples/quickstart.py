@@ -7,8 +7,6 @@ keeps an effective batch of 64. Run: ``python examples/quickstart.py``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from rich.console import Console
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -34,23 +32,27 @@ def main() -> None:
     console.print(phases_table(estimate))
     console.print(f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes))
 
-    budget = int(CAPACITY * (1 - MARGIN))
-    largest = estimate.max_batch_size(budget)
-    if largest is None:
-        console.print(f"[red]Even batch 1 needs {memfit.format_bytes(estimate.at(1).device_bytes)}.[/red]")
+    def traced(micro: int, checkpointing: bool) -> memfit.MemoryEstimate:
+        return memfit.estimate(
+            model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda",
+            batch_size=micro, gradient_checkpointing=checkpointing,
+        )  # fmt: skip
+
+    try:
+        plan = memfit.plan(
+            estimate,
+            CAPACITY,
+            margin=MARGIN,
+            target_batch_size=TARGET_EFFECTIVE_BATCH,
+            checkpointed=lambda: traced(8, True),
+            confirm=traced,  # one more trace at the chosen size instead of interpolating
+        )
+    except memfit.InsufficientMemoryError as error:
+        console.print(f"[red]{error}[/red]")
         return
-    accumulation = math.ceil(TARGET_EFFECTIVE_BATCH / largest)
-    micro = math.ceil(TARGET_EFFECTIVE_BATCH / accumulation)  # the smallest micro batch for that many steps
-    confirmed = memfit.estimate(
-        model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda", batch_size=micro
-    )  # one more trace at the chosen size: exact allocator simulation instead of interpolation
-    console.print(
-        f"\n[bold]Plan for {memfit.format_bytes(CAPACITY)} with a {MARGIN:.0%} margin[/bold]: "
-        f"largest micro batch that fits is {largest}; to keep an effective batch of {TARGET_EFFECTIVE_BATCH} "
-        f"use micro batch {micro} x {accumulation} accumulation step(s) = {micro * accumulation}.\n"
-        f"Predicted peak at micro batch {micro}: {memfit.format_bytes(confirmed.peak_bytes)} "
-        f"(budget {memfit.format_bytes(budget)})."
-    )
+    console.print(f"\n[bold]Plan for {memfit.format_bytes(CAPACITY)}[/bold]: {plan.summary()}")
+    for reason in plan.reasons:
+        console.print(f"  - {reason}")
 
 
 if __name__ == "__main__":
