@@ -209,7 +209,7 @@ def estimate(
         checkpoint_modules, batch_size, device, loss_fn, forward_fn, cuda_runtime,
     )  # fmt: skip
     primary_batch, secondary_batch, sample_batch = batches
-    runtime = cuda_runtime or CudaRuntime.of_current_device()
+    runtime = settings.runtime
     started = time.perf_counter()
     primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
     secondary = trace_steps(model, sample, sample_batch, secondary_batch, settings)
@@ -269,6 +269,7 @@ def _prepare(
         loss_fn=loss_fn,
         forward_fn=forward_fn,
         workspace_bytes=runtime.workspace_bytes if target.type == "cuda" else 0,
+        runtime=runtime,
     )
     return settings, (primary, secondary, sample_batch)
 

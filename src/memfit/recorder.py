@@ -13,7 +13,6 @@ workspaces, NCCL buffers) never passes through dispatch; ``runtime`` models the 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +97,6 @@ class StorageRecorder(TorchDispatchMode):
             self.categories[sid] = category
         return sid
 
-    def storage_id(self, tensor: torch.Tensor) -> int | None:
-        return self._ids.get(tensor.untyped_storage())
-
     def _new_storage(self, storage: torch.UntypedStorage) -> int:
         sid = self._next_id
         self._next_id += 1
@@ -137,9 +133,6 @@ class StorageRecorder(TorchDispatchMode):
     @property
     def current_phase(self) -> Phase | None:
         return self.marks[-1].phase if self.marks else None
-
-    def live_ids(self) -> Iterable[int]:
-        return list(self._live)
 
     def settle_unclassified(self, category: Category, *, phase_index: int) -> None:
         """Give ``category`` to live storages born in ``phase_index`` that have none yet."""

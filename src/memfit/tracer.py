@@ -36,6 +36,7 @@ from memfit.model_state import (
 from memfit.optimizers import OptimizerSpec, build_optimizer
 from memfit.precision import Precision
 from memfit.recorder import StorageRecorder
+from memfit.runtime import CudaRuntime
 
 __all__ = ["StepTrace", "TraceSettings", "trace_steps"]
 
@@ -65,6 +66,7 @@ class TraceSettings:
     loss_fn: LossFn | None
     forward_fn: ForwardFn | None
     workspace_bytes: int
+    runtime: CudaRuntime
 
     @property
     def targets_cuda(self) -> bool:
