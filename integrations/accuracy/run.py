@@ -1,0 +1,379 @@
+"""memfit's accuracy harness: predicted vs independently measured memory over the zoo.
+
+    python -m integrations.accuracy.run             # CPU mode (any machine)
+    python -m integrations.accuracy.run --gpu       # GPU mode (needs CUDA)
+
+CPU mode traces each configuration for a CPU target and compares, on real CPU tensors,
+(a) the activations the trace keeps from forward to backward with the bytes autograd saves
+(``saved_tensors_hooks``, deduplicated by storage; configurations without checkpointing, whose
+recomputation keeps its inputs outside autograd's saved tensors) and (b) the traced peak with
+PyTorch's ``MemTracker`` over two real steps; it also times the estimate against one real CPU
+training step. GPU mode traces for a CUDA target and runs each configuration for real in a fresh
+process: ``torch.cuda.max_memory_allocated/reserved`` and NVML used memory. Each configuration runs
+at two batch sizes. Raw rows go to ``benchmarks/results/accuracy-<mode>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import memfit
+from integrations.accuracy.zoo import Config, configs
+from memfit.checkpointing import enable_checkpointing
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def optimizer_spec(name: str) -> tuple[Any, dict[str, Any]]:
+    return {
+        "adamw": (torch.optim.AdamW, {}),
+        "adamw-fused": (torch.optim.AdamW, {"fused": True}),
+        "sgd-momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+    }[name]
+
+
+def build(config: Config, size: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return config.family.build(size)
+
+
+def predict(config: Config, batch: int, size: str, device: str) -> tuple[memfit.MemoryEstimate, float]:
+    model = build(config, size)
+    cls, kwargs = optimizer_spec(config.optimizer)
+    started = time.perf_counter()
+    estimate = memfit.estimate(
+        model,
+        config.family.batch(size),
+        batch_size=batch,
+        optimizer=cls,
+        optimizer_kwargs=kwargs,
+        precision=config.precision,
+        gradient_checkpointing=config.checkpointing,
+        loss_fn=config.family.loss_fn,
+        forward_fn=config.family.forward_fn,
+        device=device,
+    )
+    return estimate, time.perf_counter() - started
+
+
+def _loss(config: Config, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    family = config.family
+    output = family.forward_fn(model, batch) if family.forward_fn else model(**batch)
+    return family.loss_fn(output, batch) if family.loss_fn else output.loss
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Any:
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # as in memfit's trace: oneDNN RNN workspaces are invisible to it
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
+def real_model(config: Config, size: str, device: str) -> torch.nn.Module:
+    model = build(config, size).to(device).train()
+    if config.checkpointing:
+        enable_checkpointing(model)
+    return model
+
+
+def cpu_reference(config: Config, batch_size: int) -> dict[str, Any]:
+    """Independent counts on real CPU tensors: saved activations, MemTracker peak, one step's time."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    dtype = _AUTOCAST.get(config.precision)
+    cls, kwargs = optimizer_spec(config.optimizer)
+    batch = config.family.batch("cpu")(batch_size)
+    autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)  # noqa: E731
+
+    saved_bytes = None
+    if not config.checkpointing:
+        model = real_model(config, "cpu", "cpu")
+        excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        excluded |= {v.untyped_storage().data_ptr() for v in _tensors(batch)}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in excluded:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with _onednn_off(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+            loss = _loss(config, model, batch)
+        saved[loss.untyped_storage().data_ptr()] = loss.untyped_storage().nbytes()
+        saved_bytes = sum(saved.values())
+
+    model = real_model(config, "cpu", "cpu")
+    optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    peak, tracker_error = None, None
+    try:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with _onednn_off(), tracker:
+            for _ in range(2):
+                with autocast():
+                    loss = _loss(config, model, batch)
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad()
+                tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    except RuntimeError as error:  # MemTracker hooks every parameter, frozen ones too, and fails on them
+        tracker_error = str(error)
+        model = real_model(config, "cpu", "cpu")
+        optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+    started = time.perf_counter()  # one more real step, untracked, for the time ratio
+    with _onednn_off():
+        with autocast():
+            loss = _loss(config, model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    step_seconds = time.perf_counter() - started
+    return {
+        "saved_activation_bytes": saved_bytes,
+        "memtracker_peak_bytes": peak,
+        "memtracker_error": tracker_error,
+        "real_step_seconds": step_seconds,
+    }
+
+
+def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, Any]:
+    """Real steps on the GPU; run in a fresh process per configuration."""
+    config = next(c for c in configs("gpu") if c.name == config_name)
+    device = torch.device("cuda")
+    dtype = _AUTOCAST.get(config.precision)
+    model = real_model(config, "gpu", "cuda")
+    cls, kwargs = optimizer_spec(config.optimizer)
+    optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    batch = _to(config.family.batch("gpu")(batch_size), device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = _loss(config, model, batch)
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    from memfit.measure import nvml_device_used_bytes
+
+    return {
+        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "measured_nvml_used_bytes": nvml_device_used_bytes(torch.cuda.current_device()),
+    }
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, dict):
+        return list(batch.values())
+    return [t for t in batch if isinstance(t, torch.Tensor)]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(v.to(device) for v in batch)
+
+
+def _pct(predicted: int | None, measured: int | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return round(100.0 * (predicted - measured) / measured, 3)
+
+
+def run_cpu(selected: list[Config]) -> list[dict[str, Any]]:
+    rows = []
+    for config in selected:
+        for batch in (config.batch_size, 2 * config.batch_size):
+            estimate, seconds = predict(config, batch, "cpu", "cpu")
+            reference = cpu_reference(config, batch)
+            rows.append(
+                {
+                    "config": config.name,
+                    "batch_size": batch,
+                    "predicted_activation_bytes": estimate.activation_bytes,
+                    "predicted_peak_bytes": estimate.peak_allocated_bytes,
+                    "estimate_seconds": round(seconds, 3),
+                    **reference,
+                    "activation_error_pct": _pct(estimate.activation_bytes, reference["saved_activation_bytes"]),
+                    "peak_error_pct": _pct(estimate.peak_allocated_bytes, reference["memtracker_peak_bytes"]),
+                    "estimate_to_step_time_ratio": round(seconds / reference["real_step_seconds"], 2),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
+    rows = []
+    for config in selected:
+        for batch in (config.batch_size, 2 * config.batch_size):
+            estimate, seconds = predict(config, batch, "gpu", "cuda")
+            out = subprocess.run(
+                [sys.executable, "-m", "integrations.accuracy.run", "--measure-one", config.name, str(batch)],
+                capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[2],
+            )  # fmt: skip
+            measured = (
+                json.loads(out.stdout.strip().splitlines()[-1])
+                if out.returncode == 0
+                else {"error": out.stderr[-2000:]}
+            )
+            rows.append(
+                {
+                    "config": config.name,
+                    "batch_size": batch,
+                    "predicted_peak_allocated_bytes": estimate.peak_allocated_bytes,
+                    "predicted_peak_reserved_bytes": estimate.peak_reserved_bytes,
+                    "predicted_peak_bytes": estimate.peak_bytes,
+                    "estimate_seconds": round(seconds, 3),
+                    **measured,
+                    "allocated_error_pct": _pct(
+                        estimate.peak_allocated_bytes, measured.get("measured_peak_allocated_bytes")
+                    ),
+                    "reserved_error_pct": _pct(
+                        estimate.peak_reserved_bytes, measured.get("measured_peak_reserved_bytes")
+                    ),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[str, float]]:
+    summary = {}
+    for key in keys:
+        errors = [abs(r[key]) for r in rows if r.get(key) is not None]
+        if errors:
+            summary[key] = {
+                "median_abs": round(statistics.median(errors), 3),
+                "max_abs": round(max(errors), 3),
+                "n": len(errors),
+            }
+    return summary
+
+
+def show(rows: list[dict[str, Any]], summary: dict[str, Any], gpu: bool) -> None:
+    fmt = memfit.format_bytes
+    table = Table(
+        title="memfit accuracy: " + ("GPU, predicted vs measured" if gpu else "CPU, traced vs counted on real tensors")
+    )
+    if gpu:
+        columns = [
+            "config",
+            "batch",
+            "pred. alloc",
+            "meas. alloc",
+            "err %",
+            "pred. reserved",
+            "meas. reserved",
+            "err %",
+            "NVML",
+        ]
+    else:
+        columns = [
+            "config",
+            "batch",
+            "traced act.",
+            "saved",
+            "err %",
+            "traced peak",
+            "MemTracker",
+            "err %",
+            "estimate/step",
+        ]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "config" else "right")
+    for r in rows:
+        if gpu:
+            cells = [
+                fmt(r["predicted_peak_allocated_bytes"]),
+                fmt(r.get("measured_peak_allocated_bytes")),
+                _e(r.get("allocated_error_pct")),
+                fmt(r["predicted_peak_reserved_bytes"]),
+                fmt(r.get("measured_peak_reserved_bytes")),
+                _e(r.get("reserved_error_pct")),
+                fmt(r.get("measured_nvml_used_bytes")),
+            ]
+        else:
+            saved = r["saved_activation_bytes"]
+            cells = [
+                fmt(r["predicted_activation_bytes"]),
+                fmt(saved) if saved is not None else "-",
+                _e(r["activation_error_pct"]),
+                fmt(r["predicted_peak_bytes"]),
+                fmt(r["memtracker_peak_bytes"]) if r["memtracker_peak_bytes"] else "-",
+                _e(r["peak_error_pct"]),
+                f"{r['estimate_to_step_time_ratio']:.1f}x",
+            ]
+        table.add_row(r["config"], str(r["batch_size"]), *cells)
+    console = Console(width=200)
+    console.print(table)
+    for key, stats in summary.items():
+        console.print(
+            f"{key}: median |error| {stats['median_abs']:.3f} %, max |error| {stats['max_abs']:.3f} % "
+            f"over {stats['n']} runs"
+        )
+
+
+def _e(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true", help="measure on the visible CUDA GPU")
+    parser.add_argument("--only", help="run the configurations whose name contains this text")
+    parser.add_argument("--measure-one", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_one:
+        print(json.dumps(gpu_measure(args.measure_one[0], int(args.measure_one[1]))))
+        return 0
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA device; without one, run CPU mode (no flag)")
+    size = "gpu" if args.gpu else "cpu"
+    selected = [c for c in configs(size) if not args.only or args.only in c.name]
+    rows = run_gpu(selected) if args.gpu else run_cpu(selected)
+    keys = ["allocated_error_pct", "reserved_error_pct"] if args.gpu else ["activation_error_pct", "peak_error_pct"]
+    summary = summarize(rows, keys)
+    show(rows, summary, args.gpu)
+    meta = {
+        "mode": size,
+        "device": torch.cuda.get_device_name() if args.gpu else f"CPU ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "memfit": memfit.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if not args.only:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"accuracy-{size}.json"
+        path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""A slice of the accuracy harness runs in the suite: traced vs counted on real CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from integrations.accuracy.run import run_cpu, summarize
+from integrations.accuracy.zoo import configs
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2 fp32 adamw b2", "resnet-bn 16-mixed adamw-fused b2", "llama bf16-mixed sgd-momentum ckpt b4"]
+)
+def test_harness_rows_agree_with_independent_counts(name: str) -> None:
+    (config,) = [c for c in configs("cpu") if c.name == name]
+    rows = run_cpu([config])
+    assert [r["batch_size"] for r in rows] == [config.batch_size, 2 * config.batch_size]
+    for row in rows:
+        assert row["peak_error_pct"] is not None and abs(row["peak_error_pct"]) <= 10  # MemTracker's own tests: 10 %
+        if not config.checkpointing:
+            assert abs(row["activation_error_pct"]) <= 1
+        assert row["estimate_seconds"] > 0 and row["real_step_seconds"] > 0
+    summary = summarize(rows, ["peak_error_pct"])
+    assert summary["peak_error_pct"]["n"] == 2
+
+
+def test_the_zoo_has_eight_families_and_24_configurations() -> None:
+    zoo = configs("cpu")
+    assert len(zoo) == 24
+    assert len({c.family.name for c in zoo}) == 8
+    assert {c.precision for c in zoo} == {"fp32", "bf16-mixed", "16-mixed"}
+    assert {c.optimizer for c in zoo} == {"adamw", "adamw-fused", "sgd-momentum"}
+    assert any(c.checkpointing for c in zoo) and any(not c.checkpointing for c in zoo)
