@@ -1,4 +1,12 @@
-"""A small catalog of GPUs by name, so a budget can be "h100" instead of a number of bytes."""
+"""GPUs by name: memory and the facts that change an estimate, so a budget can be "h100".
+
+Memory is the total the driver reports (``nvidia-smi``'s "Total", in MiB), not the marketing
+figure: an "80 GB" H100 shows 81,559 MiB. Figures are from published specifications and common
+driver readings; the callbacks measure the real device when they run on it. Apple M-series entries
+are approximations: their memory is unified with the CPU, macOS lets the GPU use about three
+quarters of it, and the MPS allocator is not CUDA's, so memfit's allocator simulation does not
+apply to them.
+"""
 
 from __future__ import annotations
 
@@ -7,51 +15,67 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import InvalidInputError
-from memfit.units import GiB
+from memfit.units import GiB, MiB
 
 __all__ = ["GPU", "gpu_by_name", "known_gpus"]
 
 
 @dataclass(frozen=True)
 class GPU:
-    """A GPU model: its name, memory the driver reports as total, and compute capability."""
+    """A GPU model and what memfit needs to know about it."""
 
     name: str
     memory_bytes: int
-    compute_capability: tuple[int, int]
+    vendor: str
+    architecture: str
+    compute_capability: tuple[int, int] | None
+    bf16: bool
+    fp8: bool
+    approximate: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        """cuBLAS workspace per handle on this architecture (32 MiB on Hopper and newer, else 8 MiB + 128 KiB)."""
+        from memfit.runtime import cublas_workspace_bytes
+
+        return cublas_workspace_bytes(self.compute_capability or (9, 0))
 
 
-# Total memory as torch.cuda.get_device_properties reports it (about the marketing figure in GiB).
 _CATALOG: tuple[GPU, ...] = (
-    GPU("T4", 15 * GiB, (7, 5)),
-    GPU("V100-16GB", 16 * GiB, (7, 0)),
-    GPU("V100-32GB", 32 * GiB, (7, 0)),
-    GPU("A10G", 22 * GiB, (8, 6)),
-    GPU("L4", 22 * GiB, (8, 9)),
-    GPU("RTX3090", 24 * GiB, (8, 6)),
-    GPU("RTX4090", 24 * GiB, (8, 9)),
-    GPU("RTX5090", 32 * GiB, (12, 0)),
-    GPU("A100-40GB", 40 * GiB, (8, 0)),
-    GPU("A100-80GB", 80 * GiB, (8, 0)),
-    GPU("L40S", 45 * GiB, (8, 9)),
-    GPU("H100", 80 * GiB, (9, 0)),
-    GPU("H200", 140 * GiB, (9, 0)),
-    GPU("B200", 180 * GiB, (10, 0)),
-)
-_ALIASES = {
-    "A100": "A100-80GB",
-    "V100": "V100-32GB",
-    "H10080GB": "H100",
-    "H100SXM": "H100",
-    "H100PCIE": "H100",
-}
+    GPU("T4", 15360 * MiB, "NVIDIA", "Turing", (7, 5), bf16=False, fp8=False, aliases=("T4-16GB", "Tesla T4")),
+    GPU("V100-16GB", 16160 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-16GB",)),
+    GPU("V100-32GB", 32510 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-32GB",)),
+    GPU("A10G", 23028 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("A10G-24GB",)),
+    GPU("L4", 23034 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L4-24GB",)),
+    GPU("RTX3090", 24576 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("GeForce RTX 3090",)),
+    GPU("RTX4090", 24564 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("GeForce RTX 4090",)),
+    GPU("RTX5090", 32607 * MiB, "NVIDIA", "Blackwell", (12, 0), bf16=True, fp8=True, aliases=("GeForce RTX 5090",)),
+    GPU("A100-40GB", 40960 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-40GB",)),
+    GPU("A100-80GB", 81920 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-80GB",)),
+    GPU("L40S", 46068 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L40S-48GB",)),
+    GPU("H100", 81559 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True,
+        aliases=("H100-80GB", "H100 SXM", "H100-80GB-HBM3", "H100 PCIe")),
+    GPU("H200", 143771 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True, aliases=("H200-141GB",)),
+    GPU("B200", 183359 * MiB, "NVIDIA", "Blackwell", (10, 0), bf16=True, fp8=True, aliases=("B200-192GB",)),
+    GPU("MI300X", 196592 * MiB, "AMD", "CDNA3", None, bf16=True, fp8=True, aliases=("MI300X-192GB", "Instinct MI300X")),
+    GPU("M3-Max-128GB", 96 * GiB, "Apple", "M3", None, bf16=True, fp8=False, approximate=True, aliases=("M3 Max",)),
+    GPU("M2-Ultra-192GB", 144 * GiB, "Apple", "M2", None, bf16=True, fp8=False, approximate=True,
+        aliases=("M2 Ultra",)),
+)  # fmt: skip
 
 
 def _key(name: str) -> str:
-    return re.sub(r"[^A-Z0-9]", "", name.upper().replace("NVIDIA", "").replace("GEFORCE", ""))
+    text = name.upper()
+    for noise in ("NVIDIA", "GEFORCE", "TESLA", "INSTINCT", "APPLE", "AMD"):
+        text = text.replace(noise, "")
+    return re.sub(r"[^A-Z0-9]", "", text)
 
 
-_BY_KEY = {_key(gpu.name): gpu for gpu in _CATALOG}
+_BY_KEY: dict[str, GPU] = {}
+for _gpu in _CATALOG:
+    for _name in (_gpu.name, *_gpu.aliases):
+        _BY_KEY[_key(_name)] = _gpu
 
 
 def known_gpus() -> tuple[GPU, ...]:
@@ -59,13 +83,22 @@ def known_gpus() -> tuple[GPU, ...]:
 
 
 def gpu_by_name(name: str) -> GPU:
-    """Look a GPU up forgivingly (``"h100"``, ``"H100-80GB"``, ``"NVIDIA A100 80GB"``)."""
+    """Look a GPU up forgivingly: ``"h100"``, ``"H100-80GB"``, ``"NVIDIA A100 80GB"``, ``"rtx 4090"``.
+
+    A name that fits several entries (``"a100"``: 40 or 80 GB) or none raises ``InvalidInputError``
+    listing the candidates.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInputError(f"a GPU name must be a non-empty string, got {name!r}")
     key = _key(name)
-    key = _key(_ALIASES.get(key, key))
     if key in _BY_KEY:
         return _BY_KEY[key]
-    if key.endswith("80GB") and key[:-4] in _BY_KEY and _BY_KEY[key[:-4]].memory_bytes == 80 * GiB:
-        return _BY_KEY[key[:-4]]
-    close = difflib.get_close_matches(key, list(_BY_KEY), n=3, cutoff=0.5)
-    names = ", ".join(_BY_KEY[k].name for k in close) or ", ".join(gpu.name for gpu in _CATALOG)
-    raise InvalidInputError(f"unknown GPU {name!r}; did you mean {names}? Or give the budget in bytes ('20GiB')")
+    prefixed = sorted({gpu.name for k, gpu in _BY_KEY.items() if k.startswith(key)})
+    if len(prefixed) == 1:
+        return next(gpu for gpu in _CATALOG if gpu.name == prefixed[0])
+    if len(prefixed) > 1:
+        raise InvalidInputError(f"GPU {name!r} is ambiguous: {', '.join(prefixed)}; name the memory size too")
+    close = difflib.get_close_matches(key, list(_BY_KEY), n=4, cutoff=0.5)
+    names = sorted({_BY_KEY[k].name for k in close})
+    hint = f"did you mean {', '.join(names)}?" if names else f"known: {', '.join(g.name for g in _CATALOG)}."
+    raise InvalidInputError(f"unknown GPU {name!r}; {hint} Or give the budget in bytes ('20GiB')")
