@@ -81,6 +81,41 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
+    from memfit.planning_report import plan_for_gpus
+
+    report = plan_for_gpus(
+        hf_config=args.hf_config,
+        model=args.model,
+        gpus=args.gpu or [],
+        budget=args.budget,
+        seq_len=args.seq_len,
+        image_size=args.image_size,
+        layers=args.layers,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        checkpointing=args.checkpointing,
+        target_batch_size=args.target_batch_size,
+        world_size=args.world_size,
+        margin=args.margin,
+        show_progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        from memfit.report import plan_table
+
+        Console(width=None if sys.stdout.isatty() else 200).print(plan_table(report))
+    return 0
+
+
+def _target(text: str) -> int | str:
+    return "max" if text == "max" else _parse_count(text, "--target-batch-size")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -118,6 +153,35 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     estimate.set_defaults(handler=_cmd_estimate)
+
+    plan = subparsers.add_parser(
+        "plan",
+        help="will it fit? trace a model and plan its batch for one or more GPUs",
+        description="Trace two training steps of a model on fake tensors (no weights are materialised or "
+        "downloaded) and plan the largest micro batch, the accumulation and checkpointing for each GPU.",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-config", metavar="NAME_OR_PATH", help="a preset (gpt2, bert-base, t5-base, llama-3-8b, "
+                        "mistral-7b, qwen2.5-7b, vit-base) or a local config.json")  # fmt: skip
+    source.add_argument("--model", metavar="MODULE:FACTORY", help="your own code: factory() returns a module or "
+                        "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
+    plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")
+    plan.add_argument("--budget", metavar="SIZE", help="plan for this much memory instead, e.g. 20GiB")
+    plan.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    plan.add_argument("--image-size", type=int, help="image side for vision models (default: the config's)")
+    plan.add_argument("--layers", type=int, help="override the depth (a quick look at a deep model)")
+    plan.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
+    plan.add_argument(
+        "--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adafactor, ... (default adamw)"
+    )
+    plan.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                      help="auto: only when needed (default)")  # fmt: skip
+    plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
+                      help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
+    plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices (default 1)")
+    plan.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free (default 0.05)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.set_defaults(handler=_cmd_plan)
     return parser
 
 

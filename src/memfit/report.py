@@ -7,9 +7,10 @@ from rich.table import Table
 from memfit.categories import Category
 from memfit.estimate import MemoryEstimate
 from memfit.formula import FormulaEstimate
+from memfit.planning_report import PlanReport
 from memfit.units import format_bytes
 
-__all__ = ["estimate_table", "formula_table", "phases_table"]
+__all__ = ["estimate_table", "formula_table", "phases_table", "plan_table"]
 
 _LABELS: dict[str, str] = {
     "parameters_bytes": "Parameters",
@@ -127,4 +128,43 @@ def phases_table(estimate: MemoryEstimate) -> Table:
             format_bytes(peak.reserved_bytes),
             per_sample,
         )
+    return table
+
+
+def plan_table(report: PlanReport) -> Table:
+    """One row per GPU: does it fit, with what micro batch, accumulation and checkpointing, at what peak."""
+    title = (
+        f"{report.model}: {report.parameters / 1e9:.2f} B parameters, {report.precision}, optimizer "
+        f"{report.optimizer}, seq {report.seq_len}"
+    )
+    table = Table(title=title)
+    for column in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
+                   "params+grads+optim", "activations", "other", "peak in"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("GPU", "fits", "peak in") else "right")
+    for row in report.rows:
+        name = row.gpu + (" (approx.)" if row.approximate else "")
+        if row.plan is None or row.estimate is None:
+            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * 8, "")
+            continue
+        plan, breakdown = row.plan, row.estimate.breakdown
+        state = sum(breakdown.get(c, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE))
+        activations = breakdown.get(Category.ACTIVATIONS, 0)
+        other = row.estimate.peak_bytes - state - activations
+        table.add_row(
+            name,
+            format_bytes(row.capacity_bytes),
+            "[green]yes[/green]",
+            str(plan.micro_batch_size),
+            str(plan.accumulate_grad_batches),
+            "on" if plan.gradient_checkpointing else "off",
+            str(plan.effective_batch_size),
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(state),
+            format_bytes(activations),
+            format_bytes(other),
+            f"step {row.estimate.peak_step} {row.estimate.peak_phase.value}",
+        )
+    failures = [row for row in report.rows if row.error]
+    if failures:
+        table.caption = "\n".join(f"{row.gpu}: {row.error}" for row in failures)
     return table

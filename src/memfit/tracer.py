@@ -231,8 +231,9 @@ def _failure(stage: str, model: nn.Module, batch: Any, paths: module_path_tracke
             "backward": "check that the loss depends on parameters that require grad",
             "optimizer step": "check the optimizer and its arguments",
         }[stage]
+        detail = str(exc).strip().rstrip(".")
         raise TraceError(
-            f"the {stage} of {type(model).__name__} failed{where}: {type(exc).__name__}: {exc}. {hint}."
+            f"the {stage} of {type(model).__name__} failed{where}: {type(exc).__name__}: {detail}. {hint}."
         ) from exc
 
 

@@ -1,0 +1,158 @@
+"""``memfit plan``: one model, several GPUs, one plan each; the data behind the CLI's table and JSON."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.capacity import parse_budget
+from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.estimate import MemoryEstimate, estimate
+from memfit.gpus import GPU, gpu_by_name
+from memfit.planner import Plan, plan
+from memfit.presets import ModelSpec, from_factory, from_hf_config
+from memfit.runtime import CudaRuntime
+
+__all__ = ["GpuPlan", "PlanReport", "plan_for_gpus"]
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """The plan for one GPU, or why there is none."""
+
+    gpu: str
+    capacity_bytes: int
+    plan: Plan | None
+    estimate: MemoryEstimate | None
+    error: str | None = None
+    approximate: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpu": self.gpu, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+                               "approximate": self.approximate, "error": self.error}  # fmt: skip
+        if self.plan is not None:
+            out.update({k: v for k, v in self.plan.to_dict().items() if k not in ("capacity_bytes",)})
+        if self.estimate is not None:
+            out["breakdown_bytes"] = self.estimate.to_dict()["breakdown_bytes"]
+            out["peak_phase"] = f"step {self.estimate.peak_step} {self.estimate.peak_phase.value}"
+        return out
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    model: str
+    parameters: int
+    precision: str
+    optimizer: str
+    seq_len: int | None
+    rows: tuple[GpuPlan, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "parameters": self.parameters,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "seq_len": self.seq_len,
+            "gpus": [row.to_dict() for row in self.rows],
+        }
+
+
+def plan_for_gpus(
+    *,
+    hf_config: str | None,
+    model: str | None,
+    gpus: list[str],
+    budget: str | None,
+    seq_len: int = 1024,
+    image_size: int | None = None,
+    layers: int | None = None,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    checkpointing: str = "auto",
+    target_batch_size: int | str = "max",
+    world_size: int = 1,
+    margin: float = 0.05,
+    show_progress: bool = False,
+) -> PlanReport:
+    """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU."""
+    if not gpus and budget is None:
+        raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
+    targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
+    if budget is not None:
+        targets.append((f"budget {budget}", parse_budget(budget), None))
+    with _progress(show_progress, "building the model on the meta device"):
+        spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
+            from_factory(model, seq_len=seq_len)
+        )  # fmt: skip
+    rows = []
+    for name, capacity, gpu in targets:
+        runtime = CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0))
+        trace = _tracer(spec, precision, optimizer, runtime)
+        with _progress(show_progress, f"tracing {spec.name} for {name}"):
+            rows.append(_plan_one(name, capacity, gpu, trace, checkpointing, target_batch_size, world_size, margin))
+    parameters = sum(p.numel() for p in spec.model.parameters())
+    return PlanReport(spec.name, parameters, precision, optimizer, seq_len, tuple(rows))
+
+
+def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtime: CudaRuntime) -> Any:
+    @functools.cache
+    def trace(batch: int, checkpointing: bool) -> MemoryEstimate:
+        return estimate(
+            spec.model,
+            spec.sample,
+            batch_size=batch,
+            precision=precision,
+            optimizer=optimizer,
+            gradient_checkpointing=checkpointing,
+            device="cuda",
+            cuda_runtime=runtime,
+        )
+
+    return trace
+
+
+def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointing: str, target: Any,
+              world_size: int, margin: float) -> GpuPlan:  # fmt: skip
+    always = checkpointing == "on"
+    try:
+        chosen = plan(
+            trace(1, always),
+            capacity,
+            margin=margin,
+            target_batch_size=target,
+            world_size=world_size,
+            allow_checkpointing=checkpointing == "auto",
+            checkpointed=lambda: trace(1, True),
+            confirm=lambda micro, ckpt: trace(micro, ckpt or always),
+        )
+    except InsufficientMemoryError as error:
+        return GpuPlan(name, capacity, None, None, error=str(error), approximate=bool(gpu and gpu.approximate))
+    if always and not chosen.gradient_checkpointing:
+        chosen = Plan(**{**chosen.to_dict(), "gradient_checkpointing": True, "reasons": tuple(chosen.reasons)})
+    exact = trace(chosen.micro_batch_size, chosen.gradient_checkpointing)
+    return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate))
+
+
+class _progress:
+    """A rich spinner on stderr while something slow runs (kept off stdout, where JSON goes)."""
+
+    def __init__(self, enabled: bool, message: str) -> None:
+        self._status = None
+        if enabled:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status(message)
+
+    def __enter__(self) -> None:
+        if self._status is not None:
+            self._status.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)

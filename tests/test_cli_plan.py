@@ -1,0 +1,100 @@
+"""`memfit plan`: presets traced on fake tensors at small depth, JSON schema, and the table's golden output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from memfit import Category, Phase, Precision
+from memfit.cli import main
+from memfit.estimate import MemoryEstimate, PhaseModel
+from memfit.planner import Plan
+from memfit.planning_report import GpuPlan, PlanReport
+from memfit.presets import PRESETS, from_hf_config
+from memfit.report import plan_table
+from memfit.units import GiB, MiB
+
+GOLDEN = Path(__file__).parent / "golden" / "plan_table.txt"
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_builds_on_meta_and_traces_at_small_depth(preset: str) -> None:
+    spec = from_hf_config(preset, seq_len=32, image_size=32, layers=1)
+    assert all(p.is_meta for p in spec.model.parameters())
+    import memfit
+
+    estimate = memfit.estimate(spec.model, spec.sample, batch_size=1, precision="bf16-mixed")
+    assert estimate.peak_bytes > estimate.breakdown[Category.PARAMETERS] > 0
+
+
+def test_plan_json_for_gpus_and_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--gpu", "t4", "--budget", "2GiB",
+                 "--target-batch-size", "32", "--json"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "gpt2" and report["precision"] == "bf16-mixed" and report["seq_len"] == 64
+    t4, budget = report["gpus"]
+    assert t4["gpu"] == "T4" and t4["capacity_bytes"] == 15360 * MiB
+    for row in (t4, budget):
+        assert row["fits"] is True and row["error"] is None
+        assert row["predicted_peak_bytes"] <= row["budget_bytes"]
+        assert row["micro_batch_size"] * row["accumulate_grad_batches"] == row["effective_batch_size"] == 32
+        assert set(row["breakdown_bytes"]) >= {"parameters", "activations", "optimizer_state"}
+    assert budget["gpu"] == "budget 2GiB" and budget["micro_batch_size"] < t4["micro_batch_size"]
+
+
+def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--budget", "200MiB", "--json"])
+    assert code == 0
+    (row,) = json.loads(capsys.readouterr().out)["gpus"]
+    assert row["fits"] is False and "does not fit" in row["error"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--hf-config", "gpt-5", "--gpu", "h100"], "neither a preset"),
+        (["plan", "--hf-config", "gpt2", "--gpu", "a100"], "ambiguous"),
+        (["plan", "--hf-config", "gpt2"], "name at least one --gpu"),
+        (["plan", "--model", "no_such_module:make", "--gpu", "h100"], "cannot load"),
+    ],
+)
+def test_plan_bad_input_is_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memfit: error:") and message in err and "Traceback" not in err
+
+
+def _synthetic_row(name: str, capacity: int, micro: int) -> GpuPlan:
+    model = PhaseModel(2, Phase.BACKWARD, 2 * GiB, 1 * GiB)
+    estimate = MemoryEstimate(
+        batch_size=micro, device="cuda", precision=Precision.BF16_MIXED, optimizer="adamw",
+        gradient_checkpointing=False, peak_allocated_bytes=model.at(micro), peak_reserved_bytes=model.at(micro),
+        cuda_context_bytes=500 * MiB, peak_step=2, peak_phase=Phase.BACKWARD,
+        breakdown={Category.PARAMETERS: GiB // 2, Category.GRADIENTS: GiB // 2, Category.OPTIMIZER_STATE: GiB,
+                   Category.ACTIVATIONS: micro * GiB},
+        fixed_bytes=2 * GiB, per_sample_bytes=GiB, phases=(), phase_models=(model,), trace_seconds=0.0,
+    )  # fmt: skip
+    plan = Plan(
+        micro_batch_size=micro, accumulate_grad_batches=2, gradient_checkpointing=micro < 4, world_size=1,
+        effective_batch_size=2 * micro, target_batch_size=2 * micro, predicted_peak_bytes=estimate.peak_bytes,
+        capacity_bytes=capacity, budget_bytes=int(capacity * 0.95), margin=0.05, largest_micro_batch=micro,
+    )  # fmt: skip
+    return GpuPlan(name, capacity, plan, estimate)
+
+
+def test_plan_table_golden_output() -> None:
+    report = PlanReport(
+        "tiny", 123_000_000, "bf16-mixed", "adamw", 512,
+        (_synthetic_row("H100", 80 * GiB, 12), _synthetic_row("T4", 15 * GiB, 3),
+         GpuPlan("RTX4090", 24 * GiB, None, None, error="micro batch 1 does not fit")),
+    )  # fmt: skip
+    console = Console(width=160, record=True, color_system=None, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(plan_table(report))
+    rendered = console.export_text()
+    if not GOLDEN.exists():  # first run writes it; review it and commit
+        GOLDEN.write_text(rendered)
+    assert rendered == GOLDEN.read_text()
