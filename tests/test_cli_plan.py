@@ -98,3 +98,29 @@ def test_plan_table_golden_output() -> None:
     if not GOLDEN.exists():  # first run writes it; review it and commit
         GOLDEN.write_text(rendered)
     assert rendered == GOLDEN.read_text()
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plan_plot_draws_timeline_and_batch_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--gpu", "t4", "--budget", "2GiB",
+                 "--target-batch-size", "64", "--plot", str(out)])  # fmt: skip
+    assert code == 0 and f"pictures: {out}" in capsys.readouterr().out
+    assert _png_size(out) == (1100, 990)  # 10 x 9 inches at 110 dpi: two panels
+
+
+def test_plot_functions_without_a_timeline_or_matplotlib_say_why(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from memfit import InvalidInputError
+    from memfit.plot import plot_drift, plot_timeline
+
+    with pytest.raises(InvalidInputError, match="no timeline"):
+        plot_timeline(_synthetic_row("H100", 80 * GiB, 4).estimate)
+    plot_drift([10, 20, 30], 2 * GiB, [int(1.9 * GiB), None, int(2.1 * GiB)], path=tmp_path / "drift.png")
+    assert _png_size(tmp_path / "drift.png") == (1100, 385)

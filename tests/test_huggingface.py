@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -137,6 +138,15 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     assert run.data.metrics["memfit/micro_batch_size"] == 12
     history = client.get_metric_history(run.info.run_id, "memfit/drift_rss_pct")
     assert [m.step for m in history] == [2, 4, 6]
+    if importlib.util.find_spec("matplotlib"):  # the pictures: MLflow artifacts, TensorBoard images, output_dir
+        assert {a.path for a in client.list_artifacts(run.info.run_id, "memfit")} == {
+            "memfit/timeline.png",
+            "memfit/drift.png",
+        }
+        images = EventAccumulator(str(event_files[0].parent), size_guidance={"images": 0})
+        images.Reload()
+        assert {"memfit/timeline", "memfit/drift"} <= set(images.Tags()["images"])
+        assert (Path(args.output_dir) / "memfit_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_resume_keeps_the_plan_saved_in_the_checkpoint(tmp_path: Path) -> None:

@@ -223,3 +223,30 @@ def test_gpu_name_budget_and_pytorch_lightning_namespace() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert isinstance(MemoryPlanner(), L.pytorch.Callback)
+
+
+def test_pictures_reach_tensorboard_mlflow_and_the_csv_folder(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    module = TinyGPT(batch_size=12)
+    csv_logger, tb_logger = CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_logger = MLFlowLogger(
+        experiment_name="memfit-pictures", tracking_uri=uri, artifact_location=str(tmp_path / "art")
+    )
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 4), margin=MARGIN)
+    trainer(tmp_path, callback, loggers=[csv_logger, tb_logger, mlflow_logger], max_steps=4).fit(module)
+
+    for name in ("memfit_timeline.png", "memfit_drift.png"):
+        png = Path(csv_logger.log_dir) / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = EventAccumulator(str(tb_logger.log_dir), size_guidance={"images": 0})
+    events.Reload()
+    assert {"memfit/timeline", "memfit/drift"} <= set(events.Tags()["images"])
+    artifacts = {
+        a.path for a in mlflow.tracking.MlflowClient(tracking_uri=uri).list_artifacts(mlflow_logger.run_id, "memfit")
+    }
+    assert artifacts == {"memfit/timeline.png", "memfit/drift.png"}

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memfit._figures import log_figure, matplotlib_available
 from memfit.batch import infer_batch_size
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
@@ -26,6 +27,19 @@ from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.units import format_bytes
+
+
+def plot_timeline(*args: Any, **kwargs: Any) -> Any:
+    from memfit.plot import plot_timeline as draw
+
+    return draw(*args, **kwargs)
+
+
+def plot_drift(*args: Any, **kwargs: Any) -> Any:
+    from memfit.plot import plot_drift as draw
+
+    return draw(*args, **kwargs)
+
 
 __all__ = ["MemoryPlannerBase"]
 
@@ -203,6 +217,7 @@ class MemoryPlannerBase:
         def traced_with_checkpointing() -> MemoryEstimate:
             return estimate(pl_module, sample, batch_size=configured, gradient_checkpointing=True, **kwargs)
 
+        @functools.cache
         def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
             return estimate(pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
 
@@ -220,6 +235,7 @@ class MemoryPlannerBase:
             confirm=traced_at,
         )
         self.plan = chosen
+        self.estimate = traced_at(chosen.micro_batch_size, chosen.gradient_checkpointing)
         return _Decision(chosen.to_dict(), chosen.predicted_allocated_bytes, chosen.predicted_reserved_bytes)
 
     def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
@@ -313,6 +329,9 @@ class MemoryPlannerBase:
             self._sampler = None
             self._warn(f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift is logged.")
             return
+        if trainer.is_global_zero and self.estimate is not None and matplotlib_available():
+            self._log_figure(trainer, "memfit/timeline", lambda: plot_timeline(self.estimate, capacity_bytes=(
+                decision.plan or {}).get("budget_bytes")))  # fmt: skip
         if trainer.is_global_zero and decision.plan is not None and not self._hparams_logged:
             self._hparams_logged = True
             params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
@@ -336,6 +355,13 @@ class MemoryPlannerBase:
             return
         if trainer.global_step != self._last_logged_step:
             self._record(trainer, trainer.global_step)
+        if trainer.is_global_zero and self._monitor.history and matplotlib_available():
+            records = self._monitor.history
+            predicted = records[0].predicted_reserved_bytes if records[0].sample.reserved_bytes is not None else (
+                records[0].predicted_allocated_bytes
+            )  # fmt: skip
+            self._log_figure(trainer, "memfit/drift", lambda: plot_drift(
+                [d.step for d in records], predicted, [d.compared_bytes for d in records]))  # fmt: skip
         history = [d for d in self._monitor.history if d.drift_pct is not None]
         if history and self.verbose:
             worst = max(history, key=lambda d: d.drift_pct)
@@ -363,6 +389,22 @@ class MemoryPlannerBase:
                 logger.log_metrics(metrics, step=step)
             except Exception as error:
                 self._warn(f"memfit could not log to {type(logger).__name__} ({error})")
+
+    def _log_figure(self, trainer: Any, name: str, make: Any) -> None:
+        """Draw once and send to every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
+        try:
+            figure = make()
+        except Exception as error:
+            self._warn(f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            return
+        loggers = self._pl.loggers
+        for logger in trainer.loggers:
+            if isinstance(logger, loggers.TensorBoardLogger):
+                log_figure(figure, name, tensorboard=logger.experiment, step=trainer.global_step)
+            elif isinstance(logger, loggers.MLFlowLogger):
+                log_figure(figure, name, mlflow_client=logger.experiment, mlflow_run_id=logger.run_id)
+            elif getattr(logger, "log_dir", None):
+                log_figure(figure, name, folder=logger.log_dir)
 
     # ------------------------------------------------------------------ utils
     def _warn(self, message: str) -> None:

@@ -101,6 +101,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         margin=args.margin,
         show_progress=not args.json,
     )
+    if args.plot:
+        report.plot(args.plot)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -108,7 +110,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         from memfit.report import plan_table
 
-        Console(width=None if sys.stdout.isatty() else 200).print(plan_table(report))
+        console = Console(width=None if sys.stdout.isatty() else 200)
+        console.print(plan_table(report))
+        if args.plot:
+            console.print(f"pictures: {args.plot}")
     return 0
 
 
@@ -181,6 +186,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices (default 1)")
     plan.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free (default 0.05)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.add_argument(
+        "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"
+    )
     plan.set_defaults(handler=_cmd_plan)
     return parser
 

@@ -24,7 +24,7 @@ from memfit.checkpointing import CheckpointTarget
 from memfit.errors import InvalidInputError
 from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
-from memfit.replay import PhasePeak, replay
+from memfit.replay import PhasePeak, TimelinePoint, replay
 from memfit.runtime import CudaRuntime
 from memfit.tracer import ForwardFn, LossFn, StepTrace, TraceSettings, trace_steps
 
@@ -89,6 +89,7 @@ class MemoryEstimate:
     allocated_to_tensor_ratio: float = 1.0
     reserved_to_allocated_ratio: float = 1.0
     notes: tuple[str, ...] = field(default=())
+    timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -326,7 +327,8 @@ def _build_estimate(
     elapsed: float,
 ) -> MemoryEstimate:
     cuda = runtime is not None
-    peaks = replay(primary.recorder, simulate_cuda_allocator=cuda)
+    timeline: list[TimelinePoint] = []
+    peaks = replay(primary.recorder, simulate_cuda_allocator=cuda, timeline=timeline)
     peaks_b = replay(secondary.recorder, simulate_cuda_allocator=cuda)
     models = _fit(peaks, peaks_b, primary.batch_size, secondary.batch_size)
     top = max(peaks, key=lambda p: p.allocated_bytes)
@@ -360,4 +362,5 @@ def _build_estimate(
             max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk)) for pk in (peaks, peaks_b)
         ),
         notes=tuple(notes),
+        timeline=tuple(timeline),
     )

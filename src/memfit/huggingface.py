@@ -36,6 +36,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit._figures import log_figure, matplotlib_available
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.drift import DriftMonitor
 from memfit.errors import InvalidInputError, MemfitError
@@ -222,6 +223,8 @@ class MemoryPlannerCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._first_log = True
         self._warned: set[str] = set()
+        self._callbacks: list[Any] = []
+        self._timeline_logged = False
 
     # ---------------------------------------------------------------- events
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -266,6 +269,9 @@ class MemoryPlannerCallback(TrainerCallback):
         if logs is None or not self._pending or "loss" not in logs:
             return  # only training logs carry memory metrics
         logs.update(self._pending)
+        if not self._timeline_logged and self.estimate is not None and state.is_world_process_zero:
+            self._timeline_logged = True  # the trackers are set up by now (their on_train_begin ran after ours)
+            self._figure(args, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate), state.global_step)
         if self._first_log and self.plan is not None:
             for key in ("micro_batch_size", "accumulate_grad_batches", "effective_batch_size"):
                 logs[f"memfit/{key}"] = getattr(self.plan, key)
@@ -281,7 +287,17 @@ class MemoryPlannerCallback(TrainerCallback):
             (folder / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2))
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is None or not self.verbose or not state.is_world_process_zero:
+        if self.monitor is None or not state.is_world_process_zero:
+            return
+        records = self.monitor.history
+        if records:
+            cuda = records[0].sample.reserved_bytes is not None
+            predicted = self.monitor.predicted_reserved_bytes if cuda else self.monitor.predicted_allocated_bytes
+            steps, measured = [d.step for d in records], [d.compared_bytes for d in records]
+            self._figure(
+                args, "memfit/drift", lambda: _plot("plot_drift", steps, predicted, measured), state.global_step
+            )
+        if not self.verbose:
             return
         measured = [d for d in self.monitor.history if d.drift_pct is not None]
         if measured:
@@ -340,8 +356,25 @@ class MemoryPlannerCallback(TrainerCallback):
                 if type(owner).__name__ == "CallbackHandler" and getattr(owner, "callbacks", None) is holder:
                     holder.remove(self)
                     holder.insert(0, self)
+                    self._callbacks = holder
                     return True
         return False
+
+    def _figure(self, args: TrainingArguments, name: str, make: Any, step: int) -> None:
+        """Draw and send to the TensorBoard writer of HF's TensorBoard callback, the active MLflow run and
+        ``output_dir``; skipped without matplotlib."""
+        if not matplotlib_available():
+            return
+        try:
+            figure = make()
+        except Exception as error:
+            self._warn("figure", f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            return
+        writer = next((getattr(cb, "tb_writer", None) for cb in self._callbacks if hasattr(cb, "tb_writer")), None)
+        mlflow_module = None
+        if any(type(cb).__name__ == "MLflowCallback" for cb in self._callbacks):
+            import mlflow as mlflow_module
+        log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=args.output_dir, step=step)
 
     def _warn(self, key: str, message: str) -> None:
         if key in self._warned:
@@ -350,6 +383,12 @@ class MemoryPlannerCallback(TrainerCallback):
         import warnings
 
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _plot(function: str, *args: Any) -> Any:
+    from memfit import plot
+
+    return getattr(plot, function)(*args)
 
 
 def _info(message: str) -> None:

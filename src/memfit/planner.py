@@ -187,11 +187,16 @@ def plan(
                 f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} against "
                 f"a budget of {format_bytes(budget)} ({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin)."
             )
+        # Step down by the overshoot over the per-sample growth, at least one sample at a time.
+        low = chosen.at(1)
+        growth = (chosen.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
+        step = max(1, math.ceil((predicted - budget) / growth)) if growth > 0 else 1
+        next_micro = max(min_batch_size, micro - step)
         reasons.append(
             f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the interpolation "
-            f"allowed; trying {micro - 1}"
+            f"allowed; trying {next_micro}"
         )
-        largest_micro = micro - 1
+        largest_micro = next_micro
 
     if per_device_target is None:
         reasons.append(f"largest micro batch that fits: {micro}")

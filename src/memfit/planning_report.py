@@ -27,6 +27,7 @@ class GpuPlan:
     estimate: MemoryEstimate | None
     error: str | None = None
     approximate: bool = False
+    base: MemoryEstimate | None = None  # the trace at batch 1 the plan started from (for the batch curve)
 
     @property
     def fits(self) -> bool:
@@ -51,6 +52,16 @@ class PlanReport:
     optimizer: str
     seq_len: int | None
     rows: tuple[GpuPlan, ...] = field(default=())
+
+    def plot(self, path: str) -> None:
+        """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU."""
+        from memfit.plot import plot_plan
+
+        base = next(row.base for row in self.rows if row.base is not None)
+        capacities = {row.gpu: row.capacity_bytes for row in self.rows}
+        chosen = {row.gpu: row.plan.micro_batch_size for row in self.rows if row.plan is not None}
+        first = next((row.estimate for row in self.rows if row.estimate is not None), None)
+        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=first, path=path)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,11 +143,12 @@ def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointi
             confirm=lambda micro, ckpt: trace(micro, ckpt or always),
         )
     except InsufficientMemoryError as error:
-        return GpuPlan(name, capacity, None, None, error=str(error), approximate=bool(gpu and gpu.approximate))
+        approximate = bool(gpu and gpu.approximate)
+        return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=trace(1, always))
     if always and not chosen.gradient_checkpointing:
         chosen = Plan(**{**chosen.to_dict(), "gradient_checkpointing": True, "reasons": tuple(chosen.reasons)})
     exact = trace(chosen.micro_batch_size, chosen.gradient_checkpointing)
-    return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate))
+    return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate), base=trace(1, always))
 
 
 class _progress:

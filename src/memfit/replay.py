@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from memfit.allocator import CachingAllocatorSimulator, round_size
 from memfit.categories import Category, Phase
-from memfit.recorder import StorageRecorder
+from memfit.recorder import PhaseMark, StorageRecorder
 
-__all__ = ["PhasePeak", "replay"]
+__all__ = ["PhasePeak", "TimelinePoint", "replay"]
+
+MAX_TIMELINE_POINTS = 1500
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,23 @@ class PhasePeak:
     tensor_bytes: int = 0
 
 
-def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[PhasePeak]:
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Memory after one event of the traced steps: bytes per category (``Category`` order) and reserved."""
+
+    event_index: int
+    step: int
+    phase: Phase
+    category_bytes: tuple[int, ...]
+    reserved_bytes: int
+
+
+def replay(
+    recorder: StorageRecorder, *, simulate_cuda_allocator: bool, timeline: list[TimelinePoint] | None = None
+) -> list[PhasePeak]:
     """Replay the log in order; with ``simulate_cuda_allocator`` sizes are CUDA blocks and reserved
-    comes from the caching-allocator simulation, else sizes are raw and reserved equals allocated."""
+    comes from the caching-allocator simulation, else sizes are raw and reserved equals allocated.
+    A ``timeline`` list receives up to ``MAX_TIMELINE_POINTS`` samples (peaks always included)."""
     allocator = CachingAllocatorSimulator() if simulate_cuda_allocator else None
     categories = recorder.categories
     sizes = recorder.sizes
@@ -69,16 +85,28 @@ def replay(recorder: StorageRecorder, *, simulate_cuda_allocator: bool) -> list[
     for event in events[:first]:  # parameters, buffers and inputs made before the first step
         apply(event)
     position = first
+    every = max(1, (len(events) - first) // MAX_TIMELINE_POINTS)
+    categories_order = list(Category)
+
+    def sample(index: int, mark: PhaseMark) -> None:
+        if timeline is not None:
+            reserved = allocator.reserved_bytes if allocator else allocated
+            snapshot = tuple(by_category[c] for c in categories_order)
+            timeline.append(TimelinePoint(index, mark.step, mark.phase, snapshot, reserved))
+
     for mark, end in zip(marks, boundaries, strict=True):
         peak_allocated = allocated
         peak_tensors = tensors
         peak_reserved = allocator.reserved_bytes if allocator else allocated
         breakdown = dict(by_category)
-        for event in events[position:end]:
-            apply(event)
+        for index in range(position, end):
+            apply(events[index])
             if allocated > peak_allocated:
                 peak_allocated = allocated
                 breakdown = dict(by_category)
+                sample(index, mark)
+            elif index % every == 0:
+                sample(index, mark)
             peak_tensors = max(peak_tensors, tensors)
             if allocator:
                 peak_reserved = max(peak_reserved, allocator.reserved_bytes)
