@@ -124,3 +124,44 @@ def test_plot_functions_without_a_timeline_or_matplotlib_say_why(tmp_path: Path)
         plot_timeline(_synthetic_row("H100", 80 * GiB, 4).estimate)
     plot_drift([10, 20, 30], 2 * GiB, [int(1.9 * GiB), None, int(2.1 * GiB)], path=tmp_path / "drift.png")
     assert _png_size(tmp_path / "drift.png") == (1100, 385)
+
+
+def test_inference_plan_has_no_training_state_and_keeps_the_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    import memfit
+
+    spec = from_hf_config("llama-3-8b", seq_len=64, layers=1)
+    serving = memfit.estimate(spec.model, spec.sample, batch_size=2, precision="bf16", inference=True)
+    training = memfit.estimate(spec.model, spec.sample, batch_size=2, precision="bf16")
+    assert serving.breakdown[Category.GRADIENTS] == serving.breakdown[Category.OPTIMIZER_STATE] == 0
+    assert [p.phase for p in serving.phases] == [Phase.FORWARD]
+    config = spec.model.config
+    kv_cache = 2 * 1 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 64 * 2 * 2
+    logits = 2 * 64 * config.vocab_size * 2
+    assert serving.activation_bytes >= kv_cache + logits  # outputs kept: logits and the KV cache
+    assert serving.peak_bytes < training.peak_bytes
+
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--budget", "2GiB", "--inference",
+                 "--num-workers", "2", "--pin-memory", "--json"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["inference"] is True and report["optimizer"] == "none"
+    (row,) = report["gpus"]
+    assert row["fits"] and row["gradient_checkpointing"] is False
+    host = report["host"]
+    assert host["weights_bytes"] > 0 and host["pinned_bytes"] > 0
+    assert host["batches_bytes"] == 4 * host["pinned_bytes"]  # 2 workers x 2 prefetched batches, 1 pinned copy
+    assert host["total_bytes"] == sum(
+        host[k] for k in ("weights_bytes", "batches_bytes", "pinned_bytes", "offload_bytes")
+    )
+
+
+def test_host_estimate_rules() -> None:
+    from memfit.host import estimate_host
+
+    host = estimate_host(weights_bytes=10 * GiB, batch_bytes=100 * MiB, num_workers=4, prefetch_factor=2,
+                         pin_memory=True, offload_bytes=3 * GiB)  # fmt: skip
+    assert host.batches_bytes == 800 * MiB and host.pinned_bytes == 100 * MiB
+    assert host.total_bytes == 13 * GiB + 900 * MiB and host.fits is None
+    assert "offload 3.00 GiB" in host.summary()
+    local = estimate_host(weights_bytes=1, batch_bytes=1, local_machine=True)
+    assert local.available_bytes and local.fits is True and local.batches_bytes == 1

@@ -100,6 +100,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         margin=args.margin,
         show_progress=not args.json,
+        inference=args.inference,
+        num_workers=args.num_workers,
+        prefetch_factor=args.prefetch_factor,
+        pin_memory=args.pin_memory,
+        offload_optimizer=args.offload_optimizer,
     )
     if args.plot:
         report.plot(args.plot)
@@ -112,6 +117,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(plan_table(report))
+        if report.host is not None:
+            console.print(report.host.summary())
         if args.plot:
             console.print(f"pictures: {args.plot}")
     return 0
@@ -185,6 +192,14 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
     plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices (default 1)")
     plan.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free (default 0.05)")
+    plan.add_argument("--inference", action="store_true", help="plan a forward-only pass (serving): no gradients, "
+                      "optimizer state or saved activations; outputs and KV cache kept")  # fmt: skip
+    plan.add_argument("--num-workers", type=int, default=0, help="dataloader workers, for the host RAM line")
+    plan.add_argument("--prefetch-factor", type=int, default=2, help="batches each worker prefetches (default 2)")
+    plan.add_argument("--pin-memory", action="store_true", help="the dataloader pins memory")
+    plan.add_argument(
+        "--offload-optimizer", action="store_true", help="optimizer state lives in host RAM (ZeRO-Offload)"
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument(
         "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"

@@ -177,6 +177,7 @@ def estimate(
     loss_fn: LossFn | None = None,
     forward_fn: ForwardFn | None = None,
     cuda_runtime: CudaRuntime | None = None,
+    inference: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` without running it for real.
 
@@ -199,6 +200,8 @@ def estimate(
             ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``.
         cuda_runtime: CUDA context size and compute capability of the target (default: measured on
             the visible GPU, else an H100-class card).
+        inference: plan a forward-only pass instead (eval mode, no gradients, optimizer state or saved
+            activations; the outputs, including a KV cache, are kept to the end of the pass).
 
     Raises:
         InvalidInputError: an argument cannot be used.
@@ -207,7 +210,7 @@ def estimate(
     """
     settings, batches = _prepare(
         model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
-        checkpoint_modules, batch_size, device, loss_fn, forward_fn, cuda_runtime,
+        checkpoint_modules, batch_size, device, loss_fn, forward_fn, cuda_runtime, inference,
     )  # fmt: skip
     primary_batch, secondary_batch, sample_batch = batches
     runtime = settings.runtime
@@ -232,6 +235,7 @@ def _prepare(
     loss_fn: Any,
     forward_fn: Any,
     cuda_runtime: Any,
+    inference: bool = False,
 ) -> tuple[TraceSettings, tuple[int, int, int]]:
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -246,7 +250,7 @@ def _prepare(
         raise InvalidInputError(f"cuda_runtime must be a memfit.CudaRuntime, got {cuda_runtime!r}")
     target = _target_device(device)
     parsed_precision = Precision.parse(precision)
-    if not any(p.requires_grad for p in model.parameters()):
+    if not inference and not any(p.requires_grad for p in model.parameters()):
         raise InvalidInputError(
             f"{type(model).__name__} has no parameter that requires grad, so there is no training step to "
             "plan; unfreeze some parameters"
@@ -271,6 +275,7 @@ def _prepare(
         forward_fn=forward_fn,
         workspace_bytes=runtime.workspace_bytes if target.type == "cuda" else 0,
         runtime=runtime,
+        inference=bool(inference),
     )
     return settings, (primary, secondary, sample_batch)
 
@@ -344,7 +349,7 @@ def _build_estimate(
         batch_size=primary.batch_size,
         device="cuda" if cuda else "cpu",
         precision=settings.precision,
-        optimizer=optimizer_name(settings.optimizer),
+        optimizer="none (inference)" if settings.inference else optimizer_name(settings.optimizer),
         gradient_checkpointing=settings.gradient_checkpointing,
         peak_allocated_bytes=top.allocated_bytes,
         peak_reserved_bytes=max(p.reserved_bytes for p in peaks),

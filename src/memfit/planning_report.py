@@ -10,7 +10,9 @@ from memfit.capacity import parse_budget
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.estimate import MemoryEstimate, estimate
 from memfit.gpus import GPU, gpu_by_name
+from memfit.host import HostEstimate, estimate_host
 from memfit.planner import Plan, plan
+from memfit.precision import Precision
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.runtime import CudaRuntime
 
@@ -52,6 +54,8 @@ class PlanReport:
     optimizer: str
     seq_len: int | None
     rows: tuple[GpuPlan, ...] = field(default=())
+    inference: bool = False
+    host: HostEstimate | None = None
 
     def plot(self, path: str) -> None:
         """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU."""
@@ -70,7 +74,9 @@ class PlanReport:
             "precision": self.precision,
             "optimizer": self.optimizer,
             "seq_len": self.seq_len,
+            "inference": self.inference,
             "gpus": [row.to_dict() for row in self.rows],
+            "host": self.host.to_dict() if self.host else None,
         }
 
 
@@ -90,6 +96,11 @@ def plan_for_gpus(
     world_size: int = 1,
     margin: float = 0.05,
     show_progress: bool = False,
+    inference: bool = False,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+    pin_memory: bool = False,
+    offload_optimizer: bool = False,
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU."""
     if not gpus and budget is None:
@@ -104,14 +115,39 @@ def plan_for_gpus(
     rows = []
     for name, capacity, gpu in targets:
         runtime = CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0))
-        trace = _tracer(spec, precision, optimizer, runtime)
+        trace = _tracer(spec, precision, optimizer, runtime, inference)
         with _progress(show_progress, f"tracing {spec.name} for {name}"):
-            rows.append(_plan_one(name, capacity, gpu, trace, checkpointing, target_batch_size, world_size, margin))
+            allow = "off" if inference else checkpointing
+            rows.append(_plan_one(name, capacity, gpu, trace, allow, target_batch_size, world_size, margin))
     parameters = sum(p.numel() for p in spec.model.parameters())
-    return PlanReport(spec.name, parameters, precision, optimizer, seq_len, tuple(rows))
+    host = _host(
+        spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, precision
+    )
+    return PlanReport(spec.name, parameters, precision, "none" if inference else optimizer, seq_len, tuple(rows),
+                      inference=inference, host=host)  # fmt: skip
 
 
-def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtime: CudaRuntime) -> Any:
+def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_factor: int, pin_memory: bool,
+          offload_optimizer: bool, optimizer: str, inference: bool, precision: str) -> HostEstimate:  # fmt: skip
+    """Host RAM for the largest planned micro batch (weights as stored, batches in flight, offload)."""
+    half = Precision.parse(precision) in (Precision.FP16_TRUE, Precision.BF16_TRUE)  # stored and loaded as 16-bit
+    weights = sum(
+        t.numel() * (2 if half and t.is_floating_point() else t.element_size())
+        for t in [*spec.model.parameters(), *spec.model.buffers()]
+    )
+    micro = max((row.plan.micro_batch_size for row in rows if row.plan), default=1)
+    batch = spec.sample(micro)
+    tensors = list(batch.values()) if isinstance(batch, dict) else [t for t in batch if hasattr(t, "numel")]
+    batch_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "adafactor": 1}.get(optimizer, 0)
+    trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+    offload = trainable * 4 * states if offload_optimizer and not inference else 0
+    return estimate_host(weights_bytes=weights, batch_bytes=batch_bytes, num_workers=num_workers,
+                         prefetch_factor=prefetch_factor, pin_memory=pin_memory, offload_bytes=offload,
+                         local_machine=True)  # fmt: skip
+
+
+def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtime: CudaRuntime, inference: bool) -> Any:
     @functools.cache
     def trace(batch: int, checkpointing: bool) -> MemoryEstimate:
         return estimate(
@@ -123,6 +159,7 @@ def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtime: CudaRuntim
             gradient_checkpointing=checkpointing,
             device="cuda",
             cuda_runtime=runtime,
+            inference=inference,
         )
 
     return trace

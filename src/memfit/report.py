@@ -133,9 +133,9 @@ def phases_table(estimate: MemoryEstimate) -> Table:
 
 def plan_table(report: PlanReport) -> Table:
     """One row per GPU: does it fit, with what micro batch, accumulation and checkpointing, at what peak."""
+    what = "inference (forward only)" if report.inference else f"optimizer {report.optimizer}"
     title = (
-        f"{report.model}: {report.parameters / 1e9:.2f} B parameters, {report.precision}, optimizer "
-        f"{report.optimizer}, seq {report.seq_len}"
+        f"{report.model}: {report.parameters / 1e9:.2f} B parameters, {report.precision}, {what}, seq {report.seq_len}"
     )
     table = Table(title=title)
     for column in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",

@@ -67,6 +67,7 @@ class TraceSettings:
     forward_fn: ForwardFn | None
     workspace_bytes: int
     runtime: CudaRuntime
+    inference: bool = False
 
     @property
     def targets_cuda(self) -> bool:
@@ -110,6 +111,8 @@ def trace_steps(
     # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
     with preserved_module_state(model), preserved_rng_state(), onednn_disabled():
+        if settings.inference:
+            return _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
         model.train()
         already_on = _hf_checkpointing_on(model)
         if settings.gradient_checkpointing or (already_on and semantics is not None):
@@ -137,6 +140,34 @@ def trace_steps(
         substitutions=dict(semantics.substitutions) if semantics else {},
         ops=recorder.ops,
     )
+
+
+def _trace_inference(
+    model: nn.Module,
+    sample: Sample,
+    sample_batch: int,
+    batch_size: int,
+    settings: TraceSettings,
+    recorder: StorageRecorder,
+    semantics: CudaSemantics | None,
+) -> StepTrace:
+    """One forward in eval mode under ``no_grad``; what it returns (logits, a KV cache) stays alive to
+    the end, as a caller holding the outputs would keep it."""
+    model.eval()
+    paths = module_path_tracker(model)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, recorder, paths, torch.no_grad():
+        swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
+        batch = rebatch(sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder))
+        if isinstance(batch, dict):
+            batch = {k: v for k, v in batch.items() if k != "labels"}  # serving computes no loss
+        recorder.mark(1, Phase.FORWARD)
+        with _autocast(settings, semantics), _failure("forward", model, batch, paths):
+            output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
+        recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=0)
+        recorder.close()
+        del output
+    return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops)
 
 
 def _one_step(
