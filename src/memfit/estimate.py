@@ -28,7 +28,7 @@ from memfit.replay import PhasePeak, TimelinePoint, replay
 from memfit.runtime import CudaRuntime
 from memfit.tracer import ForwardFn, LossFn, StepTrace, TraceSettings, trace_steps
 
-__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate"]
+__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate", "estimate_for_runtimes"]
 
 _MAX_BATCH = 1 << 31
 
@@ -208,18 +208,60 @@ def estimate(
         TraceError: the model, loss or optimizer failed on the traced step (the message names where).
         ValueDependentError: the model reads tensor values, which fake tensors do not have.
     """
+    return estimate_for_runtimes(
+        model, sample, runtimes=[cuda_runtime], optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+        precision=precision, gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules,
+        batch_size=batch_size, device=device, loss_fn=loss_fn, forward_fn=forward_fn, inference=inference,
+    )[0]  # fmt: skip
+
+
+def estimate_for_runtimes(
+    model: nn.Module,
+    sample: Sample | Callable[[int], Sample],
+    *,
+    runtimes: Sequence[CudaRuntime | None],
+    optimizer: OptimizerSpec = "adamw",
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    precision: Precision | str = "fp32",
+    gradient_checkpointing: bool = False,
+    checkpoint_modules: CheckpointTarget | None = None,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    loss_fn: LossFn | None = None,
+    forward_fn: ForwardFn | None = None,
+    inference: bool = False,
+) -> list[MemoryEstimate]:
+    """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
+
+    GPUs differ, for the trace, only in what no tensor owns (the CUDA context and the cuBLAS
+    workspace, whose size depends on the architecture), so the storage log is shared and the
+    workspace blocks are resized before each replay. ``None`` in ``runtimes`` means the visible GPU.
+    """
     settings, batches = _prepare(
         model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
-        checkpoint_modules, batch_size, device, loss_fn, forward_fn, cuda_runtime, inference,
+        checkpoint_modules, batch_size, device, loss_fn, forward_fn, runtimes[0], inference,
     )  # fmt: skip
     primary_batch, secondary_batch, sample_batch = batches
-    runtime = settings.runtime
     started = time.perf_counter()
     primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
     secondary = trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
-    cuda = settings.targets_cuda
-    return _build_estimate(primary, secondary, settings, runtime if cuda else None, elapsed)
+    if not settings.targets_cuda:
+        return [_build_estimate(primary, secondary, settings, None, elapsed) for _ in runtimes]
+    estimates = []
+    for runtime in runtimes:
+        runtime = runtime or CudaRuntime.of_current_device()
+        for trace in (primary, secondary):
+            _resize_workspace(trace, runtime.workspace_bytes)
+        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed))
+    return estimates
+
+
+def _resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
+    recorder = trace.recorder
+    for sid, category in recorder.categories.items():
+        if category is Category.WORKSPACE:
+            recorder.sizes[sid] = workspace_bytes
 
 
 def _prepare(

@@ -8,7 +8,7 @@ from typing import Any
 
 from memfit.capacity import parse_budget
 from memfit.errors import InsufficientMemoryError, InvalidInputError
-from memfit.estimate import MemoryEstimate, estimate
+from memfit.estimate import MemoryEstimate, estimate_for_runtimes
 from memfit.gpus import GPU, gpu_by_name
 from memfit.host import HostEstimate, estimate_host
 from memfit.planner import Plan, plan
@@ -112,13 +112,19 @@ def plan_for_gpus(
         spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
             from_factory(model, seq_len=seq_len)
         )  # fmt: skip
+    runtimes = [
+        CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
+    ]
+    trace = _tracer(spec, precision, optimizer, runtimes, inference)  # one trace serves every GPU
     rows = []
-    for name, capacity, gpu in targets:
-        runtime = CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0))
-        trace = _tracer(spec, precision, optimizer, runtime, inference)
-        with _progress(show_progress, f"tracing {spec.name} for {name}"):
+    for index, (name, capacity, gpu) in enumerate(targets):
+        with _progress(show_progress, f"tracing {spec.name} and planning for {name}"):
             allow = "off" if inference else checkpointing
-            rows.append(_plan_one(name, capacity, gpu, trace, allow, target_batch_size, world_size, margin))
+
+            def for_gpu(batch: int, checkpointing: bool, index: int = index) -> MemoryEstimate:
+                return trace(batch, checkpointing)[index]
+
+            rows.append(_plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin))
     parameters = sum(p.numel() for p in spec.model.parameters())
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, precision
@@ -147,18 +153,18 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
                          local_machine=True)  # fmt: skip
 
 
-def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtime: CudaRuntime, inference: bool) -> Any:
+def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool) -> Any:
     @functools.cache
-    def trace(batch: int, checkpointing: bool) -> MemoryEstimate:
-        return estimate(
+    def trace(batch: int, checkpointing: bool) -> list[MemoryEstimate]:
+        return estimate_for_runtimes(
             spec.model,
             spec.sample,
+            runtimes=runtimes,
             batch_size=batch,
             precision=precision,
             optimizer=optimizer,
             gradient_checkpointing=checkpointing,
             device="cuda",
-            cuda_runtime=runtime,
             inference=inference,
         )
 
