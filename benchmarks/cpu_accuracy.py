@@ -22,33 +22,20 @@ from rich.table import Table
 
 import memfit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test models
 import zoo
+from integrations.accuracy import reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def memtracker_peak(case: zoo.Case) -> int | None:
     try:
-        from torch.distributed._tools.mem_tracker import MemTracker
-    except ImportError:
+        optimizer = torch.optim.AdamW(case.model.parameters(), foreach=False)  # CPU default: single-tensor
+        return reference.memtracker_peak(case.model, optimizer, case.batch, case.loss_of)
+    except ImportError:  # MemTracker is private API; older torch lacks it
         return None
-    model = case.model
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with zoo.onednn_off(), tracker:
-        for _ in range(2):
-            output = case.forward_fn(model, case.batch) if case.forward_fn else model(**case.batch)
-            loss = case.loss_fn(output, case.batch) if case.loss_fn else output.loss
-            del output
-            loss.backward()
-            del loss
-            optimizer.step()
-            optimizer.zero_grad()
-            tracker.reset_mod_stats()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def main() -> None:

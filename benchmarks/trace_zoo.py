@@ -30,9 +30,12 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
+from memfit.measure import nvml_device_used_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo
+from integrations.accuracy import reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -179,15 +182,15 @@ def measure(config: Config, steps: int = 3) -> dict[str, Any]:
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            output = config.forward_fn(model, batch) if config.forward_fn else model(**batch)
-            loss = config.loss_fn(output, batch) if config.loss_fn else output.loss
-        del output
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def autocast() -> Any:
+        return torch.autocast("cuda", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None)
+
+    def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        output = config.forward_fn(model, batch) if config.forward_fn else model(**batch)
+        return config.loss_fn(output, batch) if config.loss_fn else output.loss
+
+    reference.run_steps(model, optimizer, batch, loss_of, steps=steps, autocast=autocast)
     torch.cuda.synchronize()
     return {
         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
@@ -204,14 +207,7 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 
 def _nvml_used() -> int | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    except Exception:
-        return None
+    return nvml_device_used_bytes(torch.cuda.current_device())
 
 
 def _error(predicted: int, measured: int | None) -> str:
@@ -223,7 +219,7 @@ def _error(predicted: int, measured: int | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="also measure each config on the visible GPU")
-    parser.add_argument("--only", help="run the configs whose name contains this text")
+    parser.add_argument("--only", help="run the configs whose name contains this text (results are not written)")
     parser.add_argument("--measure-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_one:
@@ -252,6 +248,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     device = torch.cuda.get_device_name() if args.measure else "cpu-only (predictions for a CUDA target)"
     _show(rows, device)
+    if args.only:
+        return  # a subset: shown, not written over the full results
     RESULTS.mkdir(exist_ok=True)
     tag = "gpu" if args.measure else "cpu"
     path = RESULTS / f"trace_zoo-{tag}.json"

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from integrations.accuracy import reference
 
 
 class BasicBlock(nn.Module):
@@ -60,6 +61,11 @@ class Case:
     batch: Any
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     forward_fn: Callable[[nn.Module, Any], Any] | None
+
+    def loss_of(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar loss of one real forward, as memfit's trace computes it."""
+        output = self.forward_fn(model, batch) if self.forward_fn else _call(model, batch)
+        return self.loss_fn(output, batch) if self.loss_fn else output.loss
 
 
 def gpt2_case(batch: int = 2, seq: int = 64) -> Case:
@@ -117,54 +123,9 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def _storages(obj: Any) -> list[torch.UntypedStorage]:
-    if isinstance(obj, torch.Tensor):
-        return [obj.untyped_storage()]
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in _storages(v)]
-    if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _storages(v)]
-    return []
-
-
 def saved_activation_bytes(case: Case) -> int:
-    """Bytes a real CPU forward keeps for backward, counted with autograd's saved-tensor hooks.
-
-    Deduplicated by storage; parameters, buffers and the batch itself are not activations. The loss
-    is added: it is alive between forward and backward too. oneDNN is off, as in memfit's trace:
-    its RNN kernels keep a workspace whose size fake tensors cannot know.
-    """
-    model = case.model
-    model.train()
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    excluded |= {s.data_ptr() for s in _storages(case.batch)}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with onednn_off(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = case.forward_fn(model, case.batch) if case.forward_fn else _call(model, case.batch)
-        loss = case.loss_fn(output, case.batch) if case.loss_fn else output.loss
-        del output
-    storage = loss.untyped_storage()
-    saved[storage.data_ptr()] = storage.nbytes()
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(saved.values())
-
-
-@contextlib.contextmanager
-def onednn_off() -> Iterator[None]:
-    previous = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(previous)
+    """Bytes a real CPU forward of ``case`` keeps for backward (see ``reference.saved_activation_bytes``)."""
+    return reference.saved_activation_bytes(case.model, case.batch, case.loss_of)
 
 
 def _call(model: nn.Module, batch: Any) -> Any:

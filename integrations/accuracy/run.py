@@ -16,7 +16,7 @@ at two batch sizes. Raw rows go to ``benchmarks/results/accuracy-<mode>.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
 import platform
@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
+from integrations.accuracy import reference
 from integrations.accuracy.zoo import Config, configs
 from memfit.checkpointing import enable_checkpointing
 
@@ -77,16 +78,6 @@ def _loss(config: Config, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return family.loss_fn(output, batch) if family.loss_fn else output.loss
 
 
-@contextlib.contextmanager
-def _onednn_off() -> Any:
-    previous = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)  # as in memfit's trace: oneDNN RNN workspaces are invisible to it
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(previous)
-
-
 def real_model(config: Config, size: str, device: str) -> torch.nn.Module:
     model = build(config, size).to(device).train()
     if config.checkpointing:
@@ -96,65 +87,36 @@ def real_model(config: Config, size: str, device: str) -> torch.nn.Module:
 
 def cpu_reference(config: Config, batch_size: int) -> dict[str, Any]:
     """Independent counts on real CPU tensors: saved activations, MemTracker peak, one step's time."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     dtype = _AUTOCAST.get(config.precision)
     cls, kwargs = optimizer_spec(config.optimizer)
     batch = config.family.batch("cpu")(batch_size)
-    autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)  # noqa: E731
+    loss_of = functools.partial(_loss, config)
+
+    def autocast() -> Any:
+        return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
     saved_bytes = None
     if not config.checkpointing:
-        model = real_model(config, "cpu", "cpu")
-        excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        excluded |= {v.untyped_storage().data_ptr() for v in _tensors(batch)}
-        saved: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in excluded:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with _onednn_off(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-            loss = _loss(config, model, batch)
-        saved[loss.untyped_storage().data_ptr()] = loss.untyped_storage().nbytes()
-        saved_bytes = sum(saved.values())
+        saved_bytes = reference.saved_activation_bytes(real_model(config, "cpu", "cpu"), batch, loss_of, autocast)
 
     model = real_model(config, "cpu", "cpu")
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     peak, tracker_error = None, None
     try:
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with _onednn_off(), tracker:
-            for _ in range(2):
-                with autocast():
-                    loss = _loss(config, model, batch)
-                loss.backward()
-                del loss
-                optimizer.step()
-                optimizer.zero_grad()
-                tracker.reset_mod_stats()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        peak = reference.memtracker_peak(model, optimizer, batch, loss_of, autocast=autocast)
     except RuntimeError as error:  # MemTracker hooks every parameter, frozen ones too, and fails on them
         tracker_error = str(error)
         model = real_model(config, "cpu", "cpu")
         optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
     started = time.perf_counter()  # one more real step, untracked, for the time ratio
-    with _onednn_off():
-        with autocast():
-            loss = _loss(config, model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    step_seconds = time.perf_counter() - started
+    with reference.onednn_off():
+        reference.run_steps(model, optimizer, batch, loss_of, steps=1, autocast=autocast)
     return {
         "saved_activation_bytes": saved_bytes,
         "memtracker_peak_bytes": peak,
         "memtracker_error": tracker_error,
-        "real_step_seconds": step_seconds,
+        "real_step_seconds": time.perf_counter() - started,
     }
 
 
@@ -169,13 +131,11 @@ def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, 
     batch = _to(config.family.batch("gpu")(batch_size), device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = _loss(config, model, batch)
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def autocast() -> Any:
+        return torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None)
+
+    reference.run_steps(model, optimizer, batch, functools.partial(_loss, config), steps=steps, autocast=autocast)
     torch.cuda.synchronize()
     from memfit.measure import nvml_device_used_bytes
 
@@ -184,12 +144,6 @@ def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, 
         "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
         "measured_nvml_used_bytes": nvml_device_used_bytes(torch.cuda.current_device()),
     }
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, dict):
-        return list(batch.values())
-    return [t for t in batch if isinstance(t, torch.Tensor)]
 
 
 def _to(batch: Any, device: torch.device) -> Any:
