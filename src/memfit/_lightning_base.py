@@ -214,11 +214,10 @@ class MemoryPlannerBase:
             target = configured * trainer.accumulate_grad_batches * world
         include_context = device.type == "cuda" and self.budget_bytes is not None
 
-        def traced_with_checkpointing() -> MemoryEstimate:
-            return estimate(pl_module, sample, batch_size=configured, gradient_checkpointing=True, **kwargs)
-
-        @functools.cache
+        @functools.cache  # the planner and the confirmation may ask for the same trace
         def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
+            if (micro, checkpointing) == (configured, False):
+                return traced
             return estimate(pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
 
         chosen = plan(
@@ -230,7 +229,7 @@ class MemoryPlannerBase:
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
             allow_checkpointing=self.allow_checkpointing,
-            checkpointed=traced_with_checkpointing,
+            checkpointed=lambda: traced_at(configured, True),
             include_context=include_context,
             confirm=traced_at,
         )

@@ -21,6 +21,7 @@ memory every ``logging_steps``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import inspect
 import json
@@ -99,6 +100,12 @@ def plan_training_arguments(
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
     traced = estimate(model, sample, batch_size=configured, **kwargs)
 
+    @functools.cache  # the planner and the confirmation may ask for the same trace
+    def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
+        if (micro, checkpointing) == (configured, False):
+            return traced
+        return estimate(model, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
+
     restored = _saved_plan(args, resume_from_checkpoint)
     if restored is not None:
         chosen = Plan(**{**restored, "reasons": (*restored["reasons"], "restored from the checkpoint")})
@@ -116,11 +123,9 @@ def plan_training_arguments(
             min_batch_size=min_batch_size,
             max_batch_size=max_batch_size,
             allow_checkpointing=allow_checkpointing,
-            checkpointed=lambda: estimate(model, sample, batch_size=configured, gradient_checkpointing=True, **kwargs),
+            checkpointed=lambda: traced_at(configured, True),
             include_context=device.type == "cuda" and budget_bytes is not None,
-            confirm=lambda micro, ckpt: estimate(
-                model, sample, batch_size=micro, gradient_checkpointing=ckpt, **kwargs
-            ),
+            confirm=traced_at,
         )
     # transformers 5 calls the switch activation_checkpointing; 4.x called it gradient_checkpointing
     switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
