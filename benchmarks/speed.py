@@ -8,6 +8,7 @@ Each case runs in a fresh process so its peak RSS is its own:
   call traces two steps at two batch sizes.
 * A Llama-style 7B (32 layers, 4096 wide, built on the ``meta`` device), batch 1, seq 2048,
   bf16-mixed AdamW: seconds and the process's peak resident memory.
+* ``memfit plan --hf-config llama-3-8b --gpu h100 --gpu rtx4090 --seq-len 2048`` end to end.
 Results go to ``benchmarks/results/speed.json``.
 """
 
@@ -70,7 +71,20 @@ def llama_7b() -> dict:
     }
 
 
-CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b}
+def plan_llama3_8b() -> dict:
+    from memfit.planning_report import plan_for_gpus
+
+    started = time.perf_counter()
+    report = plan_for_gpus(hf_config="llama-3-8b", model=None, gpus=["h100", "rtx4090"], budget=None, seq_len=2048)
+    return {
+        "case": "memfit plan --hf-config llama-3-8b --gpu h100 --gpu rtx4090 --seq-len 2048",
+        "cold_seconds": round(time.perf_counter() - started, 2),
+        "predicted_peak_bytes": max(row.base.peak_bytes for row in report.rows),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b, "plan-llama3-8b": plan_llama3_8b}
 
 
 def main() -> None:
