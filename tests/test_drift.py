@@ -30,20 +30,25 @@ def test_cuda_window_metrics_and_drift() -> None:
 
 def test_over_margin_alarm_is_raised_once_with_the_figures() -> None:
     monitor = DriftMonitor(predicted_allocated_bytes=8 * GiB, predicted_reserved_bytes=10 * GiB, margin=0.05)
+    monitor.observe(5, cuda_sample(8 * GiB, 10 * GiB))
     first = monitor.observe(10, cuda_sample(9 * GiB, 11 * GiB))
     assert len(first.alarms) == 1
-    assert "10.0% above the prediction 10.00 GiB" in first.alarms[0] and "step 10" in first.alarms[0]
+    assert "10.0% above the prediction 10.00 GiB" in first.alarms[0] and "steps 6-10" in first.alarms[0]
+    assert first.metrics()["memfit/alarm_over_margin"] == 1.0
     again = monitor.observe(20, cuda_sample(9 * GiB, 11 * GiB))
-    assert again.alarms == ()
+    assert again.alarms == () and "memfit/alarm_over_margin" not in again.metrics()
 
 
 def test_growing_peaks_raise_a_leak_alarm_naming_the_steps() -> None:
     monitor = DriftMonitor(predicted_allocated_bytes=8 * GiB, predicted_reserved_bytes=20 * GiB, margin=0.05)
-    alarms = []
-    for step, reserved in zip((10, 20, 30, 40), (10, 11, 12, 13), strict=True):
-        alarms += monitor.observe(step, cuda_sample(8 * GiB, reserved * GiB)).alarms
+    records = [
+        monitor.observe(step, cuda_sample(8 * GiB, reserved * GiB))
+        for step, reserved in zip((10, 20, 30, 40), (10, 11, 12, 13), strict=True)
+    ]
+    alarms = [alarm for record in records for alarm in record.alarms]
     assert len(alarms) == 1
-    assert "steps 10-40" in alarms[0] and "leak" in alarms[0]
+    assert "steps 10-40" in alarms[0] and "leak" in alarms[0] and "10.00 GiB -> 13.00 GiB" in alarms[0]
+    assert [r.metrics().get("memfit/alarm_leak") for r in records] == [None, None, None, 1.0]
 
 
 def test_flat_peaks_raise_nothing() -> None:

@@ -45,3 +45,31 @@ def test_ddp_ranks_apply_the_plan_of_the_smallest_budget(tmp_path: Path) -> None
     with open(metrics[0]) as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("memfit/drift_rss_pct")]
     assert [int(row["step"]) for row in rows] == [2, 4]
+
+
+def run_ddp_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, str(HERE / script), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_oom_on_one_rank_is_recovered_and_agreed_without_deadlock(tmp_path: Path) -> None:
+    if not torch.distributed.is_available():
+        import pytest
+
+        pytest.skip("torch.distributed is not available")
+    runs = {"undisturbed": "none", "recovered": "4"}
+    for name, limit in runs.items():
+        result = run_ddp_script("ddp_oom_fit.py", str(tmp_path / name), limit)
+        assert result.returncode == 0, result.stderr[-3000:]
+    reports = {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)] for name in runs}
+    weights = {name: [torch.load(tmp_path / name / f"rank{r}.pt") for r in (0, 1)] for name in runs}
+    rank0, rank1 = reports["recovered"]
+    assert rank1["recoveries"] >= 1 and rank0["recoveries"] == 0  # only rank 1 ran out of memory
+    assert rank0["chunk_size"] == rank1["chunk_size"] <= 4  # rank 0 adopted rank 1's chunk
+    for recovered, undisturbed in zip(reports["recovered"], reports["undisturbed"], strict=True):
+        assert recovered["global_step"] == undisturbed["global_step"] == 2
+        assert recovered["seen"] == undisturbed["seen"]  # 48 samples per rank, each once
+    assert torch.equal(weights["recovered"][0], weights["recovered"][1])  # gradients were synchronised
+    assert torch.allclose(weights["recovered"][0], weights["undisturbed"][0], atol=1e-6)

@@ -11,6 +11,7 @@ from memfit.errors import (
     InvalidInputError,
     MemfitError,
     TraceError,
+    UnrecoverableOutOfMemoryError,
     ValueDependentError,
 )
 from memfit.estimate import BatchPeak, MemoryEstimate, PhaseModel, estimate
@@ -42,6 +43,7 @@ __all__ = [
     "Plan",
     "Precision",
     "TraceError",
+    "UnrecoverableOutOfMemoryError",
     "ValueDependentError",
     "__version__",
     "estimate",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,6 +28,15 @@ from memfit.estimate import MemoryEstimate, estimate
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
+from memfit.recovery import (
+    LossReduction,
+    OnOOM,
+    OOMRecovery,
+    Recovery,
+    check_loss_reduction,
+    check_on_oom,
+    is_out_of_memory,
+)
 from memfit.units import format_bytes
 
 
@@ -74,6 +85,8 @@ class MemoryPlannerBase:
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         log_every_n_steps: int | None = None,
+        on_oom: OnOOM = "replan",
+        loss_reduction: LossReduction = "mean",
         verbose: bool = True,
     ) -> None:
         super().__init__()
@@ -91,6 +104,8 @@ class MemoryPlannerBase:
             _check_positive("max_batch_size", max_batch_size)
         if log_every_n_steps is not None:
             _check_positive("log_every_n_steps", log_every_n_steps)
+        self.on_oom = check_on_oom(on_oom)
+        self.loss_reduction = check_loss_reduction(loss_reduction)
         self.margin = float(margin)
         self.target_batch_size = target_batch_size
         self.batch_arg_name = batch_arg_name
@@ -112,6 +127,8 @@ class MemoryPlannerBase:
         self._baseline_rss = 0
         self._resident_bytes = 0
         self._hparams_logged = False
+        self.recovery: OOMRecovery | None = None
+        self._closure_finished = False
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -120,6 +137,25 @@ class MemoryPlannerBase:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._start_measuring(trainer, pl_module)
+        try:
+            self._install_recovery(trainer, pl_module)
+        except Exception as error:  # never let memfit end the run
+            self.recovery = None
+            self._warn(f"memfit cannot recover from out-of-memory errors in this run ({type(error).__name__}: "
+                       f"{error}); an out-of-memory error will end it as usual.")  # fmt: skip
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.recovery is not None and trainer.world_size > 1:
+            self._agree_on_chunk(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
+            self._warn(
+                "memfit: out of memory in the optimizer step, after forward and backward had finished. A smaller "
+                "micro batch does not change that step's memory (parameters, gradients, optimizer state and the "
+                "optimizer's temporaries), so memfit cannot recover from it: use an optimizer with less state or "
+                "without foreach temporaries (foreach=False), a lower precision, or a device with more memory."
+            )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._maybe_log_drift(trainer)
@@ -308,6 +344,124 @@ class MemoryPlannerBase:
             self._warn("memfit plans with the first of several optimizers")
         optimizer = optimizers[0]
         return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the torch one
+
+    # --------------------------------------------------------- OOM recovery
+    def _install_recovery(self, trainer: Any, pl_module: Any) -> None:
+        """Route each training step through ``OOMRecovery``: Lightning's loop builds its closure with
+        ``_make_closure``, so memfit supplies one whose step function runs the batch in chunks."""
+        if self.on_oom != "replan":
+            return
+        if not getattr(pl_module, "automatic_optimization", True):
+            self._warn("memfit recovers from out-of-memory errors under automatic optimization only; with manual "
+                       "optimization an out-of-memory error ends the run as usual.")  # fmt: skip
+            return
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        automatic = importlib.import_module(f"{self._pl.__name__}.loops.optimization.automatic")
+        for needed in ("_make_closure", "_make_backward_fn", "_make_zero_grad_fn", "_training_step"):
+            if not hasattr(loop, needed):
+                raise InvalidInputError(f"this Lightning version's training loop has no {needed}")
+        planned_checkpointing = bool(self.mode == "plan" and self.plan and self.plan.gradient_checkpointing)
+        self.recovery = OOMRecovery(
+            reset_gradients=lambda: pl_module.zero_grad(set_to_none=True),
+            estimate=self.estimate,
+            margin=self.margin,
+            enable_checkpointing=(
+                functools.partial(enable_checkpointing, pl_module, self.checkpoint_modules)
+                if self.allow_checkpointing
+                else None
+            ),
+            checkpointing_on=planned_checkpointing,
+            loss_reduction=self.loss_reduction,
+            distributed=trainer.world_size > 1,
+            on_recovery=functools.partial(self._on_recovery, trainer),
+        )
+
+        def make_closure(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
+            step = functools.partial(self._recovering_step, trainer, pl_module, loop, automatic, kwargs, optimizer,
+                                     batch_idx)  # fmt: skip
+            return automatic.Closure(step_fn=step)
+
+        loop._make_closure = make_closure
+
+    def _recovering_step(
+        self, trainer: Any, pl_module: Any, loop: Any, automatic: Any, kwargs: Any, optimizer: Any, batch_idx: int
+    ) -> Any:
+        """Zero grad (first micro batch of a window), then forward and backward of each chunk."""
+        recovery = self.recovery
+        self._closure_finished = False
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            recovery.start_window()
+        zero_grad = loop._make_zero_grad_fn(batch_idx, optimizer)
+        if zero_grad is not None:
+            zero_grad()
+        backward = loop._make_backward_fn(optimizer)
+        strategy = trainer.strategy
+        wrapper = strategy.model if strategy.model is not pl_module else None
+        forwarded_through_wrapper = False
+
+        def run_chunk(chunk: Any, weight: float, last: bool) -> Any:
+            nonlocal forwarded_through_wrapper
+            step_kwargs = kwargs.copy()
+            step_kwargs["batch"] = chunk
+            if last:  # through the strategy (the DDP wrapper), once per batch on every rank
+                if forwarded_through_wrapper and hasattr(wrapper, "require_forward_param_sync"):
+                    wrapper.require_forward_param_sync = False  # buffers were broadcast by the failed attempt
+                forwarded_through_wrapper = True
+                result = loop._training_step(step_kwargs)
+            else:  # the bare module: no extra collective on this rank
+                with strategy.precision_plugin.train_step_context():
+                    output = pl_module.training_step(*step_kwargs.values())
+                result = automatic.ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
+            if result.closure_loss is None:
+                return None
+            loss = result.closure_loss * weight if weight != 1.0 else result.closure_loss
+            recovery.backward_started()
+            if backward is not None:
+                backward(loss)
+            return loss.detach(), result.extra
+
+        sync = not trainer.fit_loop._should_accumulate()
+        done = [r for r in recovery.run_batch(kwargs["batch"], run_chunk, step=trainer.global_step, sync=sync) if r]
+        self._closure_finished = True
+        if not done:
+            return automatic.ClosureResult(None)
+        return automatic.ClosureResult(sum(loss for loss, _ in done), extra=done[-1][1])
+
+    def _on_recovery(self, trainer: Any, record: Recovery) -> None:
+        """One warning with the old and new plan, the recovery metrics, and the prediction for the new chunk."""
+        plan_dict = self._decision.plan if self._decision and self._decision.plan else None
+        micro = record.batch_size
+        accumulation = trainer.accumulate_grad_batches
+        chunks = -(-micro // record.chunk_after)
+        effective = micro * accumulation * trainer.world_size
+        message = (
+            f"memfit (rank {trainer.global_rank}): {record.describe()}. Plan: micro batch {micro} x accumulation "
+            f"{accumulation} -> micro batch {record.chunk_after} x accumulation {accumulation * chunks}; the "
+            f"effective batch stays {effective}"
+            + (f" (planned {plan_dict['effective_batch_size']})" if plan_dict else "")
+            + "."
+        )
+        warnings.warn(message, UserWarning, stacklevel=2)
+        if self._monitor is not None and self.estimate is not None:
+            with contextlib.suppress(Exception):
+                peak = self.estimate.at(record.chunk_after)
+                self._monitor.predicted_allocated_bytes = peak.allocated_bytes
+                self._monitor.predicted_reserved_bytes = peak.reserved_bytes
+        metrics = {
+            "memfit/oom_recoveries": float(len(self.recovery.recoveries) if self.recovery else 1),
+            "memfit/micro_batch_size": float(record.chunk_after),
+            "memfit/gradient_checkpointing": float(bool(self.recovery and self.recovery.checkpointing_on)),
+        }
+        for logger in trainer.loggers:
+            with contextlib.suppress(Exception):
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _agree_on_chunk(self, trainer: Any) -> None:
+        """Every rank takes the smallest chunk any rank had to fall back to (one small all-gather a step)."""
+        mine = self.recovery.chunk_size or 0
+        chunks = [c for c in _all_gather_ints(trainer.strategy, mine) if c > 0]
+        if chunks and self.recovery.adopt(min(chunks)):
+            self._info(f"memfit: every rank now runs chunks of at most {min(chunks)} samples, as another rank had to")
 
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:

@@ -51,9 +51,16 @@ def enable_checkpointing(
         return f"{names}'s own checkpointing (non-reentrant)"
     blocks = find_blocks(model, modules)
     for block in blocks:
+        if _is_checkpointed(block):
+            continue  # asked twice (a plan, then an out-of-memory recovery): wrap once
         block.forward = functools.partial(_checkpointed, block.forward, kwargs)  # type: ignore[method-assign]
     kinds = Counter(type(b).__name__ for b in blocks)
     return "torch.utils.checkpoint around " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
+
+
+def _is_checkpointed(block: nn.Module) -> bool:
+    forward = vars(block).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed
 
 
 def _checkpointed(forward: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:

@@ -35,11 +35,14 @@ class Drift:
     compared_bytes: int | None
     drift_pct: float | None
     alarms: tuple[str, ...] = field(default=())
+    alarm_kinds: tuple[str, ...] = field(default=())  # "over_margin", "leak": the kinds raised in this window
 
     def metrics(self) -> dict[str, float]:
         """The ``memfit/*`` metrics of this window (keys for quantities not measured are left out)."""
         sample = self.sample
         out: dict[str, float] = {"memfit/predicted_peak_allocated_bytes": float(self.predicted_allocated_bytes)}
+        for kind in self.alarm_kinds:  # 1 in the window an alarm is raised (each kind once per run)
+            out[f"memfit/alarm_{kind}"] = 1.0
         if sample.reserved_bytes is not None:  # CUDA
             out["memfit/predicted_peak_reserved_bytes"] = float(self.predicted_reserved_bytes)
             out["memfit/measured_peak_allocated_bytes"] = float(sample.allocated_bytes or 0)
@@ -103,35 +106,39 @@ class DriftMonitor:
             self.predicted_reserved_bytes,
             compared,
             drift,
-            tuple(alarms),
+            tuple(message for _, message in alarms),
+            tuple(kind for kind, _ in alarms),
         )
         self.history.append(record)
         return record
 
-    def _alarms(self, step: int, measured: int | None, predicted: int, drift: float | None, what: str) -> list[str]:
-        alarms: list[str] = []
+    def _alarms(
+        self, step: int, measured: int | None, predicted: int, drift: float | None, what: str
+    ) -> list[tuple[str, str]]:
+        alarms: list[tuple[str, str]] = []
         if measured is None:
             return alarms
         coarse = what == "process memory" and measured - predicted <= CPU_MIN_EXCESS_BYTES
         if drift is not None and drift > 100 * self.margin and not coarse and "over" not in self._raised:
             self._raised.add("over")
-            alarms.append(
-                f"measured peak {what} {format_bytes(measured)} at step {step} is {drift:.1f}% above the "
+            first = self.history[-1].step + 1 if self.history else 0
+            alarms.append(("over_margin",
+                f"measured peak {what} {format_bytes(measured)} in steps {first}-{step} is {drift:.1f}% above the "
                 f"prediction {format_bytes(predicted)}, more than the {self.margin:.0%} margin: the run is "
                 "closer to out-of-memory than planned. Likely causes: an op the trace does not see (custom "
                 "CUDA kernels, cuDNN workspaces), other processes on the GPU, or batches longer than the "
                 "sample."
-            )
+            ))  # fmt: skip
         recent = [d.compared_bytes for d in self.history[-LEAK_WINDOWS:]] + [measured]
         complete = len(recent) == LEAK_WINDOWS + 1 and all(r is not None for r in recent)
         growing = complete and all(b > a * (1 + LEAK_MIN_GROWTH) for a, b in itertools.pairwise(recent))
         if growing and "leak" not in self._raised:
             self._raised.add("leak")
             first = self.history[-LEAK_WINDOWS].step
-            alarms.append(
+            alarms.append(("leak",
                 f"peak {what} grew in each of the last {LEAK_WINDOWS} logging windows (steps "
                 f"{first}-{step}: {format_bytes(recent[0])} -> {format_bytes(recent[-1])}); this looks "
                 "like a leak: tensors kept across steps, such as losses stored without .detach() or "
                 ".item(), outputs appended to a list, or a cache that grows."
-            )
+            ))  # fmt: skip
         return alarms

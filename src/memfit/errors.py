@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
     "EstimationError",
     "InsufficientMemoryError",
     "InvalidInputError",
     "MemfitError",
     "TraceError",
+    "UnrecoverableOutOfMemoryError",
     "ValueDependentError",
 ]
 
@@ -34,3 +37,10 @@ class ValueDependentError(TraceError):
 
 class InsufficientMemoryError(MemfitError):
     """Not even the smallest allowed micro batch fits the memory budget."""
+
+
+class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):
+    """Out of memory in a training step that memfit could not recover from (it says why and what to do).
+
+    Also a ``torch.OutOfMemoryError``, so code that handles PyTorch's error handles this one too.
+    """

@@ -25,6 +25,7 @@ import functools
 import gc
 import inspect
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -39,11 +40,13 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from memfit._figures import log_figure, matplotlib_available
 from memfit.capacity import free_device_bytes, parse_budget
+from memfit.checkpointing import enable_checkpointing
 from memfit.drift import DriftMonitor
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
+from memfit.recovery import LossReduction, OnOOM, OOMRecovery, Recovery, check_loss_reduction, check_on_oom
 from memfit.units import format_bytes
 
 __all__ = ["PLAN_FILE", "MemoryPlannerCallback", "PlannedArguments", "plan_training_arguments"]
@@ -206,22 +209,48 @@ class MemoryPlannerCallback(TrainerCallback):
     ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing`` and
     ``memfit/effective_batch_size``.
 
+    Out-of-memory errors in a training step (``on_oom="replan"``, the default): the failed batch
+    is retried in chunks whose losses are weighted by their share of the batch, and later batches
+    run in the same chunks, so the effective batch, the samples seen and the optimizer steps stay
+    as configured (see ``memfit.recovery``). Each recovery is one warning and the metrics
+    ``memfit/oom_recoveries`` and ``memfit/micro_batch_size`` (the chunk) in the next log. An
+    out-of-memory error in the optimizer step is not recoverable this way and ends the run.
+
     Any failure inside memfit becomes one warning and training goes on untouched.
 
     Args:
         plan: the ``Plan`` returned by ``plan_training_arguments`` (optional; logged and checkpointed).
         margin: drift above this fraction of the prediction raises a warning (once).
+        on_oom: ``"replan"`` to recover from out-of-memory errors in a step, ``"raise"`` to let them end the run.
+        loss_reduction: how the model's loss reduces a batch (``"mean"``, what HF models return, or
+            ``"sum"``); it decides how chunk losses are weighted.
+        allow_checkpointing: whether a recovery may turn on gradient checkpointing once chunks of
+            one sample still run out of memory.
         verbose: log the prediction and the final drift line.
     """
 
-    def __init__(self, plan: Plan | None = None, margin: float = 0.05, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        margin: float = 0.05,
+        on_oom: OnOOM = "replan",
+        loss_reduction: LossReduction = "mean",
+        allow_checkpointing: bool = True,
+        verbose: bool = True,
+    ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise InvalidInputError(f"`plan` must be a memfit.Plan or None, got {type(plan).__name__}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
         self.plan = plan
         self.margin = float(margin)
+        self.on_oom = check_on_oom(on_oom)
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        self.allow_checkpointing = bool(allow_checkpointing)
         self.verbose = verbose
+        self.recovery: OOMRecovery | None = None
+        self._handler: Any = None
+        self._restore: list[tuple[Any, str]] = []
         self.estimate: MemoryEstimate | None = None
         self.monitor: DriftMonitor | None = None
         self._sampler: PeakSampler | None = None
@@ -253,8 +282,20 @@ class MemoryPlannerCallback(TrainerCallback):
             self._warn("predict", f"memfit could not predict this run ({error}); no drift is logged")
         except Exception as error:  # never let memfit end the run
             self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
+        if self.on_oom == "replan":
+            try:
+                self._install_recovery(args, kwargs.get("model"))
+            except Exception as error:  # never let memfit end the run
+                self._uninstall_recovery()
+                self._warn(
+                    "recovery",
+                    f"memfit cannot recover from out-of-memory errors in this run ({type(error).__name__}: {error}); "
+                    "an out-of-memory error will end it as usual",
+                )
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.recovery is not None and args.world_size > 1:
+            self._agree_on_chunk()
         every = state.logging_steps or args.logging_steps
         if self._sampler is None or not state.global_step or state.global_step % max(1, int(every)):
             return
@@ -292,6 +333,7 @@ class MemoryPlannerCallback(TrainerCallback):
             (folder / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2))
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._uninstall_recovery()
         if self.monitor is None or not state.is_world_process_zero:
             return
         records = self.monitor.history
@@ -348,6 +390,118 @@ class MemoryPlannerCallback(TrainerCallback):
                 + (f" (plan: {self.plan.summary()})" if self.plan else "")
             )
 
+    def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
+        """Wrap the Trainer's ``training_step`` (run the batch in chunks through ``OOMRecovery``) and its
+        ``compute_loss`` (weight each chunk's loss; mark where the backward begins)."""
+        trainer = self._find_trainer()
+        if trainer is None or model is None:
+            raise InvalidInputError("the Trainer could not be found from its callback handler")
+        original_step, original_loss = trainer.training_step, trainer.compute_loss
+        inner = trainer.accelerator.unwrap_model(model)
+        switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+        recovery = OOMRecovery(
+            reset_gradients=lambda: model.zero_grad(set_to_none=True),
+            estimate=self.estimate,
+            margin=self.margin,
+            enable_checkpointing=functools.partial(enable_checkpointing, inner) if self.allow_checkpointing else None,
+            checkpointing_on=bool(getattr(args, switch, False)),
+            loss_reduction=self.loss_reduction,
+            distributed=args.world_size > 1,
+            on_recovery=functools.partial(self._on_recovery, args),
+        )
+        chunk_state = {"weight": 1.0, "in_step": False, "window_done": True}
+
+        def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+            output = original_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+            if not chunk_state["in_step"]:
+                return output  # evaluation
+            recovery.backward_started()
+            weight = chunk_state["weight"]
+            if weight == 1.0:
+                return output
+            return (output[0] * weight, *output[1:]) if return_outputs else output * weight
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+            if chunk_state["window_done"]:
+                recovery.start_window()
+            sync = bool(trainer.accelerator.gradient_state.sync_gradients)
+            # a loss divided by the window's item count already adds up over chunks
+            additive = (num_items_in_batch is not None and trainer.model_accepts_loss_kwargs) or (
+                trainer.compute_loss_func is not None
+            )
+            through_wrapper = False
+
+            def run_chunk(chunk: Any, weight: float, last: bool) -> torch.Tensor:
+                nonlocal through_wrapper
+                chunk_state["weight"], chunk_state["in_step"] = (1.0 if additive else weight), True
+                try:
+                    if last:  # through the DDP wrapper, once per batch on every rank
+                        if through_wrapper and hasattr(model, "require_forward_param_sync"):
+                            model.require_forward_param_sync = False  # the failed attempt broadcast buffers
+                        through_wrapper = True
+                        return original_step(model, chunk, num_items_in_batch)
+                    return original_step(inner, chunk, num_items_in_batch)  # bare module: no collective
+                finally:
+                    chunk_state["in_step"] = False
+
+            losses = recovery.run_batch(inputs, run_chunk, step=trainer.state.global_step, sync=sync)
+            chunk_state["window_done"] = sync
+            return sum(losses[1:], losses[0])
+
+        trainer.training_step, trainer.compute_loss = training_step, compute_loss
+        self._restore = [(trainer, "training_step"), (trainer, "compute_loss")]
+        self.recovery = recovery
+
+    def _uninstall_recovery(self) -> None:
+        for owner, name in self._restore:
+            vars(owner).pop(name, None)  # the class's own method shows through again
+        self._restore = []
+
+    def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
+        accumulation = args.gradient_accumulation_steps
+        chunks = -(-record.batch_size // record.chunk_after)
+        warnings.warn(
+            f"memfit (rank {args.process_index}): {record.describe()}. Plan: micro batch {record.batch_size} x "
+            f"accumulation {accumulation} -> micro batch {record.chunk_after} x accumulation {accumulation * chunks}; "
+            f"the effective batch stays {record.batch_size * accumulation * args.world_size}.",
+            UserWarning,
+            stacklevel=2,
+        )
+        if self.monitor is not None and self.estimate is not None:
+            try:
+                peak = self.estimate.at(record.chunk_after)
+                self.monitor.predicted_allocated_bytes = peak.allocated_bytes
+                self.monitor.predicted_reserved_bytes = peak.reserved_bytes
+            except Exception:  # the prediction stays that of the configured batch
+                pass
+        self._pending["memfit/oom_recoveries"] = float(len(self.recovery.recoveries) if self.recovery else 1)
+        self._pending["memfit/micro_batch_size"] = float(record.chunk_after)
+
+    def _agree_on_chunk(self) -> None:
+        """Every rank takes the smallest chunk any rank had to fall back to (one small all-reduce a step)."""
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        backend_cuda = torch.distributed.get_backend() == "nccl"
+        mine = torch.tensor([self.recovery.chunk_size or 2**62], device="cuda" if backend_cuda else "cpu")
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
+        smallest = int(mine.item())
+        if smallest < 2**62 and self.recovery.adopt(smallest):
+            _info(f"memfit: every rank now runs chunks of at most {smallest} samples, as another rank had to")
+
+    def _find_trainer(self) -> Any:
+        """The Trainer that owns the callback handler (callbacks are never handed the Trainer)."""
+        handler = self._handler
+        if handler is None:
+            return None
+        for holder in gc.get_referrers(handler):
+            if getattr(holder, "callback_handler", None) is handler:
+                return holder
+            if isinstance(holder, dict) and holder.get("callback_handler") is handler:
+                for owner in gc.get_referrers(holder):
+                    if getattr(owner, "__dict__", None) is holder:
+                        return owner
+        return None
+
     def _move_to_front(self) -> bool:
         """Put this callback first in the Trainer's CallbackHandler so ``on_log`` can add keys the trackers see.
 
@@ -362,6 +516,7 @@ class MemoryPlannerCallback(TrainerCallback):
                     holder.remove(self)
                     holder.insert(0, self)
                     self._callbacks = holder
+                    self._handler = owner
                     return True
         return False
 

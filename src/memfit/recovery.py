@@ -1,0 +1,302 @@
+"""Survive an out-of-memory error inside a training step without changing what is learned.
+
+When a micro batch runs out of memory, memfit retries it split into chunks (``c, c, ..., rest``
+samples). Each chunk's loss is weighted by its share of the batch, so for a loss that is a mean
+over samples the chunks' gradients add up to the batch's own. The data loader keeps producing the
+same batches, so the effective batch, the samples seen and the number of optimizer steps do not
+change; the split stays for the rest of the run.
+
+Where the error struck decides what is retried:
+
+* in a chunk's **forward**: no gradient was touched; the rest of the batch is retried in smaller
+  chunks (the chunks already done keep their gradients);
+* in the middle of a **backward**: part of a gradient was added to some parameters. Gradients are
+  cleared and every micro batch of the accumulation window so far is run again (memfit keeps the
+  window's batches, which the loader has already moved to the device, until the optimizer step).
+
+The chunk shrinks from the estimate (the largest batch whose predicted peak is ``2 x margin``
+below the one that failed), then by halves; below one sample it turns on gradient checkpointing
+once, if allowed, and starts again from the whole batch. If nothing is left to try, memfit raises
+``UnrecoverableOutOfMemoryError`` (a ``torch.OutOfMemoryError``).
+
+This module knows nothing of Lightning or Hugging Face: adapters hand ``run_batch`` a function
+that runs one chunk's forward and backward and call ``backward_started`` between the two.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from memfit.batch import infer_batch_size
+from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
+from memfit.estimate import MemoryEstimate
+
+__all__ = [
+    "LossReduction",
+    "OOMRecovery",
+    "OnOOM",
+    "Recovery",
+    "is_out_of_memory",
+    "release_memory",
+    "split_batch",
+]
+
+OnOOM = Literal["replan", "raise"]
+LossReduction = Literal["mean", "sum"]
+R = TypeVar("R")
+ChunkRunner = Callable[[Any, float, bool], R]  # (chunk, loss weight, last chunk of the current batch?) -> result
+
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def check_on_oom(value: Any) -> OnOOM:
+    if value not in ("replan", "raise"):
+        raise InvalidInputError(f"`on_oom` must be 'replan' or 'raise', got {value!r}")
+    return value
+
+
+def check_loss_reduction(value: Any) -> LossReduction:
+    if value not in ("mean", "sum"):
+        raise InvalidInputError(f"`loss_reduction` must be 'mean' or 'sum' over the batch, got {value!r}")
+    return value
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """``torch.OutOfMemoryError``, or a runtime error from a kernel or library that could not allocate."""
+    if isinstance(error, UnrecoverableOutOfMemoryError):
+        return False
+    if isinstance(error, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5, same class
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)
+
+
+def release_memory() -> None:
+    """Give what the failed step held back to the device: collect cycles, then empty CUDA's cache."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def split_batch(batch: Any, chunk_size: int, batch_size: int | None = None) -> list[tuple[Any, int]]:
+    """``batch`` cut along dim 0 into chunks of ``chunk_size`` samples (the last may be smaller).
+
+    Tensors (and lists of plain values) whose length is the batch size are cut; everything else is
+    shared by all chunks. Returns ``(chunk, samples)`` pairs.
+    """
+    if chunk_size < 1:
+        raise InvalidInputError(f"chunk_size must be at least 1, got {chunk_size}")
+    size = infer_batch_size(batch) if batch_size is None else batch_size
+    return [(_slice(batch, size, start, min(start + chunk_size, size)), min(chunk_size, size - start))
+            for start in range(0, size, chunk_size)]  # fmt: skip
+
+
+def _slice(obj: Any, size: int, start: int, stop: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[start:stop] if obj.dim() > 0 and obj.shape[0] == size else obj
+    if isinstance(obj, Mapping):
+        items = {key: _slice(value, size, start, stop) for key, value in obj.items()}
+        try:
+            return type(obj)(items)
+        except Exception:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_slice(v, size, start, stop) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        if len(obj) == size and all(isinstance(v, (str, int, float, bool, bytes)) for v in obj):
+            return obj[start:stop]  # per-sample plain values (ids, texts)
+        return type(obj)(_slice(v, size, start, stop) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery: where it happened, the chunk before and after, and what else was done."""
+
+    step: int
+    batch_size: int
+    chunk_before: int
+    chunk_after: int
+    checkpointing_enabled: bool
+    replayed_batches: int
+    error: str
+
+    def describe(self) -> str:
+        samples = "sample" if self.chunk_after == 1 else "samples"
+        action = f"each batch of {self.batch_size} now runs in chunks of at most {self.chunk_after} {samples}"
+        if self.checkpointing_enabled:
+            action += " with gradient checkpointing turned on"
+        retried = "the failed batch was retried"
+        if self.replayed_batches:
+            retried = (
+                f"the error struck mid-backward, so gradients were cleared and the {self.replayed_batches} earlier "
+                f"micro batch(es) of the accumulation window were run again before retrying the failed batch"
+            )
+        return f"out of memory at step {self.step} ({self.error}); {action}; {retried}"
+
+
+class OOMRecovery:
+    """Runs micro batches in chunks and shrinks the chunk after an out-of-memory error.
+
+    Args:
+        reset_gradients: clear every gradient (``model.zero_grad(set_to_none=True)``); called before
+            replaying a window after an error mid-backward.
+        on_oom: ``"replan"`` to recover, ``"raise"`` to let the error through untouched.
+        estimate: the run's estimate; its batch curve picks the first smaller chunk (halving without).
+        margin: the planner's margin; a new chunk must be predicted ``2 x margin`` below the failed one.
+        enable_checkpointing: turns gradient checkpointing on (``None``: not possible for this model).
+        checkpointing_on: whether it is on already.
+        loss_reduction: ``"mean"`` weights chunk losses by their share of the batch, ``"sum"`` adds them.
+        distributed: under data parallelism an error in a backward that synchronises gradients
+            cannot be undone (other ranks already took part), so it is re-raised.
+        on_recovery: called with each ``Recovery`` (to log it).
+    """
+
+    def __init__(
+        self,
+        *,
+        reset_gradients: Callable[[], None],
+        on_oom: OnOOM = "replan",
+        estimate: MemoryEstimate | None = None,
+        margin: float = 0.05,
+        enable_checkpointing: Callable[[], None] | None = None,
+        checkpointing_on: bool = False,
+        loss_reduction: LossReduction = "mean",
+        distributed: bool = False,
+        on_recovery: Callable[[Recovery], None] | None = None,
+    ) -> None:
+        self.on_oom = check_on_oom(on_oom)
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        self.reset_gradients = reset_gradients
+        self.estimate = estimate
+        self.margin = margin
+        self.enable_checkpointing = enable_checkpointing
+        self.checkpointing_on = checkpointing_on
+        self.distributed = distributed
+        self.on_recovery = on_recovery
+        self.chunk_size: int | None = None  # None: batches run whole
+        self.recoveries: list[Recovery] = []
+        self.window: list[tuple[Any, int, ChunkRunner]] = []
+        self._in_backward = False
+
+    # ------------------------------------------------------------ adapters
+    def start_window(self) -> None:
+        """A new accumulation window begins (gradients were just zeroed): forget the last one's batches."""
+        self.window.clear()
+
+    def backward_started(self) -> None:
+        """The current chunk's forward is done and its backward begins."""
+        self._in_backward = True
+
+    def adopt(self, chunk_size: int | None) -> bool:
+        """Use ``chunk_size`` if it is smaller than the current one (agreement between ranks)."""
+        if chunk_size is None or (self.chunk_size is not None and chunk_size >= self.chunk_size):
+            return False
+        self.chunk_size = chunk_size
+        return True
+
+    def run_batch(self, batch: Any, run_chunk: ChunkRunner, *, step: int, sync: bool = True) -> list[R]:
+        """Run one micro batch as chunks through ``run_chunk(chunk, weight, last)`` and return their results.
+
+        ``last`` is true for the last chunk of this batch only (never for replayed batches): under data
+        parallelism that chunk goes through the wrapper that synchronises, the others run the bare
+        module, so every rank makes one synchronising forward per batch. ``sync`` says whether this
+        batch's backward synchronises gradients across ranks. On an out-of-memory error the chunk
+        shrinks and the batch is retried as described in the module docstring; other errors pass through.
+        """
+        try:
+            size = infer_batch_size(batch)
+        except InvalidInputError:
+            size = 0  # nothing to split: run whole, errors pass through
+        self.window.append((batch, size, run_chunk))
+        if size == 0 or self.on_oom == "raise":
+            return [run_chunk(batch, 1.0, True)]
+        done, results = 0, []
+        replay: list[tuple[Any, int, ChunkRunner]] = []
+        while True:
+            sync_now = False
+            try:
+                for earlier, earlier_size, earlier_run in replay:
+                    for chunk, samples, _ in self._chunks(earlier, earlier_size, 0):
+                        self._in_backward = False
+                        earlier_run(chunk, self._weight(samples, earlier_size), False)
+                replay = []
+                for chunk, samples, last in self._chunks(batch, size, done):
+                    self._in_backward = False
+                    sync_now = sync and last
+                    results.append(run_chunk(chunk, self._weight(samples, size), last))
+                    done += samples
+                return results
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                tainted = self._in_backward or bool(replay)
+                if tainted and sync_now and self.distributed:
+                    raise UnrecoverableOutOfMemoryError(
+                        f"out of memory while gradients were being synchronised across ranks ({_first_line(error)}); "
+                        "the other ranks already took part in this backward, so it cannot be retried. Lower the "
+                        "micro batch or turn on gradient checkpointing and resume from the last checkpoint."
+                    ) from error
+                failure = _first_line(error)
+            # Outside the except block the traceback, and the activations its frames hold, are gone.
+            if tainted:
+                self.reset_gradients()
+                replay, done, results = list(self.window[:-1]), 0, []
+            release_memory()
+            self._shrink(size, failure, step, replayed=len(replay))
+
+    # ------------------------------------------------------------- inside
+    def _weight(self, samples: int, size: int) -> float:
+        return samples / size if self.loss_reduction == "mean" else 1.0
+
+    def _chunks(self, batch: Any, size: int, offset: int) -> Iterator[tuple[Any, int, bool]]:
+        chunk = self.chunk_size
+        if offset == 0 and (chunk is None or chunk >= size):
+            yield batch, size, True
+            return
+        rest = size - offset
+        pieces = split_batch(_slice(batch, size, offset, size), chunk or rest, rest)
+        for index, (piece, samples) in enumerate(pieces):
+            yield piece, samples, index == len(pieces) - 1
+
+    def _shrink(self, size: int, failure: str, step: int, *, replayed: int) -> None:
+        before = min(self.chunk_size or size, size)
+        after = self._smaller_chunk(before)
+        enabled = False
+        if after < 1:
+            if self.enable_checkpointing is None or self.checkpointing_on:
+                reason = "with checkpointing" if self.checkpointing_on else "and checkpointing is not available"
+                raise UnrecoverableOutOfMemoryError(
+                    f"out of memory at step {step} even with chunks of 1 sample {reason} ({failure}). The model, "
+                    "its gradients and optimizer state alone do not fit: use a device with more memory, a smaller "
+                    "model, lower precision or an optimizer with less state."
+                )
+            self.enable_checkpointing()
+            self.checkpointing_on = enabled = True
+            after = size
+        self.chunk_size = after
+        record = Recovery(step, size, before, after, enabled, replayed, failure)
+        self.recoveries.append(record)
+        if self.on_recovery is not None:
+            self.on_recovery(record)
+
+    def _smaller_chunk(self, before: int) -> int:
+        """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards."""
+        if self.estimate is not None and not self.recoveries and before > 1:
+            try:
+                limit = self.estimate.at(before).reserved_bytes * (1 - 2 * self.margin)
+                fitting = [b for b in range(before - 1, 0, -1) if self.estimate.at(b).reserved_bytes <= limit]
+                if fitting:
+                    return fitting[0]
+            except Exception:  # an estimate that cannot answer falls back to halving
+                pass
+        return before // 2
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
