@@ -84,6 +84,7 @@ class Regression(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         if not is_fake(x):
             self.seen.extend(ids.tolist())  # after the forward: a failed forward sees nothing
+        self.log("train_loss", loss)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -184,3 +184,5 @@ def test_bad_input() -> None:
         plan_training_arguments(tiny_gpt2(), {"per_device_train_batch_size": 8}, Tokens())
     with pytest.raises(memfit.InvalidInputError, match="`margin`"):
         MemoryPlannerCallback(margin=2)
+    with pytest.raises(memfit.InvalidInputError, match="`on_oom` must be 'replan' or 'raise'"):
+        MemoryPlannerCallback(on_oom=True)

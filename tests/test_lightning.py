@@ -207,6 +207,8 @@ def test_resume_keeps_the_plan_of_the_first_run(tmp_path: Path) -> None:
         ({"budget": "12 parsecs"}, "could not read '12 parsecs'"),
         ({"budget": "h1000"}, "unknown GPU 'h1000'; did you mean H100"),
         ({"log_every_n_steps": 0}, "`log_every_n_steps` must be a positive integer"),
+        ({"on_oom": "retry"}, "`on_oom` must be 'replan' or 'raise', got 'retry'"),
+        ({"loss_reduction": "none"}, "`loss_reduction` must be 'mean' or 'sum'"),
     ],
 )
 def test_constructor_validates_arguments(kwargs: dict, match: str) -> None:

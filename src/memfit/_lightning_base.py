@@ -163,6 +163,9 @@ class MemoryPlannerBase:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._log_final_drift(trainer)
 
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        vars(trainer.fit_loop.epoch_loop.automatic_optimization).pop("_make_closure", None)  # the loop's own again
+
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan else None}
 
@@ -409,8 +412,12 @@ class MemoryPlannerBase:
                 forwarded_through_wrapper = True
                 result = loop._training_step(step_kwargs)
             else:  # the bare module: no extra collective on this rank
-                with strategy.precision_plugin.train_step_context():
-                    output = pl_module.training_step(*step_kwargs.values())
+                previous, pl_module._current_fx_name = pl_module._current_fx_name, "training_step"  # self.log works
+                try:
+                    with strategy.precision_plugin.train_step_context():
+                        output = pl_module.training_step(*step_kwargs.values())
+                finally:
+                    pl_module._current_fx_name = previous
                 result = automatic.ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
             if result.closure_loss is None:
                 return None

@@ -39,6 +39,13 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     tells them apart), with ``self.log`` silenced; Python side effects of ``training_step``
     (counters, lists) happen for those calls too.
 
+    An out-of-memory error in a training step (``on_oom="replan"``, the default, also in observe
+    mode) does not end the run: the failed batch is retried in chunks whose losses are weighted by
+    their share of the batch, and later batches run in the same chunks, so the effective batch,
+    the samples seen and the optimizer steps stay as configured (see ``memfit.recovery``). Each
+    recovery is one warning with the old and new plan and the metrics ``memfit/oom_recoveries`` and
+    ``memfit/micro_batch_size``; under DDP every rank takes the smallest chunk any rank needed.
+
     If the plan cannot be made (a model the trace cannot run, no batch-size attribute, ...), the
     callback warns once and training runs exactly as configured. A budget too small for
     ``min_batch_size`` even with checkpointing raises ``memfit.InsufficientMemoryError`` before
@@ -58,6 +65,9 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
         sample: a batch (or callable ``batch_size -> batch``) to trace instead of the dataloader's.
         min_batch_size, max_batch_size: bounds on the micro batch.
         log_every_n_steps: drift logging cadence in optimizer steps (default: the trainer's).
+        on_oom: ``"replan"`` to recover from out-of-memory errors in a step, ``"raise"`` to let them end the run.
+        loss_reduction: how ``training_step``'s loss reduces a batch, ``"mean"`` (the usual) or ``"sum"``;
+            it decides how chunk losses are weighted after a recovery.
         verbose: print the plan and the final drift line.
 
     Logged metrics (every ``log_every_n_steps`` and at the end of training, through
@@ -76,7 +86,9 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing``, ``memfit/effective_batch_size``,
     ``memfit/target_batch_size``, ``memfit/predicted_peak_bytes``, ``memfit/budget_bytes``, ... Warnings
     (rank 0, once each): measured above predicted by more than the margin; peaks growing over three
-    windows in a row (a leak). The plan is saved in checkpoints and restored on resume.
+    windows in a row (a leak), each with the step range, the figures and a metric
+    (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is saved in checkpoints and
+    restored on resume.
     """
 
 
