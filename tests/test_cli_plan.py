@@ -165,3 +165,30 @@ def test_host_estimate_rules() -> None:
     assert "offload 3.00 GiB" in host.summary()
     local = estimate_host(weights_bytes=1, batch_bytes=1, local_machine=True)
     assert local.available_bytes and local.fits is True and local.batches_bytes == 1
+
+
+def test_depth_extrapolation_follows_the_full_trace() -> None:
+    from memfit.estimate import estimate_for_runtimes, extrapolate_depth
+    from memfit.runtime import CudaRuntime
+
+    def traced(layers: int) -> MemoryEstimate:
+        spec = from_hf_config("llama-3-8b", seq_len=128, layers=layers)
+        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=1,
+                                          precision="bf16-mixed", device="cuda")  # fmt: skip
+        return result
+
+    guess = extrapolate_depth(traced(2), traced(4), 2, 4, 6)
+    exact = traced(6)
+    assert guess.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=1e-3)
+    assert (guess.peak_step, guess.peak_phase) == (exact.peak_step, exact.peak_phase)
+    assert guess.at(3).allocated_bytes == pytest.approx(exact.at(3).allocated_bytes, rel=1e-2)
+    assert "extrapolated in depth to 6 blocks" in guess.notes[-1]
+
+
+def test_a_large_deep_config_is_planned_from_shallow_traces(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--hf-config", "llama-3-8b", "--gpu", "h100", "--seq-len", "256", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["depth_extrapolated_from"] == [2, 4]
+    (row,) = report["gpus"]
+    assert not row["fits"] and "checkpointing cannot help" in row["error"]

@@ -232,3 +232,18 @@ def test_plan_on_a_real_trace() -> None:
         12,
     )
     assert "micro batch 3 x accumulation 4" in chosen.summary()
+
+
+def test_checkpointing_is_not_traced_when_the_optimizer_step_alone_is_over_budget() -> None:
+    import dataclasses
+
+    from memfit.replay import PhasePeak
+
+    optimizer_step = PhasePeak(1, Phase.OPTIMIZER, 20 * GiB, 20 * GiB, {})
+    estimate = dataclasses.replace(linear_estimate(30 * GiB, 1 * GiB), phases=(optimizer_step,))
+    traced: list[bool] = []
+    with pytest.raises(InsufficientMemoryError) as error:
+        plan(estimate, 16 * GiB, checkpointed=lambda: traced.append(True))
+    assert traced == []  # the checkpointed trace would not have changed the answer
+    message = str(error.value)
+    assert "checkpointing cannot help" in message and "optimizer step alone holds 20.49 GiB" in message  # + context

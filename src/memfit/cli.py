@@ -105,6 +105,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         prefetch_factor=args.prefetch_factor,
         pin_memory=args.pin_memory,
         offload_optimizer=args.offload_optimizer,
+        exact=args.exact,
     )
     if args.plot:
         report.plot(args.plot)
@@ -119,6 +120,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         console.print(plan_table(report))
         if report.host is not None:
             console.print(report.host.summary())
+        if report.depth_extrapolated_from:
+            low, high = report.depth_extrapolated_from
+            console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")
         if args.plot:
             console.print(f"pictures: {args.plot}")
     return 0
@@ -200,6 +204,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--offload-optimizer", action="store_true", help="optimizer state lives in host RAM (ZeRO-Offload)"
     )
+    plan.add_argument("--exact", action="store_true", help="trace the whole model even when it is deep (slower; by "
+                      "default deep configs are traced at 2 and 4 blocks and extrapolated)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument(
         "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"

@@ -9,6 +9,7 @@ phase, ``fixed + per_sample x batch``, so ``MemoryEstimate.at(b)`` answers for a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,7 @@ from torch import nn
 from memfit.batch import Sample, infer_batch_size
 from memfit.categories import Category, Phase
 from memfit.checkpointing import CheckpointTarget
-from memfit.errors import InvalidInputError
+from memfit.errors import EstimationError, InvalidInputError
 from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
 from memfit.replay import PhasePeak, TimelinePoint, replay
@@ -411,3 +412,66 @@ def _build_estimate(
         notes=tuple(notes),
         timeline=tuple(timeline),
     )
+
+
+def extrapolate_depth(
+    shallow: MemoryEstimate, deeper: MemoryEstimate, shallow_depth: int, deeper_depth: int, depth: int
+) -> MemoryEstimate:
+    """The estimate of a ``depth``-block model from traces of the same model at two smaller depths.
+
+    A stack of identical blocks adds the same parameters, gradients, optimizer state and saved
+    activations per block, so every phase's peak is affine in the depth, and so is each term of its
+    fit in the batch: each is extended along the line through the two traces. The peak phase is
+    chosen again at the new depth, since two affine peaks can cross. Allocator ratios and the
+    timeline are the deeper trace's (the timeline keeps that trace's shape, not the full depth's).
+    """
+    if not 0 < shallow_depth < deeper_depth:
+        raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
+    keys = [(p.step, p.phase) for p in shallow.phases]
+    model_keys = [(m.step, m.phase) for m in shallow.phase_models]
+    if keys != [(p.step, p.phase) for p in deeper.phases] or model_keys != [
+        (m.step, m.phase) for m in deeper.phase_models
+    ]:
+        raise EstimationError("the two depths traced different phases; trace the full model instead")
+    t = (depth - shallow_depth) / (deeper_depth - shallow_depth)
+
+    def line(a: float, b: float) -> int:
+        return max(0, round(a + (b - a) * t))
+
+    def breakdown(a: Mapping[Category, int], b: Mapping[Category, int]) -> dict[Category, int]:
+        return {c: line(a.get(c, 0), b.get(c, 0)) for c in dict.fromkeys([*a, *b])}
+
+    phases = tuple(
+        PhasePeak(
+            p.step,
+            p.phase,
+            line(p.allocated_bytes, q.allocated_bytes),
+            line(p.reserved_bytes, q.reserved_bytes),
+            breakdown(p.breakdown, q.breakdown),
+            line(p.tensor_bytes, q.tensor_bytes),
+        )
+        for p, q in zip(shallow.phases, deeper.phases, strict=True)
+    )
+    models = tuple(
+        PhaseModel(m.step, m.phase, line(m.fixed_bytes, n.fixed_bytes),
+                   m.per_sample_bytes + (n.per_sample_bytes - m.per_sample_bytes) * t)
+        for m, n in zip(shallow.phase_models, deeper.phase_models, strict=True)
+    )  # fmt: skip
+    peak = max(phases, key=lambda p: p.allocated_bytes)
+    peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
+    return dataclasses.replace(
+        deeper,
+        peak_allocated_bytes=peak.allocated_bytes,
+        peak_reserved_bytes=max(p.reserved_bytes for p in phases),
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        breakdown=dict(peak.breakdown),
+        fixed_bytes=peak_model.fixed_bytes,
+        per_sample_bytes=round(peak_model.per_sample_bytes),
+        phases=phases,
+        phase_models=models,
+        trace_seconds=shallow.trace_seconds + deeper.trace_seconds,
+        activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
+        notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
+               f"{deeper_depth}"),
+    )  # fmt: skip

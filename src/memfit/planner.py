@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from memfit.categories import Phase
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.estimate import MemoryEstimate
 from memfit.units import format_bytes
@@ -142,7 +143,9 @@ def plan(
     micro = largest(estimate)
     use_checkpointing = False
     with_ckpt: MemoryEstimate | None = None
-    if micro < min_batch_size or (allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < cap):
+    floor = _optimizer_step_floor(estimate) + ((estimate.cuda_context_bytes or 0) if include_context else 0)
+    hopeless = floor > budget  # checkpointing saves activations, not what the optimizer step holds
+    if not hopeless and (micro < min_batch_size or (allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < cap)):
         with_ckpt = _resolve(checkpointed) if allow_checkpointing else None
         micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
         if micro < min_batch_size and micro_ckpt >= min_batch_size:
@@ -163,6 +166,9 @@ def plan(
         if with_ckpt is not None:
             peaks += f" ({_peak(with_ckpt, min_batch_size, include_context)} with checkpointing)"
         tried = " even with checkpointing" if with_ckpt is not None else ""
+        if hopeless and allow_checkpointing:
+            tried = " and checkpointing cannot help"
+            peaks += f"; the optimizer step alone holds {format_bytes(floor)} (parameters, gradients, optimizer state)"
         raise InsufficientMemoryError(
             f"micro batch {min_batch_size} does not fit{tried}: {peaks} against a budget of {format_bytes(budget)} "
             f"({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin). Use a smaller model or "
@@ -250,6 +256,11 @@ def _accumulation_steps(per_device_target: int, largest: int) -> int:
         if per_device_target % steps == 0 and per_device_target // steps >= largest / 2:
             return steps
     return fewest
+
+
+def _optimizer_step_floor(estimate: MemoryEstimate) -> int:
+    """Allocated bytes of the optimizer step: no checkpointing or smaller batch brings a step below them."""
+    return max((p.allocated_bytes for p in estimate.phases if p.phase is Phase.OPTIMIZER), default=0)
 
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.capacity import parse_budget
-from memfit.errors import InsufficientMemoryError, InvalidInputError
-from memfit.estimate import MemoryEstimate, estimate_for_runtimes
+from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
+from memfit.estimate import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.gpus import GPU, gpu_by_name
 from memfit.host import HostEstimate, estimate_host
 from memfit.planner import Plan, plan
@@ -16,7 +16,12 @@ from memfit.precision import Precision
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.runtime import CudaRuntime
 
-__all__ = ["GpuPlan", "PlanReport", "plan_for_gpus"]
+__all__ = ["EXTRAPOLATION_DEPTHS", "GpuPlan", "PlanReport", "plan_for_gpus"]
+
+# Large, deep models are searched on traces at these depths, extrapolated (seconds instead of a minute);
+# the chosen plan is then confirmed on a trace of the whole model.
+EXTRAPOLATION_DEPTHS = (2, 4)
+EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds anyway
 
 
 @dataclass(frozen=True)
@@ -56,16 +61,23 @@ class PlanReport:
     rows: tuple[GpuPlan, ...] = field(default=())
     inference: bool = False
     host: HostEstimate | None = None
+    depth_extrapolated_from: tuple[int, int] | None = None  # the depths traced, when extrapolated
+    full_trace: Any = None  # (batch, checkpointing) -> estimates of the full-depth model, for the timeline
 
     def plot(self, path: str) -> None:
-        """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU."""
+        """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU.
+
+        The timeline is always from a trace of the whole model, also when the plan was extrapolated."""
         from memfit.plot import plot_plan
 
         base = next(row.base for row in self.rows if row.base is not None)
         capacities = {row.gpu: row.capacity_bytes for row in self.rows}
         chosen = {row.gpu: row.plan.micro_batch_size for row in self.rows if row.plan is not None}
         first = next((row.estimate for row in self.rows if row.estimate is not None), None)
-        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=first, path=path)
+        timeline_of = first  # a trace of the whole model (extrapolated plans are confirmed on one)
+        if timeline_of is None and self.full_trace is not None:
+            timeline_of = self.full_trace(1, False)[0]
+        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=timeline_of, path=path)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +89,7 @@ class PlanReport:
             "inference": self.inference,
             "gpus": [row.to_dict() for row in self.rows],
             "host": self.host.to_dict() if self.host else None,
+            "depth_extrapolated_from": list(self.depth_extrapolated_from) if self.depth_extrapolated_from else None,
         }
 
 
@@ -101,8 +114,16 @@ def plan_for_gpus(
     prefetch_factor: int = 2,
     pin_memory: bool = False,
     offload_optimizer: bool = False,
+    exact: bool = False,
 ) -> PlanReport:
-    """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU."""
+    """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
+
+    A ``hf_config`` with a billion parameters or more, deeper than ``EXTRAPOLATION_DEPTHS[1]``
+    blocks, is searched on traces at those two depths extrapolated in depth (``extrapolate_depth``:
+    the allocated peak follows the depth closely, the allocator's reserved peak less so), unless
+    ``exact``; the plan found is then confirmed, and its row's figures taken, from a trace of the
+    whole model at the chosen batch. A model that does not fit at all is answered from the
+    extrapolation alone. ``benchmarks/depth_extrapolation.py`` compares both with full traces."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
@@ -115,22 +136,59 @@ def plan_for_gpus(
     runtimes = [
         CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
     ]
-    trace = _tracer(spec, precision, optimizer, runtimes, inference)  # one trace serves every GPU
+    trace = full_trace = _tracer(spec, precision, optimizer, runtimes, inference)  # one trace serves every GPU
+    depth = model_depth(spec.model)
+    extrapolated = None
+    parameters = sum(p.numel() for p in spec.model.parameters())
+    large = parameters >= EXTRAPOLATION_MIN_PARAMETERS
+    if hf_config and not exact and layers is None and large and depth and depth > EXTRAPOLATION_DEPTHS[1]:
+        with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
+            shallow = [
+                from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d)
+                for d in EXTRAPOLATION_DEPTHS
+            ]
+        tracers = [_tracer(s, precision, optimizer, runtimes, inference) for s in shallow]
+        trace, extrapolated = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth, full_trace), EXTRAPOLATION_DEPTHS
     rows = []
     for index, (name, capacity, gpu) in enumerate(targets):
         with _progress(show_progress, f"tracing {spec.name} and planning for {name}"):
             allow = "off" if inference else checkpointing
 
-            def for_gpu(batch: int, checkpointing: bool, index: int = index) -> MemoryEstimate:
-                return trace(batch, checkpointing)[index]
+            def for_gpu(batch: int, checkpointing: bool, index: int = index, source: Any = trace) -> MemoryEstimate:
+                return source(batch, checkpointing)[index]
 
-            rows.append(_plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin))
-    parameters = sum(p.numel() for p in spec.model.parameters())
+            whole = functools.partial(for_gpu, source=full_trace)
+            rows.append(_plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin, whole))
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, precision
     )
     return PlanReport(spec.name, parameters, precision, "none" if inference else optimizer, seq_len, tuple(rows),
-                      inference=inference, host=host)  # fmt: skip
+                      inference=inference, host=host, depth_extrapolated_from=extrapolated,
+                      full_trace=full_trace if extrapolated else None)  # fmt: skip
+
+
+def model_depth(model: Any) -> int | None:
+    """The number of blocks a transformers config gives its model (``None`` if it names none)."""
+    config = getattr(model, "config", None)
+    for attribute in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _extrapolating(tracers: list[Any], depths: tuple[int, int], depth: int, full_trace: Any) -> Any:
+    """``trace(batch, checkpointing)`` from the two shallow traces; the full trace if they disagree."""
+
+    @functools.cache
+    def trace(batch: int, checkpointing: bool) -> list[MemoryEstimate]:
+        shallow, deeper = (tracer(batch, checkpointing) for tracer in tracers)
+        try:
+            return [extrapolate_depth(a, b, *depths, depth) for a, b in zip(shallow, deeper, strict=True)]
+        except EstimationError:
+            return full_trace(batch, checkpointing)
+
+    return trace
 
 
 def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_factor: int, pin_memory: bool,
@@ -172,7 +230,8 @@ def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[Cuda
 
 
 def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointing: str, target: Any,
-              world_size: int, margin: float) -> GpuPlan:  # fmt: skip
+              world_size: int, margin: float, whole: Any) -> GpuPlan:  # fmt: skip
+    """Search on ``trace``, confirm and report on ``whole`` (the same unless extrapolated in depth)."""
     always = checkpointing == "on"
     try:
         chosen = plan(
@@ -183,14 +242,14 @@ def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointi
             world_size=world_size,
             allow_checkpointing=checkpointing == "auto",
             checkpointed=lambda: trace(1, True),
-            confirm=lambda micro, ckpt: trace(micro, ckpt or always),
+            confirm=lambda micro, ckpt: whole(micro, ckpt or always),
         )
     except InsufficientMemoryError as error:
         approximate = bool(gpu and gpu.approximate)
         return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=trace(1, always))
     if always and not chosen.gradient_checkpointing:
         chosen = Plan(**{**chosen.to_dict(), "gradient_checkpointing": True, "reasons": tuple(chosen.reasons)})
-    exact = trace(chosen.micro_batch_size, chosen.gradient_checkpointing)
+    exact = whole(chosen.micro_batch_size, chosen.gradient_checkpointing)
     return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate), base=trace(1, always))
 
 
