@@ -12,4 +12,5 @@ run python benchmarks/trace_zoo.py --measure
 run python -m integrations.accuracy.run --gpu
 run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
 run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu
+run python benchmarks/oom_recovery_demo.py --out benchmarks/results/oom_recovery
 exit $status
