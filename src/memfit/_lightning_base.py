@@ -436,24 +436,12 @@ class MemoryPlannerBase:
 
     def _on_recovery(self, trainer: Any, record: Recovery) -> None:
         """One warning with the old and new plan, the recovery metrics, and the prediction for the new chunk."""
-        plan_dict = self._decision.plan if self._decision and self._decision.plan else None
-        micro = record.batch_size
-        accumulation = trainer.accumulate_grad_batches
-        chunks = -(-micro // record.chunk_after)
-        effective = micro * accumulation * trainer.world_size
-        message = (
-            f"memfit (rank {trainer.global_rank}): {record.describe()}. Plan: micro batch {micro} x accumulation "
-            f"{accumulation} -> micro batch {record.chunk_after} x accumulation {accumulation * chunks}; the "
-            f"effective batch stays {effective}"
-            + (f" (planned {plan_dict['effective_batch_size']})" if plan_dict else "")
-            + "."
+        message = record.warning(
+            accumulation=trainer.accumulate_grad_batches, world_size=trainer.world_size, rank=trainer.global_rank
         )
         warnings.warn(message, UserWarning, stacklevel=2)
         if self._monitor is not None and self.estimate is not None:
-            with contextlib.suppress(Exception):
-                peak = self.estimate.at(record.chunk_after)
-                self._monitor.predicted_allocated_bytes = peak.allocated_bytes
-                self._monitor.predicted_reserved_bytes = peak.reserved_bytes
+            self._monitor.repredict(self.estimate, record.chunk_after)
         metrics = {
             "memfit/oom_recoveries": float(len(self.recovery.recoveries) if self.recovery else 1),
             "memfit/micro_batch_size": float(record.chunk_after),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from memfit.estimate import MemoryEstimate
 from memfit.measure import MemorySample
 from memfit.units import format_bytes
 
@@ -88,6 +89,11 @@ class DriftMonitor:
         self.resident_bytes = resident_bytes
         self.history: list[Drift] = []
         self._raised: set[str] = set()
+
+    def repredict(self, estimate: MemoryEstimate, batch_size: int) -> None:
+        """Measure against the prediction at ``batch_size`` from now on (after an out-of-memory recovery)."""
+        peak = estimate.at(batch_size)
+        self.predicted_allocated_bytes, self.predicted_reserved_bytes = peak.allocated_bytes, peak.reserved_bytes
 
     def observe(self, step: int, sample: MemorySample) -> Drift:
         if sample.reserved_bytes is not None:

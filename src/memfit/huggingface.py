@@ -458,22 +458,12 @@ class MemoryPlannerCallback(TrainerCallback):
         self._restore = []
 
     def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
-        accumulation = args.gradient_accumulation_steps
-        chunks = -(-record.batch_size // record.chunk_after)
-        warnings.warn(
-            f"memfit (rank {args.process_index}): {record.describe()}. Plan: micro batch {record.batch_size} x "
-            f"accumulation {accumulation} -> micro batch {record.chunk_after} x accumulation {accumulation * chunks}; "
-            f"the effective batch stays {record.batch_size * accumulation * args.world_size}.",
-            UserWarning,
-            stacklevel=2,
+        message = record.warning(
+            accumulation=args.gradient_accumulation_steps, world_size=args.world_size, rank=args.process_index
         )
+        warnings.warn(message, UserWarning, stacklevel=2)
         if self.monitor is not None and self.estimate is not None:
-            try:
-                peak = self.estimate.at(record.chunk_after)
-                self.monitor.predicted_allocated_bytes = peak.allocated_bytes
-                self.monitor.predicted_reserved_bytes = peak.reserved_bytes
-            except Exception:  # the prediction stays that of the configured batch
-                pass
+            self.monitor.repredict(self.estimate, record.chunk_after)
         self._pending["memfit/oom_recoveries"] = float(len(self.recovery.recoveries) if self.recovery else 1)
         self._pending["memfit/micro_batch_size"] = float(record.chunk_after)
 

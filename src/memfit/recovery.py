@@ -26,6 +26,7 @@ that runs one chunk's forward and backward and call ``backward_started`` between
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -137,6 +138,15 @@ class Recovery:
                 f"micro batch(es) of the accumulation window were run again before retrying the failed batch"
             )
         return f"out of memory at step {self.step} ({self.error}); {action}; {retried}"
+
+    def warning(self, *, accumulation: int, world_size: int, rank: int) -> str:
+        """The one warning a recovery gives: what happened and the plan before and after."""
+        chunks = -(-self.batch_size // self.chunk_after)
+        return (
+            f"memfit (rank {rank}): {self.describe()}. Plan: micro batch {self.batch_size} x accumulation "
+            f"{accumulation} -> micro batch {self.chunk_after} x accumulation {accumulation * chunks}; the "
+            f"effective batch stays {self.batch_size * accumulation * world_size}."
+        )
 
 
 class OOMRecovery:
@@ -282,7 +292,10 @@ class OOMRecovery:
         record = Recovery(step, size, before, after, enabled, replayed, failure)
         self.recoveries.append(record)
         if self.on_recovery is not None:
-            self.on_recovery(record)
+            try:
+                self.on_recovery(record)
+            except Exception as error:  # reporting a recovery must not undo it
+                warnings.warn(f"memfit could not report a recovery ({type(error).__name__}: {error})", stacklevel=2)
 
     def _smaller_chunk(self, before: int) -> int:
         """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards."""
