@@ -114,6 +114,7 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)  # HF keeps a process-wide URI if one is set (Lightning's MLFlowLogger sets it)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "memfit-hf")
+    mlflow.create_experiment("memfit-hf", artifact_location=str(tmp_path / "art"))  # artifacts stay in tmp_path
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     model, data = tiny_gpt2(), Tokens()
     args = training_args(tmp_path, report_to=["tensorboard", "mlflow"])

@@ -82,7 +82,7 @@ def test_csv_tensorboard_and_mlflow_receive_the_documented_keys(tmp_path: Path) 
     csv_logger = CSVLogger(tmp_path / "csv")
     tb_logger = TensorBoardLogger(tmp_path / "tb")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow_logger = MLFlowLogger(experiment_name="memfit", tracking_uri=uri)
+    mlflow_logger = MLFlowLogger(experiment_name="memfit", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
     callback = MemoryPlanner(budget=budget_for_micro_batch(module, 4), margin=MARGIN)
     trainer(tmp_path, callback, loggers=[csv_logger, tb_logger, mlflow_logger]).fit(module)
 
