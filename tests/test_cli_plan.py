@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -177,18 +180,67 @@ def test_depth_extrapolation_follows_the_full_trace() -> None:
                                           precision="bf16-mixed", device="cuda")  # fmt: skip
         return result
 
-    guess = extrapolate_depth(traced(2), traced(4), 2, 4, 6)
+    deeper = traced(4)
+    guess = extrapolate_depth(traced(2), deeper, 2, 4, 6)
     exact = traced(6)
     assert guess.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=1e-3)
     assert (guess.peak_step, guess.peak_phase) == (exact.peak_step, exact.peak_phase)
     assert guess.at(3).allocated_bytes == pytest.approx(exact.at(3).allocated_bytes, rel=1e-2)
     assert "extrapolated in depth to 6 blocks" in guess.notes[-1]
 
+    # The timeline is stretched to the full depth: same phases in order, peaking where the estimate does.
+    def phases(points: Sequence[Any]) -> list[tuple[int, str]]:
+        return [key for key, _ in itertools.groupby((p.step, p.phase.value) for p in points)]
 
-def test_a_large_deep_config_is_planned_from_shallow_traces(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--hf-config", "llama-3-8b", "--gpu", "h100", "--seq-len", "256", "--json"])
+    assert phases(guess.timeline) == phases(exact.timeline)
+    top = max(guess.timeline, key=lambda p: sum(p.category_bytes))
+    assert sum(top.category_bytes) == guess.peak_allocated_bytes
+    assert (top.step, top.phase) == (exact.peak_step, exact.peak_phase)
+    assert max(p.reserved_bytes for p in guess.timeline) == pytest.approx(exact.peak_reserved_bytes, rel=0.02)
+    assert guess.timeline[-1].event_index > deeper.timeline[-1].event_index  # more blocks, more events
+
+
+def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "plan.png"
+    code = main(["plan", "--hf-config", "llama-3-8b", "--gpu", "h100", "--seq-len", "256", "--json",
+                 "--plot", str(picture)])  # fmt: skip
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["depth_extrapolated_from"] == [2, 4]
     (row,) = report["gpus"]
     assert not row["fits"] and "checkpointing cannot help" in row["error"]
+    assert _png_size(picture) == (1100, 990)  # the timeline is the extrapolated one: no full trace is needed
+
+
+def _ramp(levels: list[tuple[Phase, list[int]]]) -> list[Any]:
+    """A synthetic timeline: per phase, activations at each event (parameters fixed at 100 bytes)."""
+    from memfit.replay import TimelinePoint
+
+    points, event = [], 0
+    for phase, values in levels:
+        for value in values:
+            sizes = tuple(100 if c is Category.PARAMETERS else value if c is Category.ACTIVATIONS else 0
+                          for c in Category)  # fmt: skip
+            points.append(TimelinePoint(event, 1, phase, sizes, sum(sizes) + 7))
+            event += 1
+    return points
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_timeline_extrapolation_keeps_peaks_at_the_phase_edges(where: str) -> None:
+    from memfit.replay import extrapolate_timeline
+
+    def phase(blocks: int) -> list[int]:  # each block adds 10 bytes; the peak is the first or last event
+        up = [10 * i for i in range(1, blocks + 1)]
+        return up if where == "end" else up[::-1]
+
+    shallow = _ramp([(Phase.FORWARD, phase(2)), (Phase.BACKWARD, [5, 1])])
+    deeper = _ramp([(Phase.FORWARD, phase(4)), (Phase.BACKWARD, [5, 1])])
+    out = extrapolate_timeline(shallow, deeper, 3.0)  # 2 + 3 x 2 = 8 blocks
+    forward = [p for p in out if p.phase is Phase.FORWARD]
+    assert len(forward) == 8 and out[-1].phase is Phase.BACKWARD
+    activations = [p.category_bytes[list(Category).index(Category.ACTIVATIONS)] for p in forward]
+    assert max(activations) == 80 and activations[-1 if where == "end" else 0] == 80
+    assert all(p.reserved_bytes >= sum(p.category_bytes) for p in out)
+    assert extrapolate_timeline(shallow, deeper[:4], 3.0) == tuple(deeper[:4])  # other phases: left as traced

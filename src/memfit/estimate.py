@@ -25,7 +25,7 @@ from memfit.checkpointing import CheckpointTarget
 from memfit.errors import EstimationError, InvalidInputError
 from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
-from memfit.replay import PhasePeak, TimelinePoint, replay
+from memfit.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.runtime import CudaRuntime
 from memfit.tracer import ForwardFn, LossFn, StepTrace, TraceSettings, trace_steps
 
@@ -422,8 +422,8 @@ def extrapolate_depth(
     A stack of identical blocks adds the same parameters, gradients, optimizer state and saved
     activations per block, so every phase's peak is affine in the depth, and so is each term of its
     fit in the batch: each is extended along the line through the two traces. The peak phase is
-    chosen again at the new depth, since two affine peaks can cross. Allocator ratios and the
-    timeline are the deeper trace's (the timeline keeps that trace's shape, not the full depth's).
+    chosen again at the new depth, since two affine peaks can cross. Allocator ratios are the deeper
+    trace's; the timeline is stretched to the new depth (``memfit.replay.extrapolate_timeline``).
     """
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
@@ -472,6 +472,7 @@ def extrapolate_depth(
         phase_models=models,
         trace_seconds=shallow.trace_seconds + deeper.trace_seconds,
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
+        timeline=extrapolate_timeline(shallow.timeline, deeper.timeline, t),
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),
     )  # fmt: skip

@@ -62,22 +62,19 @@ class PlanReport:
     inference: bool = False
     host: HostEstimate | None = None
     depth_extrapolated_from: tuple[int, int] | None = None  # the depths traced, when extrapolated
-    full_trace: Any = None  # (batch, checkpointing) -> estimates of the full-depth model, for the timeline
 
     def plot(self, path: str) -> None:
         """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU.
 
-        The timeline is always from a trace of the whole model, also when the plan was extrapolated."""
+        A plan is confirmed on a trace of the whole model, so its timeline is that trace's; with no
+        plan, the timeline at batch 1 is the one extrapolated in depth when the search was."""
         from memfit.plot import plot_plan
 
         base = next(row.base for row in self.rows if row.base is not None)
         capacities = {row.gpu: row.capacity_bytes for row in self.rows}
         chosen = {row.gpu: row.plan.micro_batch_size for row in self.rows if row.plan is not None}
         first = next((row.estimate for row in self.rows if row.estimate is not None), None)
-        timeline_of = first  # a trace of the whole model (extrapolated plans are confirmed on one)
-        if timeline_of is None and self.full_trace is not None:
-            timeline_of = self.full_trace(1, False)[0]
-        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=timeline_of, path=path)
+        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=first, path=path)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,8 +160,7 @@ def plan_for_gpus(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, precision
     )
     return PlanReport(spec.name, parameters, precision, "none" if inference else optimizer, seq_len, tuple(rows),
-                      inference=inference, host=host, depth_extrapolated_from=extrapolated,
-                      full_trace=full_trace if extrapolated else None)  # fmt: skip
+                      inference=inference, host=host, depth_extrapolated_from=extrapolated)  # fmt: skip
 
 
 def model_depth(model: Any) -> int | None:

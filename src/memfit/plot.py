@@ -66,13 +66,15 @@ def plot_timeline(
         axis.plot(x, [p.reserved_bytes / _UNIT for p in points], color="black", linewidth=1, label="reserved")
     peak_index = max(x, key=lambda i: sum(points[i].category_bytes))
     peak = sum(points[peak_index].category_bytes) / _UNIT
-    axis.annotate(f"peak {peak:.2f} GiB\n(step {points[peak_index].step} {points[peak_index].phase.value})",
+    axis.annotate(f"allocated peak {peak:.2f} GiB\n(step {points[peak_index].step} {points[peak_index].phase.value})",
                   xy=(peak_index, peak), xytext=(0.02, 0.93), textcoords="axes fraction",
                   arrowprops={"arrowstyle": "->", "color": "black"}, fontsize=9, va="top")  # fmt: skip
     if capacity_bytes:
         axis.axhline(capacity_bytes / _UNIT, color="red", linestyle="--", linewidth=1.2, label="capacity")
     _shade_phases(axis, points)
-    axis.set_xlabel("traced events (two training steps)")
+    extrapolated = next((note for note in estimate.notes if note.startswith("extrapolated in depth")), None)
+    axis.set_xlabel(f"traced events (two training steps; {extrapolated})" if extrapolated else
+                    "traced events (two training steps)")  # fmt: skip
     axis.set_ylabel("GiB")
     axis.set_title(
         f"memory of two traced training steps, batch {estimate.batch_size}, {estimate.precision.short_name}", pad=14

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memfit.allocator import CachingAllocatorSimulator, round_size
 from memfit.categories import Category, Phase
 from memfit.recorder import PhaseMark, StorageRecorder
 
-__all__ = ["PhasePeak", "TimelinePoint", "replay"]
+__all__ = ["PhasePeak", "TimelinePoint", "extrapolate_timeline", "replay"]
 
 MAX_TIMELINE_POINTS = 1500
 
@@ -115,3 +118,100 @@ def replay(
         peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown, peak_tensors))
         position = end
     return peaks
+
+
+def extrapolate_timeline(
+    shallow: Sequence[TimelinePoint], deeper: Sequence[TimelinePoint], t: float
+) -> tuple[TimelinePoint, ...]:
+    """The timeline of a deeper model from the timelines of the same model at two smaller depths.
+
+    ``t`` places the target on the line through the two depths (0: ``shallow``, 1: ``deeper``).
+    Each phase of each step is stretched to its extrapolated number of events and aligned on its
+    peak, so the peak lands where ``extrapolate_depth`` puts it. The deeper trace gives the shape
+    (per-op spikes are not amplified); what grows with depth is added as a difference that is
+    linear from the phase's start to its peak and from its peak to its end. If the two timelines
+    do not have the same phases, the deeper one is returned as it is.
+    """
+    parts_a, parts_b = _phase_parts(shallow), _phase_parts(deeper)
+    if not parts_b or [key for key, _ in parts_a] != [key for key, _ in parts_b]:
+        return tuple(deeper)
+    spans = [
+        max(1, round(_span(a) + (_span(b) - _span(a)) * t)) for (_, a), (_, b) in zip(parts_a, parts_b, strict=True)
+    ]
+    scale = min(1.0, 2 * MAX_TIMELINE_POINTS / sum(spans))
+    out: list[TimelinePoint] = []
+    event = deeper[0].event_index
+    for (_, a), (_, b), span in zip(parts_a, parts_b, spans, strict=True):
+        out.extend(_stretch(a, b, t, span, max(1, round(span * scale)), event))
+        event += span
+    return tuple(out)
+
+
+def _phase_parts(points: Sequence[TimelinePoint]) -> list[tuple[tuple[int, Phase], list[TimelinePoint]]]:
+    parts: list[tuple[tuple[int, Phase], list[TimelinePoint]]] = []
+    for point in points:
+        key = (point.step, point.phase)
+        if not parts or parts[-1][0] != key:
+            parts.append((key, []))
+        parts[-1][1].append(point)
+    return parts
+
+
+def _span(points: Sequence[TimelinePoint]) -> int:
+    return points[-1].event_index - points[0].event_index + 1
+
+
+def _position(points: Sequence[TimelinePoint], index: int) -> float:
+    """Where ``points[index]`` sits in its phase, from 0 (first sample) to 1 (last)."""
+    return (points[index].event_index - points[0].event_index) / max(1, _span(points) - 1)
+
+
+def _peak_index(points: Sequence[TimelinePoint]) -> int:
+    return max(range(len(points)), key=lambda i: sum(points[i].category_bytes))
+
+
+def _stretch(a: Sequence[TimelinePoint], b: Sequence[TimelinePoint], t: float, span: int, count: int,
+             first_event: int) -> list[TimelinePoint]:  # fmt: skip
+    peak_a, peak_b = _peak_index(a), _peak_index(b)
+    at_a, at_b = _position(a, peak_a), _position(b, peak_b)
+    events_a, events_b = at_a * (_span(a) - 1), at_b * (_span(b) - 1)
+    at_d = min(1.0, max(0.0, (events_a + (events_b - events_a) * t) / max(1, span - 1)))
+    grid = sorted({*(i / max(1, count - 1) for i in range(count)), at_d}) if count > 1 else [0.0]
+
+    def source(anchor: float, u: float) -> float:
+        """Output position ``u`` in a source's own positions, piecewise linear through the peaks."""
+        if u <= at_d:
+            return anchor * (u / at_d) if at_d > 0 else anchor
+        return u if u == math.inf else anchor + (1 - anchor) * (u - at_d) / (1 - at_d)
+
+    positions = [_position(b, i) for i in range(len(b))]
+
+    def pick(low: float, high: float) -> TimelinePoint:
+        """The deeper trace's highest sample in ``[low, high)``, else the last one before it."""
+        start, end = source(at_b, low), source(at_b, high)
+        first, last = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+        if last > first:
+            return max(b[first:last], key=lambda p: sum(p.category_bytes))
+        return b[max(0, bisect.bisect_right(positions, start) - 1)]
+
+    def gap(shallow: TimelinePoint, deeper: TimelinePoint) -> list[int]:
+        return [y - x for x, y in zip((*shallow.category_bytes, shallow.reserved_bytes),
+                                      (*deeper.category_bytes, deeper.reserved_bytes), strict=True)]  # fmt: skip
+
+    anchors = [(0.0, gap(a[0], b[0])), (at_d, gap(a[peak_a], b[peak_b])), (1.0, gap(a[-1], b[-1]))]
+
+    def difference(u: float) -> list[float]:
+        """What the deeper trace adds over the shallow one at ``u``: linear between start, peak and end."""
+        (u0, d0), (u1, d1) = anchors[:2] if u <= at_d else anchors[1:]
+        w = 0.0 if u1 == u0 else (u - u0) / (u1 - u0)
+        return [x + (y - x) * w for x, y in zip(d0, d1, strict=True)]
+
+    points = []
+    for i, u in enumerate(grid):
+        high = grid[i + 1] if i + 1 < len(grid) else math.inf
+        shape = pick(u, high)
+        *extra, extra_reserved = difference(u)
+        sizes = tuple(max(0, c + round(d * (t - 1))) for c, d in zip(shape.category_bytes, extra, strict=True))
+        reserved = max(sum(sizes), shape.reserved_bytes + round(extra_reserved * (t - 1)))
+        points.append(TimelinePoint(first_event + round(u * (span - 1)), shape.step, shape.phase, sizes, reserved))
+    return points
