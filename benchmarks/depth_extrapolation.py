@@ -2,7 +2,8 @@
 
 ``memfit plan --hf-config`` traces deep models at 2 and 4 blocks and extrapolates in depth
 (``memfit.estimate.extrapolate_depth``). This prints both predictions side by side for the presets,
-with the time each took, and writes ``benchmarks/results/depth_extrapolation.json``.
+with the time each took, and the highest point of the timeline ``--plot`` draws (extrapolated vs
+traced), and writes ``benchmarks/results/depth_extrapolation.json``.
 
     python benchmarks/depth_extrapolation.py [--only llama-3-8b] [--seq-len 2048]
 """
@@ -19,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.estimate import estimate_for_runtimes, extrapolate_depth
+from memfit.estimate import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.planning_report import EXTRAPOLATION_DEPTHS, model_depth
 from memfit.presets import from_hf_config
 from memfit.runtime import CudaRuntime
@@ -36,6 +37,11 @@ def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing
                                       batch_size=batch, precision="bf16-mixed", optimizer="adamw",
                                       gradient_checkpointing=checkpointing, device="cuda")  # fmt: skip
     return result, time.perf_counter() - started, spec
+
+
+def _timeline_peak(estimate: MemoryEstimate) -> int:
+    """The highest point of the timeline the plot draws (allocated bytes, all categories)."""
+    return max(sum(point.category_bytes) for point in estimate.timeline)
 
 
 def main() -> None:
@@ -58,22 +64,24 @@ def main() -> None:
                    "exact_reserved": exact.peak_reserved_bytes, "extrapolated_reserved": guess.peak_reserved_bytes,
                    "exact_peak_phase": f"{exact.peak_step}/{exact.peak_phase.value}",
                    "extrapolated_peak_phase": f"{guess.peak_step}/{guess.peak_phase.value}",
+                   "exact_timeline_peak": _timeline_peak(exact), "extrapolated_timeline_peak": _timeline_peak(guess),
                    "exact_seconds": round(exact_seconds, 2),
                    "extrapolated_seconds": round(low_seconds + high_seconds, 2)}  # fmt: skip
-            for kind in ("allocated", "reserved"):
+            for kind in ("allocated", "reserved", "timeline_peak"):
                 row[f"{kind}_error_pct"] = round(
                     100 * (row[f"extrapolated_{kind}"] - row[f"exact_{kind}"]) / row[f"exact_{kind}"], 3
                 )
             rows.append(row)
     table = Table(title=f"depth extrapolation ({low} and {high} blocks) vs full trace, bf16-mixed AdamW, "
                   f"seq {args.seq_len}, batch {args.batch}")  # fmt: skip
-    for column in ("model", "ckpt", "exact reserved", "extrapolated", "error", "alloc. error", "peak (exact/extr.)",
-                   "time exact", "time extr."):  # fmt: skip
+    for column in ("model", "ckpt", "exact reserved", "extrapolated", "error", "alloc. error", "timeline peak error",
+                   "peak (exact/extr.)", "time exact", "time extr."):  # fmt: skip
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in rows:
         table.add_row(r["model"], "on" if r["checkpointing"] else "off", format_bytes(r["exact_reserved"]),
                       format_bytes(r["extrapolated_reserved"]), f"{r['reserved_error_pct']:+.2f}%",
-                      f"{r['allocated_error_pct']:+.2f}%", f"{r['exact_peak_phase']} / {r['extrapolated_peak_phase']}",
+                      f"{r['allocated_error_pct']:+.2f}%", f"{r['timeline_peak_error_pct']:+.2f}%",
+                      f"{r['exact_peak_phase']} / {r['extrapolated_peak_phase']}",
                       f"{r['exact_seconds']:.1f} s", f"{r['extrapolated_seconds']:.1f} s")  # fmt: skip
     Console(width=200).print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ Each case runs in a fresh process so its peak RSS is its own:
   call traces two steps at two batch sizes.
 * A Llama-style 7B (32 layers, 4096 wide, built on the ``meta`` device), batch 1, seq 2048,
   bf16-mixed AdamW: seconds and the process's peak resident memory.
-* ``memfit plan --hf-config llama-3-8b --gpu h100 --gpu rtx4090 --seq-len 2048`` end to end.
+* ``memfit plan --hf-config llama-3-8b --gpu h100 --gpu rtx4090 --seq-len 2048`` end to end, and the
+  same command with ``--plot`` (the table and the PNG, through the command line's own entry point).
 Results go to ``benchmarks/results/speed.json``.
 """
 
@@ -84,7 +85,33 @@ def plan_llama3_8b() -> dict:
     }
 
 
-CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b, "plan-llama3-8b": plan_llama3_8b}
+def plan_llama3_8b_plot() -> dict:
+    import contextlib
+    import io
+    import tempfile
+
+    from memfit.cli import main as memfit_main
+
+    with tempfile.TemporaryDirectory() as folder:
+        picture = Path(folder) / "plan.png"
+        argv = ["plan", "--hf-config", "llama-3-8b", "--gpu", "h100", "--gpu", "rtx4090", "--seq-len", "2048"]
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = memfit_main([*argv, "--plot", str(picture)])
+        seconds = time.perf_counter() - started
+        size = picture.stat().st_size
+    if code != 0:
+        raise SystemExit(f"memfit plan failed with exit code {code}")
+    return {
+        "case": "memfit " + " ".join(argv) + " --plot plan.png",
+        "cold_seconds": round(seconds, 2),
+        "png_bytes": size,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b, "plan-llama3-8b": plan_llama3_8b,
+         "plan-llama3-8b-plot": plan_llama3_8b_plot}  # fmt: skip
 
 
 def main() -> None:
@@ -97,9 +124,10 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for row in rows:
         extra = f", warm {row['warm_seconds']} s" if "warm_seconds" in row else ""
-        peak = memfit.format_bytes(row["predicted_peak_bytes"])
+        predicted = row.get("predicted_peak_bytes")
+        peak = f"; predicted peak {memfit.format_bytes(predicted)}" if predicted else ""
         rss = memfit.format_bytes(row["max_rss_bytes"])
-        print(f"{row['case']}: cold {row['cold_seconds']} s{extra}; predicted peak {peak}; peak RSS {rss}")
+        print(f"{row['case']}: cold {row['cold_seconds']} s{extra}{peak}; peak RSS {rss}")
     meta = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
