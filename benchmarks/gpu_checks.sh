@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU measurement the project publishes, in one command, on a machine with a CUDA GPU.
+# Every GPU measurement the project publishes, on a machine with a CUDA GPU.
+#   bash benchmarks/gpu_checks.sh                      # every step in turn (well over an hour)
+#   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
+#   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh largest_batch
+# Steps: tests trace_zoo accuracy quickstarts oom_recovery largest_batch.
 # Raw results land in benchmarks/results/ (commit them). Each step is independent: a failure is
 # reported and the next step still runs.
 set -u
@@ -7,10 +11,22 @@ cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
 status=0
 run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
-run python -m pytest -q -m gpu tests/test_gpu.py
-run python benchmarks/trace_zoo.py --measure
-run python -m integrations.accuracy.run --gpu
-run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
-run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu
-run python benchmarks/oom_recovery_demo.py --out benchmarks/results/oom_recovery
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests trace_zoo accuracy quickstarts oom_recovery largest_batch)
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests) run python -m pytest -q -m gpu tests/test_gpu.py ;;
+    trace_zoo) run python benchmarks/trace_zoo.py --measure ;;
+    accuracy) run python -m integrations.accuracy.run --gpu ;;
+    quickstarts)
+      run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
+      run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu ;;
+    oom_recovery) run python benchmarks/oom_recovery_demo.py --out benchmarks/results/oom_recovery ;;
+    largest_batch)
+      only=()
+      for family in ${FAMILIES:-}; do only+=(--only "$family"); done
+      run python -m integrations.accuracy.largest_batch "${only[@]}" ;;
+    *) echo "!! unknown step: $step"; status=1 ;;
+  esac
+done
 exit $status

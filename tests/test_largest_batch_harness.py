@@ -1,0 +1,83 @@
+"""The largest-batch harness on CPU: a simulated card whose limit is known, so every method's answer is checkable.
+
+On a GPU the same code finds real out-of-memory limits; here a forward over more than N samples
+raises CUDA's out-of-memory error, which Lightning's BatchSizeFinder and HF's auto_find_batch_size
+catch exactly as they catch the real one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import memfit
+from integrations.accuracy.largest_batch import in_fresh_process, largest_that_fits, main
+from integrations.accuracy.run import optimizer_spec
+from integrations.accuracy.zoo import FAMILIES
+
+
+@given(limit=st.integers(0, 300), seed=st.integers(1, 400), cap=st.integers(1, 256))
+def test_the_search_finds_the_limit_from_any_seed(limit: int, seed: int, cap: int) -> None:
+    calls: list[int] = []
+
+    def fits(batch: int) -> bool:
+        calls.append(batch)
+        return batch <= limit
+
+    found, capped = largest_that_fits(fits, seed, cap)
+    assert (found, capped) == ((None, False) if limit == 0 else (cap, True) if limit >= cap else (limit, False))
+    assert len(calls) == len(set(calls)) and all(1 <= b <= cap for b in calls)  # no batch tried twice
+
+
+def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> None:
+    output = tmp_path / "largest.json"
+    code = main(["--simulate-max-batch", "6", "--only", "gpt2", "--in-process", "--check-steps", "2",
+                 "--hf-start", "16", "--output", str(output)])  # fmt: skip
+    assert code == 0
+    data = json.loads(output.read_text())
+    (row,) = data["rows"]
+    assert data["meta"]["device"] == "CPU, simulated card of 6 samples"
+    assert (row["true_max"], row["true_max_capped"]) == (6, False)
+    assert all(probe["ok"] == (probe["batch_size"] <= 6) for probe in row["probes"])
+    # Lightning's finder, binsearch (with its 5 % margin) and power of two; HF shrinks by 0.9 from 16.
+    assert 1 <= row["lightning_binsearch"]["batch_size"] <= 6
+    assert row["lightning_power"]["batch_size"] == 4
+    assert row["hf_auto_find"]["batch_size"] == 6
+    for method in ("lightning_binsearch", "lightning_power", "hf_auto_find"):
+        result = row[method]
+        assert result["check_ok"] is True and result["seconds"] > 0
+        assert result["fraction_of_true_max"] == round(result["batch_size"] / 6, 3)
+        assert result["seconds_vs_memfit"] == round(result["seconds"] / row["memfit"]["seconds"], 1)
+    # memfit planned for the 2 GiB budget, which the simulated card ignores: its batch fails the check run.
+    family = next(f for f in FAMILIES if f.name == "gpt2")
+    cls, kwargs = optimizer_spec("adamw")
+    torch.manual_seed(0)
+    estimate = memfit.estimate(family.build("cpu"), family.batch("cpu"), batch_size=1, optimizer=cls,
+                               optimizer_kwargs=kwargs, precision="bf16-mixed", device="cuda")  # fmt: skip
+    expected = memfit.plan(estimate, 2 * 1024**3, target_batch_size="max", allow_checkpointing=False,
+                           max_batch_size=8192).micro_batch_size  # fmt: skip
+    assert row["memfit"]["batch_size"] == expected > 6
+    assert row["memfit"]["check_ok"] is False
+
+
+def test_a_trial_runs_in_a_fresh_process_and_reports_out_of_memory() -> None:
+    job = {"kind": "probe", "family": "gpt2", "precision": "bf16-mixed", "optimizer": "adamw", "size": "cpu",
+           "device": "cpu", "ceiling": 3, "steps": 1}  # fmt: skip
+    assert in_fresh_process({**job, "batch_size": 3})["ok"] is True
+    failed = in_fresh_process({**job, "batch_size": 4})
+    assert failed["ok"] is False and "out of memory" in failed["error"]
+    broken = in_fresh_process({**job, "family": "no-such-model", "batch_size": 1})
+    assert broken["failed"] is True and "unknown family" in broken["error"]
+
+
+def test_without_a_gpu_the_real_comparison_says_what_to_run_instead(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        main(["--only", "gpt2"])
+    assert "--simulate-max-batch" in capsys.readouterr().err
