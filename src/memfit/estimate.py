@@ -406,9 +406,8 @@ def _build_estimate(
         phase_models=models,
         trace_seconds=elapsed,
         activation_bytes=_kept_from_first_forward(primary),
-        reserved_to_allocated_ratio=max(
-            max(p.reserved_bytes for p in pk) / max(1, max(p.allocated_bytes for p in pk)) for pk in (peaks, peaks_b)
-        ),
+        allocated_to_tensor_ratio=max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in (peaks, peaks_b)),
+        reserved_to_allocated_ratio=max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in (peaks, peaks_b)),
         notes=tuple(notes),
         timeline=tuple(timeline),
     )
