@@ -18,7 +18,9 @@ For each model family of the zoo (``size="gpu"``; bf16-mixed AdamW without check
   include those trial steps, which is how they decide.
 * each chosen batch then trains ``--check-steps`` (50) steps in a fresh process: does it run out of memory?
 
-Every trial runs in a fresh process, so one trial's cached blocks never help or hurt the next.
+Every trial runs in a fresh process, so one trial's cached blocks never help or hurt the next. The
+probes and the check runs are plain PyTorch steps (forward under autocast, backward, optimizer step,
+``zero_grad``); the finders run inside their own trainers, as their users run them.
 ``--simulate-max-batch N`` runs the same harness on CPU with the zoo's tiny models, where a forward
 over more than N samples raises CUDA's out-of-memory error: it checks the harness's machinery (the
 test suite runs it), not memfit's accuracy, and memfit then plans for ``--budget``.
@@ -324,10 +326,11 @@ def compare_family(family: str, args: argparse.Namespace, run: Callable[[dict[st
     return row
 
 
-def show(rows: list[dict[str, Any]], device: str) -> None:
+def show(rows: list[dict[str, Any]], device: str, simulated: bool) -> None:
     table = Table(title=f"largest micro batch on {device}: chosen batch (share of the true maximum, seconds to "
                   "decide, 'OOM' if it then fails the check run)")  # fmt: skip
-    for column in ("family", "true max", "memfit", "BSF binsearch", "BSF power", "HF auto_find"):
+    memfit_column = "memfit (plans for --budget)" if simulated else "memfit"
+    for column in ("family", "true max", memfit_column, "BSF binsearch", "BSF power", "HF auto_find"):
         table.add_column(column, justify="left" if column == "family" else "right")
 
     def cell(result: dict[str, Any]) -> str:
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(compare_family(name, args, run))
         print(json.dumps(rows[-1]), flush=True)
     device = f"CPU, simulated card of {args.simulate_max_batch} samples" if simulated else torch.cuda.get_device_name()
-    show(rows, device)
+    show(rows, device, simulated)
     path = args.output or RESULTS / f"largest_batch-{'simulated' if simulated else 'gpu'}.json"
     kept = []
     if path.exists() and args.only:
