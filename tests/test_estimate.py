@@ -253,6 +253,32 @@ def test_at_the_traced_batch_is_never_below_the_traced_peaks(batch: int) -> None
     assert estimate.peak_reserved_bytes <= at_traced.reserved_bytes <= 1.01 * estimate.peak_reserved_bytes
 
 
+def test_one_trace_with_the_fit_of_another_gives_the_same_peaks() -> None:
+    from memfit.estimate import estimate_for_runtimes
+    from memfit.presets import from_hf_config
+
+    spec = from_hf_config("bert-base", seq_len=256, layers=1)
+
+    def traced(batch: int, fits: list[memfit.MemoryEstimate] | None = None) -> memfit.MemoryEstimate:
+        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[memfit.CudaRuntime()], batch_size=batch,
+                                          precision="bf16-mixed", batch_fits=fits)  # fmt: skip
+        return result
+
+    base, whole = traced(1), traced(6)
+    once = traced(6, [base])
+    assert (once.peak_allocated_bytes, once.peak_reserved_bytes) == (
+        whole.peak_allocated_bytes,
+        whole.peak_reserved_bytes,
+    )
+    assert once.breakdown == whole.breakdown and once.phase_models == base.phase_models
+    assert (
+        once.at(6).allocated_bytes >= once.peak_allocated_bytes
+        and once.at(6).reserved_bytes >= once.peak_reserved_bytes
+    )
+    with pytest.raises(memfit.InvalidInputError, match="one estimate per runtime"):
+        traced(6, [base, base])
+
+
 def test_value_free_loss_from_output_dict_and_tuple() -> None:
     model = nn.Linear(8, 3)
 

@@ -231,12 +231,17 @@ def estimate_for_runtimes(
     loss_fn: LossFn | None = None,
     forward_fn: ForwardFn | None = None,
     inference: bool = False,
+    batch_fits: Sequence[MemoryEstimate] | None = None,
 ) -> list[MemoryEstimate]:
     """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
 
     GPUs differ, for the trace, only in what no tensor owns (the CUDA context and the cuBLAS
     workspace, whose size depends on the architecture), so the storage log is shared and the
     workspace blocks are resized before each replay. ``None`` in ``runtimes`` means the visible GPU.
+
+    ``batch_fits`` (one estimate of the same step per runtime) skips the second trace, which only
+    serves the fit in the batch: the peaks are traced at ``batch_size`` and ``at()`` keeps those
+    estimates' per-phase fits. A planner confirming a batch it chose from them needs no more.
     """
     settings, batches = _prepare(
         model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
@@ -244,17 +249,21 @@ def estimate_for_runtimes(
     )  # fmt: skip
     primary_batch, secondary_batch, sample_batch = batches
     started = time.perf_counter()
+    if batch_fits is not None and len(batch_fits) != len(runtimes):
+        raise InvalidInputError(f"batch_fits needs one estimate per runtime ({len(runtimes)}), got {len(batch_fits)}")
     primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
-    secondary = trace_steps(model, sample, sample_batch, secondary_batch, settings)
+    secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
+    fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
     if not settings.targets_cuda:
-        return [_build_estimate(primary, secondary, settings, None, elapsed) for _ in runtimes]
+        return [_build_estimate(primary, secondary, settings, None, elapsed, fit) for fit in fits]
     estimates = []
-    for runtime in runtimes:
+    for runtime, fit in zip(runtimes, fits, strict=True):
         runtime = runtime or CudaRuntime.of_current_device()
         for trace in (primary, secondary):
-            _resize_workspace(trace, runtime.workspace_bytes)
-        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed))
+            if trace is not None:
+                _resize_workspace(trace, runtime.workspace_bytes)
+        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit))
     return estimates
 
 
@@ -369,18 +378,33 @@ def _kept_from_first_forward(trace: StepTrace) -> int:
 
 def _build_estimate(
     primary: StepTrace,
-    secondary: StepTrace,
+    secondary: StepTrace | None,
     settings: TraceSettings,
     runtime: CudaRuntime | None,
     elapsed: float,
+    fit: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
+    """Replay the traces into an estimate; without ``secondary``, the fit in the batch is ``fit``'s."""
     cuda = runtime is not None
     timeline: list[TimelinePoint] = []
     peaks = replay(primary.recorder, simulate_cuda_allocator=cuda, timeline=timeline)
-    peaks_b = replay(secondary.recorder, simulate_cuda_allocator=cuda)
-    models = _fit(peaks, peaks_b, primary.batch_size, secondary.batch_size)
     top = max(peaks, key=lambda p: p.allocated_bytes)
-    top_model = next(m for m in models if (m.step, m.phase) == (top.step, top.phase))
+    peak_reserved = max(p.reserved_bytes for p in peaks)
+    if secondary is not None:
+        peaks_b = replay(secondary.recorder, simulate_cuda_allocator=cuda)
+        models = _fit(peaks, peaks_b, primary.batch_size, secondary.batch_size)
+        allocated_ratio = max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in (peaks, peaks_b))
+        reserved_ratio = max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in (peaks, peaks_b))
+    elif fit is not None:  # the fit's ratios, raised so that at() of the traced batch covers its peaks
+        models = fit.phase_models
+        tensors = max(1, max(m.at(primary.batch_size) for m in models))
+        allocated_ratio = max(fit.allocated_to_tensor_ratio, top.allocated_bytes / tensors)
+        reserved_ratio = max(fit.reserved_to_allocated_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
+    else:
+        raise InvalidInputError("an estimate traced at one batch size needs the fit of another estimate")
+    top_model = next((m for m in models if (m.step, m.phase) == (top.step, top.phase)), None)
+    if top_model is None:
+        raise EstimationError("the step traced differently from the estimate given as batch_fits; trace it whole")
     notes = []
     if settings.emulate_cuda:
         notes.append("traced on fake CPU tensors with CUDA kernels' memory substituted")
@@ -395,7 +419,7 @@ def _build_estimate(
         optimizer="none (inference)" if settings.inference else optimizer_name(settings.optimizer),
         gradient_checkpointing=settings.gradient_checkpointing,
         peak_allocated_bytes=top.allocated_bytes,
-        peak_reserved_bytes=max(p.reserved_bytes for p in peaks),
+        peak_reserved_bytes=peak_reserved,
         cuda_context_bytes=runtime.cuda_context_bytes if runtime else None,
         peak_step=top.step,
         peak_phase=top.phase,
@@ -406,8 +430,8 @@ def _build_estimate(
         phase_models=models,
         trace_seconds=elapsed,
         activation_bytes=_kept_from_first_forward(primary),
-        allocated_to_tensor_ratio=max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in (peaks, peaks_b)),
-        reserved_to_allocated_ratio=max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in (peaks, peaks_b)),
+        allocated_to_tensor_ratio=allocated_ratio,
+        reserved_to_allocated_ratio=reserved_ratio,
         notes=tuple(notes),
         timeline=tuple(timeline),
     )

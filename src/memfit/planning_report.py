@@ -133,7 +133,10 @@ def plan_for_gpus(
     runtimes = [
         CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
     ]
-    trace = full_trace = _tracer(spec, precision, optimizer, runtimes, inference)  # one trace serves every GPU
+    # One trace serves every GPU. Confirmations at a chosen batch take their fit in the batch from
+    # the search's trace at batch 1, so they trace once instead of twice.
+    full_trace = _tracer(spec, precision, optimizer, runtimes, inference, fits_of=lambda ckpt: trace(1, ckpt))
+    trace = full_trace
     depth = model_depth(spec.model)
     extrapolated = None
     parameters = sum(p.numel() for p in spec.model.parameters())
@@ -207,12 +210,16 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
                          local_machine=True)  # fmt: skip
 
 
-def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool) -> Any:
+def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
+            fits_of: Any = None) -> Any:  # fmt: skip
+    """``trace(batch, checkpointing)``, cached; above batch 1 with ``fits_of``, one trace plus that fit."""
+
     @functools.cache
     def trace(batch: int, checkpointing: bool) -> list[MemoryEstimate]:
         return estimate_for_runtimes(
             spec.model,
             spec.sample,
+            batch_fits=fits_of(checkpointing) if fits_of is not None and batch > 1 else None,
             runtimes=runtimes,
             batch_size=batch,
             precision=precision,
