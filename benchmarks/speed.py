@@ -10,6 +10,8 @@ Each case runs in a fresh process so its peak RSS is its own:
   bf16-mixed AdamW: seconds and the process's peak resident memory.
 * ``memfit plan --hf-config llama-3-8b --gpu h100 --gpu rtx4090 --seq-len 2048`` end to end, and the
   same command with ``--plot`` (the table and the PNG, through the command line's own entry point).
+* ``memfit plan --hf-config llama-3-8b --gpu h200 --optimizer sgd --seq-len 2048``: a plan that fits,
+  so the chosen batch is confirmed on a trace of the whole model.
 Results go to ``benchmarks/results/speed.json``.
 """
 
@@ -110,8 +112,26 @@ def plan_llama3_8b_plot() -> dict:
     }
 
 
+def plan_llama3_8b_fits() -> dict:
+    """A plan that fits: the search runs on the shallow traces, the chosen batch is confirmed on a full trace."""
+    from memfit.planning_report import plan_for_gpus
+
+    started = time.perf_counter()
+    report = plan_for_gpus(hf_config="llama-3-8b", model=None, gpus=["h200"], budget=None, seq_len=2048,
+                           optimizer="sgd")  # fmt: skip
+    (row,) = report.rows
+    return {
+        "case": "memfit plan --hf-config llama-3-8b --gpu h200 --optimizer sgd --seq-len 2048",
+        "cold_seconds": round(time.perf_counter() - started, 2),
+        "micro_batch_size": row.plan.micro_batch_size if row.plan else None,
+        "gradient_checkpointing": row.plan.gradient_checkpointing if row.plan else None,
+        "predicted_peak_bytes": row.plan.predicted_peak_bytes if row.plan else None,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
 CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b, "plan-llama3-8b": plan_llama3_8b,
-         "plan-llama3-8b-plot": plan_llama3_8b_plot}  # fmt: skip
+         "plan-llama3-8b-plot": plan_llama3_8b_plot, "plan-llama3-8b-fits": plan_llama3_8b_fits}  # fmt: skip
 
 
 def main() -> None:
