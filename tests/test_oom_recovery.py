@@ -19,10 +19,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from transformers import TrainerCallback
 
+import memfit
 from fault_models import DictData, DictRegression, Regression, ceiling, flat_parameters, regression_data, regression_net
 from memfit import UnrecoverableOutOfMemoryError
 from memfit.lightning import MemoryPlanner
-from memfit.recovery import OOMRecovery, is_out_of_memory, split_batch
+from memfit.recovery import OOMRecovery, OutOfMemoryFigures, is_out_of_memory, out_of_memory_figures, split_batch
+from memfit.units import GiB, KiB, MiB
 
 # ---------------------------------------------------------------------------------------------- core
 
@@ -118,6 +120,57 @@ def test_raise_mode_and_other_errors_pass_through() -> None:
     with pytest.raises(KeyError):
         recovery.run_batch(torch.zeros(4, 2), broken, step=0)
     assert recovery.recoveries == []
+
+
+CUDA_MESSAGE = (
+    "CUDA out of memory. Tried to allocate {tried}. GPU 0 has a total capacity of 79.19 GiB of which {free} is "
+    "free. Including non-PyTorch memory, this process has 41.07 GiB memory in use. Of the allocated memory "
+    "{allocated} is allocated by PyTorch, and {unallocated} is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def test_cuda_out_of_memory_figures_are_read_from_the_message() -> None:
+    message = CUDA_MESSAGE.format(tried="20.00 MiB", free="0 bytes", allocated="40.50 GiB", unallocated="512.00 KiB")
+    figures = out_of_memory_figures(torch.OutOfMemoryError(message))
+    assert figures == OutOfMemoryFigures(20 * MiB, int(79.19 * GiB), 0, int(40.5 * GiB), 512 * KiB)
+    assert figures.needed_bytes == int(40.5 * GiB) + 20 * MiB
+    assert figures.room_bytes == int(40.5 * GiB) + 512 * KiB
+    assert out_of_memory_figures(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+
+
+def test_the_first_chunk_fits_the_room_the_error_reports() -> None:
+    # Planned for a whole card, but something else took half of it: the error's figures say how much room
+    # there really was, and the first chunk is chosen for that room, not just 2 x margin below the plan.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 256))
+    estimate = memfit.estimate(net, torch.zeros(16, 256), loss_fn=lambda out, batch: out.float().pow(2).mean())
+    planned = estimate.at(16384)
+    room = planned.reserved_bytes // 2
+
+    def failing_at(limit: int, message: str) -> tuple[OOMRecovery, list[int]]:
+        recovery = OOMRecovery(reset_gradients=lambda: None, estimate=estimate, margin=0.05)
+        sizes: list[int] = []
+
+        def run(chunk: torch.Tensor, weight: float, last: bool) -> None:
+            sizes.append(chunk.shape[0])
+            if chunk.shape[0] > limit:
+                raise torch.OutOfMemoryError(message)
+
+        recovery.run_batch(torch.zeros(16384, 256), run, step=0)
+        return recovery, sizes
+
+    figures = CUDA_MESSAGE.format(tried="64.00 MiB", free=f"{room // 2 / MiB:.2f} MiB",
+                                  allocated=f"{room // 2 / MiB:.2f} MiB", unallocated="0 bytes")  # fmt: skip
+    reported = out_of_memory_figures(torch.OutOfMemoryError(figures)).room_bytes  # about `room`, as printed
+    expected = max(b for b in range(1, 16384) if estimate.at(b).reserved_bytes <= 0.95 * reported)
+    informed, _ = failing_at(expected, figures)
+    assert informed.recoveries[0].chunk_after == expected and len(informed.recoveries) == 1
+    blind, sizes = failing_at(expected, "CUDA out of memory. Tried to allocate 64.00 MiB")
+    assert blind.recoveries[0].chunk_after > expected  # the estimate alone steps down 2 x margin, and fails again
+    assert len(blind.recoveries) > 1 and max(sizes[1:]) > expected
 
 
 # ----------------------------------------------------------------------------------------- Lightning

@@ -16,8 +16,11 @@ Where the error struck decides what is retried:
 
 The chunk shrinks from the estimate (the largest batch whose predicted peak is ``2 x margin``
 below the one that failed), then by halves; below one sample it turns on gradient checkpointing
-once, if allowed, and starts again from the whole batch. If nothing is left to try, memfit raises
-``UnrecoverableOutOfMemoryError`` (a ``torch.OutOfMemoryError``).
+once, if allowed, and starts again from the whole batch. When the error carries CUDA's figures
+(what PyTorch had allocated, what it asked for, what was free), the estimate is scaled by how far
+the step had already outgrown it and the chunk is chosen to fit what the device really had, if that
+is smaller. If nothing is left to try, memfit raises ``UnrecoverableOutOfMemoryError`` (a
+``torch.OutOfMemoryError``).
 
 This module knows nothing of Lightning or Hugging Face: adapters hand ``run_batch`` a function
 that runs one chunk's forward and backward and call ``backward_started`` between the two.
@@ -26,6 +29,7 @@ that runs one chunk's forward and backward and call ``backward_started`` between
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,13 +40,16 @@ import torch
 from memfit.batch import infer_batch_size
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
 from memfit.estimate import MemoryEstimate
+from memfit.units import parse_bytes
 
 __all__ = [
     "LossReduction",
     "OOMRecovery",
     "OnOOM",
+    "OutOfMemoryFigures",
     "Recovery",
     "is_out_of_memory",
+    "out_of_memory_figures",
     "release_memory",
     "split_batch",
 ]
@@ -251,13 +258,13 @@ class OOMRecovery:
                         "the other ranks already took part in this backward, so it cannot be retried. Lower the "
                         "micro batch or turn on gradient checkpointing and resume from the last checkpoint."
                     ) from error
-                failure = _first_line(error)
+                failure, figures = _first_line(error), out_of_memory_figures(error)
             # Outside the except block the traceback, and the activations its frames hold, are gone.
             if tainted:
                 self.reset_gradients()
                 replay, done, results = list(self.window[:-1]), 0, []
             release_memory()
-            self._shrink(size, failure, step, replayed=len(replay))
+            self._shrink(size, failure, step, replayed=len(replay), figures=figures)
 
     # ------------------------------------------------------------- inside
     def _weight(self, samples: int, size: int) -> float:
@@ -273,9 +280,10 @@ class OOMRecovery:
         for index, (piece, samples) in enumerate(pieces):
             yield piece, samples, index == len(pieces) - 1
 
-    def _shrink(self, size: int, failure: str, step: int, *, replayed: int) -> None:
+    def _shrink(self, size: int, failure: str, step: int, *, replayed: int,
+                figures: OutOfMemoryFigures | None = None) -> None:  # fmt: skip
         before = min(self.chunk_size or size, size)
-        after = self._smaller_chunk(before)
+        after = self._smaller_chunk(before, figures)
         enabled = False
         if after < 1:
             if self.enable_checkpointing is None or self.checkpointing_on:
@@ -297,17 +305,66 @@ class OOMRecovery:
             except Exception as error:  # reporting a recovery must not undo it
                 warnings.warn(f"memfit could not report a recovery ({type(error).__name__}: {error})", stacklevel=2)
 
-    def _smaller_chunk(self, before: int) -> int:
-        """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards."""
-        if self.estimate is not None and not self.recoveries and before > 1:
-            try:
-                limit = self.estimate.at(before).reserved_bytes * (1 - 2 * self.margin)
-                fitting = [b for b in range(before - 1, 0, -1) if self.estimate.at(b).reserved_bytes <= limit]
-                if fitting:
-                    return fitting[0]
-            except Exception:  # an estimate that cannot answer falls back to halving
-                pass
-        return before // 2
+    def _smaller_chunk(self, before: int, figures: OutOfMemoryFigures | None = None) -> int:
+        """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards; smaller still
+        if the error's own figures show that the step needs more than the estimate said."""
+        estimate = self.estimate
+        if estimate is None or before <= 1:
+            return before // 2
+
+        def largest(below: int, fits: Callable[[int], bool], otherwise: int) -> int:
+            return next((b for b in range(below, 0, -1) if fits(b)), otherwise)
+
+        try:
+            after = before // 2
+            if not self.recoveries:
+                limit = estimate.at(before).reserved_bytes * (1 - 2 * self.margin)
+                after = largest(before - 1, lambda b: estimate.at(b).reserved_bytes <= limit, after)
+            if figures is not None:
+                scale = max(1.0, figures.needed_bytes / max(1, estimate.at(before).allocated_bytes))
+                room = figures.room_bytes * (1 - self.margin)
+                after = largest(min(after, before - 1), lambda b: scale * estimate.at(b).reserved_bytes <= room, 0)
+        except Exception:  # an estimate that cannot answer falls back to halving
+            return before // 2
+        return after
+
+
+@dataclass(frozen=True)
+class OutOfMemoryFigures:
+    """What CUDA's caching allocator says when it fails: the request and the device's state at that moment."""
+
+    requested_bytes: int
+    total_bytes: int
+    free_bytes: int
+    allocated_bytes: int  # by PyTorch, when the request failed
+    reserved_unallocated_bytes: int  # cached by PyTorch but not handed out
+
+    @property
+    def needed_bytes(self) -> int:
+        """A lower bound of the step's allocated peak: it got this far and asked for more."""
+        return self.allocated_bytes + self.requested_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """What PyTorch could have handed out: its own cache plus the device's free memory."""
+        return self.allocated_bytes + self.reserved_unallocated_bytes + self.free_bytes
+
+
+_SIZE = r"([0-9.]+ (?:bytes|KiB|MiB|GiB|TiB))"
+_FIGURES = re.compile(
+    rf"Tried to allocate {_SIZE}\. GPU \S+ has a total capacity of {_SIZE} of which {_SIZE} is free\..*?"
+    rf"Of the allocated memory {_SIZE} is allocated by PyTorch, and {_SIZE} is reserved by PyTorch but unallocated",
+    re.DOTALL,
+)
+
+
+def out_of_memory_figures(error: BaseException) -> OutOfMemoryFigures | None:
+    """The figures in a CUDA out-of-memory message (PyTorch 2.1 and later), ``None`` if it has none."""
+    match = _FIGURES.search(str(error))
+    if match is None:
+        return None
+    requested, total, free, allocated, unallocated = (parse_bytes(size) for size in match.groups())
+    return OutOfMemoryFigures(requested, total, free, allocated, unallocated)
 
 
 def _first_line(error: BaseException) -> str:
