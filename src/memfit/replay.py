@@ -172,6 +172,7 @@ def _peak_index(points: Sequence[TimelinePoint]) -> int:
 
 def _stretch(a: Sequence[TimelinePoint], b: Sequence[TimelinePoint], t: float, span: int, count: int,
              first_event: int) -> list[TimelinePoint]:  # fmt: skip
+    """One phase at the new depth: ``count`` points over ``span`` events, aligned on both traces' peaks."""
     peak_a, peak_b = _peak_index(a), _peak_index(b)
     at_a, at_b = _position(a, peak_a), _position(b, peak_b)
     events_a, events_b = at_a * (_span(a) - 1), at_b * (_span(b) - 1)
