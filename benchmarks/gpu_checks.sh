@@ -8,6 +8,8 @@
 # reported and the next step still runs.
 set -u
 cd "$(dirname "$0")/.."
+# Works from a checkout without installing memfit (the GPU machine keeps its own torch).
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
 status=0
 run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
