@@ -63,6 +63,11 @@ def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> No
                            max_batch_size=8192).micro_batch_size  # fmt: skip
     assert row["memfit"]["batch_size"] == expected > 6
     assert row["memfit"]["check_ok"] is False
+    summary = data["summary"]
+    hf_ratio = row["hf_auto_find"]["seconds_vs_memfit"]
+    assert summary["hf_auto_find"] == {"families": 1, "median_share": 1.0, "lowest_share": 1.0, "above_true_max": 0,
+                                       "out_of_memory_in_check": 0, "median_seconds_vs_memfit": hf_ratio}  # fmt: skip
+    assert summary["memfit"]["above_true_max"] == 1 and summary["memfit"]["out_of_memory_in_check"] == 1
 
 
 def test_a_trial_runs_in_a_fresh_process_and_reports_out_of_memory() -> None:

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -326,6 +327,25 @@ def compare_family(family: str, args: argparse.Namespace, run: Callable[[dict[st
     return row
 
 
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method: how close to the true maximum (median, lowest), how often above it or out of memory
+    in the check run, and the median of its seconds over memfit's."""
+    summary = {}
+    for method in METHODS:
+        results = [row[method] for row in rows if row[method].get("batch_size") and row["true_max"]]
+        shares = [r["fraction_of_true_max"] for r in results]
+        ratios = [r["seconds_vs_memfit"] for r in results if "seconds_vs_memfit" in r]
+        summary[method] = {
+            "families": len(results),
+            "median_share": statistics.median(shares) if shares else None,
+            "lowest_share": min(shares, default=None),
+            "above_true_max": sum(share > 1 for share in shares),
+            "out_of_memory_in_check": sum(r.get("check_ok") is False for r in results),
+            "median_seconds_vs_memfit": statistics.median(ratios) if ratios else None,
+        }
+    return summary
+
+
 def show(rows: list[dict[str, Any]], device: str, simulated: bool) -> None:
     table = Table(title=f"largest micro batch on {device}: chosen batch (share of the true maximum, seconds to "
                   "decide, 'OOM' if it then fails the check run)")  # fmt: skip
@@ -388,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
             "check_steps": args.check_steps, "max_batch": args.max_batch, "hf_start": args.hf_start}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": kept + rows}, indent=2) + "\n")
+    summary = summarize(kept + rows)
+    for method, figures in summary.items():
+        print(f"{method}: {figures}")
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": kept + rows}, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
 
