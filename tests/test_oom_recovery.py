@@ -8,6 +8,7 @@ optimizer steps, every sample seen once, and the same parameters.
 from __future__ import annotations
 
 import csv
+import inspect
 import warnings
 from collections import namedtuple
 from pathlib import Path
@@ -319,3 +320,47 @@ def test_hf_on_oom_raise_lets_the_error_end_the_run(tmp_path: Path) -> None:
     ceiling(model.net).armed = True
     with pytest.raises(torch.OutOfMemoryError, match="injected in forward"):
         hf_train(tmp_path, model, [MemoryPlannerCallback(on_oom="raise")])
+
+
+def test_hf_optimizer_step_oom_says_why_it_cannot_be_recovered_and_a_second_run_is_not_wrapped_twice(
+    tmp_path: Path,
+) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.huggingface import MemoryPlannerCallback
+
+    class FailingSGD(torch.optim.SGD):
+        fail_at = 2
+
+        def step(self, closure: object = None) -> object:
+            self.steps = getattr(self, "steps", 0) + 1
+            if self.steps == self.fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in the step)")
+            return super().step(closure)
+
+    model = DictRegression()
+    optimizer = FailingSGD(model.parameters(), lr=0.05)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=12, max_steps=3, report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, max_grad_norm=0.0)  # fmt: skip
+    callback = MemoryPlannerCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=DictData(), callbacks=[callback],
+                      optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))  # fmt: skip
+    with (
+        pytest.warns(UserWarning, match="out of memory in the optimizer step"),
+        pytest.raises(torch.OutOfMemoryError, match="injected in the step"),
+    ):
+        trainer.train()
+    assert "training_step" in vars(trainer)  # the failed run never reached on_train_end
+
+    class WrappedOnce(TrainerCallback):
+        def on_step_end(self, *args: object, **kwargs: object) -> None:
+            wrapped = inspect.getclosurevars(vars(trainer)["training_step"]).nonlocals["original_step"]
+            assert wrapped.__func__ is Trainer.training_step  # not the failed run's wrapper
+
+    trainer.add_callback(WrappedOnce())
+    optimizer.fail_at = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert trainer.state.global_step == 3
+    assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)

@@ -29,6 +29,7 @@ from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.recovery import (
+    OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
     OOMRecovery,
@@ -150,12 +151,7 @@ class MemoryPlannerBase:
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
-            self._warn(
-                "memfit: out of memory in the optimizer step, after forward and backward had finished. A smaller "
-                "micro batch does not change that step's memory (parameters, gradients, optimizer state and the "
-                "optimizer's temporaries), so memfit cannot recover from it: use an optimizer with less state or "
-                "without foreach temporaries (foreach=False), a lower precision, or a device with more memory."
-            )
+            self._warn(OPTIMIZER_STEP_OOM)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._maybe_log_drift(trainer)

@@ -46,7 +46,16 @@ from memfit.errors import InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
-from memfit.recovery import LossReduction, OnOOM, OOMRecovery, Recovery, check_loss_reduction, check_on_oom
+from memfit.recovery import (
+    OPTIMIZER_STEP_OOM,
+    LossReduction,
+    OnOOM,
+    OOMRecovery,
+    Recovery,
+    check_loss_reduction,
+    check_on_oom,
+    is_out_of_memory,
+)
 from memfit.units import format_bytes
 
 __all__ = ["PLAN_FILE", "MemoryPlannerCallback", "PlannedArguments", "plan_training_arguments"]
@@ -214,7 +223,8 @@ class MemoryPlannerCallback(TrainerCallback):
     run in the same chunks, so the effective batch, the samples seen and the optimizer steps stay
     as configured (see ``memfit.recovery``). Each recovery is one warning and the metrics
     ``memfit/oom_recoveries`` and ``memfit/micro_batch_size`` (the chunk) in the next log. An
-    out-of-memory error in the optimizer step is not recoverable this way and ends the run.
+    out-of-memory error in the optimizer step is not recoverable this way and ends the run, with a
+    warning that says why and what helps.
 
     Any failure inside memfit becomes one warning and training goes on untouched.
 
@@ -250,7 +260,7 @@ class MemoryPlannerCallback(TrainerCallback):
         self.verbose = verbose
         self.recovery: OOMRecovery | None = None
         self._handler: Any = None
-        self._restore: list[tuple[Any, str]] = []
+        self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before; _UNSET: nothing)
         self.estimate: MemoryEstimate | None = None
         self.monitor: DriftMonitor | None = None
         self._sampler: PeakSampler | None = None
@@ -393,6 +403,7 @@ class MemoryPlannerCallback(TrainerCallback):
     def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
         """Wrap the Trainer's ``training_step`` (run the batch in chunks through ``OOMRecovery``) and its
         ``compute_loss`` (weight each chunk's loss; mark where the backward begins)."""
+        self._uninstall_recovery()  # a run that ended in an error left its wrappers: never wrap them twice
         trainer = self._find_trainer()
         if trainer is None or model is None:
             raise InvalidInputError("the Trainer could not be found from its callback handler")
@@ -448,13 +459,33 @@ class MemoryPlannerCallback(TrainerCallback):
             chunk_state["window_done"] = sync
             return sum(losses[1:], losses[0])
 
-        trainer.training_step, trainer.compute_loss = training_step, compute_loss
-        self._restore = [(trainer, "training_step"), (trainer, "compute_loss")]
+        optimizer = trainer.optimizer
+        original_optimizer_step = getattr(optimizer, "step", None)
+
+        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original_optimizer_step(*args, **kwargs)
+            except Exception as error:  # the Trainer has no exception hook: say why memfit cannot help, re-raise
+                if is_out_of_memory(error):
+                    self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
+                raise
+
+        self._patch(trainer, "training_step", training_step)
+        self._patch(trainer, "compute_loss", compute_loss)
+        if original_optimizer_step is not None:
+            self._patch(optimizer, "step", optimizer_step)
         self.recovery = recovery
 
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._restore.append((owner, name, vars(owner).get(name, _UNSET)))
+        setattr(owner, name, value)
+
     def _uninstall_recovery(self) -> None:
-        for owner, name in self._restore:
-            vars(owner).pop(name, None)  # the class's own method shows through again
+        for owner, name, before in reversed(self._restore):
+            if before is _UNSET:
+                vars(owner).pop(name, None)  # the class's own method shows through again
+            else:
+                setattr(owner, name, before)
         self._restore = []
 
     def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
@@ -533,6 +564,9 @@ class MemoryPlannerCallback(TrainerCallback):
         import warnings
 
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+_UNSET = object()
 
 
 def _plot(function: str, *args: Any) -> Any:

@@ -59,6 +59,12 @@ LossReduction = Literal["mean", "sum"]
 R = TypeVar("R")
 ChunkRunner = Callable[[Any, float, bool], R]  # (chunk, loss weight, last chunk of the current batch?) -> result
 
+OPTIMIZER_STEP_OOM = (
+    "memfit: out of memory in the optimizer step, after forward and backward had finished. A smaller "
+    "micro batch does not change that step's memory (parameters, gradients, optimizer state and the "
+    "optimizer's temporaries), so memfit cannot recover from it: use an optimizer with less state or "
+    "without foreach temporaries (foreach=False), a lower precision, or a device with more memory."
+)
 _OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
 
 
