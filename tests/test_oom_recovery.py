@@ -178,7 +178,13 @@ def test_the_first_chunk_fits_the_room_the_error_reports() -> None:
 
 
 def fit(tmp_path: Path, module: Regression, callback: MemoryPlanner | None) -> L.Trainer:
-    trainer = L.Trainer(
+    trainer = make_trainer(tmp_path, callback)
+    trainer.fit(module)
+    return trainer
+
+
+def make_trainer(tmp_path: Path, callback: MemoryPlanner | None) -> L.Trainer:
+    return L.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
@@ -190,8 +196,6 @@ def fit(tmp_path: Path, module: Regression, callback: MemoryPlanner | None) -> L
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(module)
-    return trainer
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +233,10 @@ def test_lightning_on_oom_raise_lets_the_error_end_the_run(tmp_path: Path) -> No
 
 
 def test_lightning_unrecoverable_oom_says_so(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, MemoryPlanner(mode="observe", allow_checkpointing=False))
     with pytest.raises(UnrecoverableOutOfMemoryError, match="checkpointing is not available"):
-        fit(tmp_path, Regression(limit=0), MemoryPlanner(mode="observe", allow_checkpointing=False))
+        trainer.fit(Regression(limit=0))
+    assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)  # the loop's own again
 
 
 # ------------------------------------------------------------------------------------ Hugging Face

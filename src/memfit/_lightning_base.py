@@ -152,6 +152,7 @@ class MemoryPlannerBase:
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
             self._warn(OPTIMIZER_STEP_OOM)
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips callbacks' teardown after an exception
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._maybe_log_drift(trainer)
