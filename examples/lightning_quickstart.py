@@ -83,6 +83,9 @@ def main() -> None:
         predicted_mib = float(last["memfit/predicted_peak_allocated_bytes"]) / 2**20
         drift = float(last[drift_key])
         print(f"last drift line (step {last['step']}): predicted {predicted_mib:.1f} MiB, {drift_key} = {drift:+.1f}%")
+        if drift_key == "memfit/drift_rss_pct":
+            print("  (on CPU the measure is the process's resident memory growth, which counts the interpreter and "
+                  "the CPU allocator too; on a GPU it is max_memory_allocated/reserved)")  # fmt: skip
         print(f"all memfit metrics: {Path(logger.log_dir) / 'metrics.csv'}")
 
 
