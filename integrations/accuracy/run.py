@@ -286,6 +286,9 @@ def show(rows: list[dict[str, Any]], summary: dict[str, Any], gpu: bool) -> None
     console = Console(width=200)
     console.print(table)
     for key, stats in summary.items():
+        if "median_abs" not in stats:
+            console.print(f"{key}: median {stats['median']}, {stats['min']} to {stats['max']} over {stats['n']} runs")
+            continue
         console.print(
             f"{key}: median |error| {stats['median_abs']:.3f} %, max |error| {stats['max_abs']:.3f} % "
             f"over {stats['n']} runs"
@@ -311,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     selected = [c for c in configs(size) if not args.only or args.only in c.name]
     rows = run_gpu(selected) if args.gpu else run_cpu(selected)
     keys = ["allocated_error_pct", "reserved_error_pct"] if args.gpu else ["activation_error_pct", "peak_error_pct"]
-    summary = summarize(rows, keys)
+    summary: dict[str, Any] = summarize(rows, keys)
+    ratios = [r["estimate_to_step_time_ratio"] for r in rows if r.get("estimate_to_step_time_ratio") is not None]
+    if ratios:  # CPU mode: how many real training steps of the same configuration one estimate costs
+        summary["estimate_to_step_time_ratio"] = {"median": round(statistics.median(ratios), 2), "min": min(ratios),
+                                                  "max": max(ratios), "n": len(ratios)}  # fmt: skip
     show(rows, summary, args.gpu)
     meta = {
         "mode": size,
