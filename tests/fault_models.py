@@ -58,6 +58,27 @@ def flat_parameters(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
+class FailingSGD(torch.optim.SGD):
+    """SGD whose ``fail_at``-th step runs out of memory after forward and backward are done (0: never)."""
+
+    def __init__(self, params: object, lr: float, fail_at: int = 2) -> None:
+        super().__init__(params, lr=lr)
+        self.fail_at, self.steps = fail_at, 0
+
+    def step(self, closure: object = None) -> object:
+        loss = None
+        if closure is not None:  # Lightning runs forward and backward inside the step
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected in the optimizer step)"
+            )
+        super().step()
+        return loss
+
+
 class Regression(L.LightningModule):
     """A small MLP, mean-squared error, plain SGD: chunked and whole batches give the same gradients."""
 

@@ -21,7 +21,16 @@ from torch import nn
 from transformers import TrainerCallback
 
 import memfit
-from fault_models import DictData, DictRegression, Regression, ceiling, flat_parameters, regression_data, regression_net
+from fault_models import (
+    DictData,
+    DictRegression,
+    FailingSGD,
+    Regression,
+    ceiling,
+    flat_parameters,
+    regression_data,
+    regression_net,
+)
 from memfit import UnrecoverableOutOfMemoryError
 from memfit.lightning import MemoryPlanner
 from memfit.recovery import OOMRecovery, OutOfMemoryFigures, is_out_of_memory, out_of_memory_figures, split_batch
@@ -239,6 +248,20 @@ def test_lightning_unrecoverable_oom_says_so(tmp_path: Path) -> None:
     assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)  # the loop's own again
 
 
+class FailingStepRegression(Regression):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return FailingSGD(self.parameters(), lr=0.05, fail_at=2)
+
+
+def test_lightning_optimizer_step_oom_says_why_it_cannot_be_recovered(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, MemoryPlanner(mode="observe"))
+    with (
+        pytest.warns(UserWarning, match="out of memory in the optimizer step"),
+        pytest.raises(torch.OutOfMemoryError, match="injected in the optimizer step"),
+    ):
+        trainer.fit(FailingStepRegression())
+
+
 # ------------------------------------------------------------------------------------ Hugging Face
 
 
@@ -335,15 +358,6 @@ def test_hf_optimizer_step_oom_says_why_it_cannot_be_recovered_and_a_second_run_
 
     from memfit.huggingface import MemoryPlannerCallback
 
-    class FailingSGD(torch.optim.SGD):
-        fail_at = 2
-
-        def step(self, closure: object = None) -> object:
-            self.steps = getattr(self, "steps", 0) + 1
-            if self.steps == self.fail_at:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected in the step)")
-            return super().step(closure)
-
     model = DictRegression()
     optimizer = FailingSGD(model.parameters(), lr=0.05)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=12, max_steps=3, report_to="none",
@@ -353,7 +367,7 @@ def test_hf_optimizer_step_oom_says_why_it_cannot_be_recovered_and_a_second_run_
                       optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))  # fmt: skip
     with (
         pytest.warns(UserWarning, match="out of memory in the optimizer step"),
-        pytest.raises(torch.OutOfMemoryError, match="injected in the step"),
+        pytest.raises(torch.OutOfMemoryError, match="injected in the optimizer step"),
     ):
         trainer.train()
     assert "training_step" in vars(trainer)  # the failed run never reached on_train_end
