@@ -57,21 +57,21 @@ def plot_timeline(
     figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
     axis = axes[0]
     points = estimate.timeline
-    x = list(range(len(points)))
+    x = [p.event_index - points[0].event_index for p in points]  # events, not samples: phases keep their length
     order = list(Category)
     stacks = [[p.category_bytes[i] / _UNIT for p in points] for i in range(len(order))]
     axis.stackplot(x, stacks, labels=[c.value.replace("_", " ") for c in order],
                    colors=[_COLORS[c] for c in order], linewidth=0)  # fmt: skip
     if estimate.device == "cuda":
         axis.plot(x, [p.reserved_bytes / _UNIT for p in points], color="black", linewidth=1, label="reserved")
-    peak_index = max(x, key=lambda i: sum(points[i].category_bytes))
+    peak_index = max(range(len(points)), key=lambda i: sum(points[i].category_bytes))
     peak = sum(points[peak_index].category_bytes) / _UNIT
     axis.annotate(f"allocated peak {peak:.2f} GiB\n(step {points[peak_index].step} {points[peak_index].phase.value})",
-                  xy=(peak_index, peak), xytext=(0.02, 0.93), textcoords="axes fraction",
+                  xy=(x[peak_index], peak), xytext=(0.02, 0.93), textcoords="axes fraction",
                   arrowprops={"arrowstyle": "->", "color": "black"}, fontsize=9, va="top")  # fmt: skip
     if capacity_bytes:
         axis.axhline(capacity_bytes / _UNIT, color="red", linestyle="--", linewidth=1.2, label="capacity")
-    _shade_phases(axis, points)
+    _shade_phases(axis, points, x)
     extrapolated = next((note for note in estimate.notes if note.startswith("extrapolated in depth")), None)
     axis.set_xlabel(f"traced events (two training steps; {extrapolated})" if extrapolated else
                     "traced events (two training steps)")  # fmt: skip
@@ -80,17 +80,17 @@ def plot_timeline(
         f"memory of two traced training steps, batch {estimate.batch_size}, {estimate.precision.short_name}", pad=14
     )
     axis.legend(loc="upper right", fontsize=8, ncol=2)
-    axis.set_xlim(0, max(1, len(points) - 1))
+    axis.set_xlim(0, max(1, x[-1]))
     return _save(figure, path)
 
 
-def _shade_phases(axis: Any, points: Sequence[Any]) -> None:
+def _shade_phases(axis: Any, points: Sequence[Any], x: Sequence[int]) -> None:
     start = 0
     for i in range(1, len(points) + 1):
         if i == len(points) or (points[i].step, points[i].phase) != (points[start].step, points[start].phase):
             if points[start].phase is Phase.BACKWARD:
-                axis.axvspan(start, i - 1, color="#000000", alpha=0.04, linewidth=0)
-            axis.text((start + i - 1) / 2, 1.005, f"{points[start].phase.value} {points[start].step}",
+                axis.axvspan(x[start], x[i - 1], color="#000000", alpha=0.04, linewidth=0)
+            axis.text((x[start] + x[i - 1]) / 2, 1.005, f"{points[start].phase.value} {points[start].step}",
                       transform=axis.get_xaxis_transform(), ha="center", va="bottom", fontsize=7,
                       color="#444444")  # fmt: skip
             start = i
