@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from integrations.accuracy import reference
-from integrations.accuracy.run import RESULTS, _loss, _to, build, optimizer_spec, real_model
+from integrations.accuracy.run import RESULTS, _loss, _to, autocast_for, build, optimizer_spec, real_model
 from integrations.accuracy.zoo import FAMILIES, Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,11 +83,6 @@ def _simulate_ceiling(model: torch.nn.Module, max_batch: int | None) -> torch.nn
     return model
 
 
-def _autocast(config: Config, device: str) -> Callable[[], Any]:
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
-    return lambda: torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None)
-
-
 def probe(config: Config, batch_size: int, steps: int, size: str, device: str, ceiling: int | None) -> dict[str, Any]:
     """``steps`` real training steps at ``batch_size``: did they fit, and how high did memory go."""
     model = _simulate_ceiling(real_model(config, size, device), ceiling)
@@ -96,7 +91,7 @@ def probe(config: Config, batch_size: int, steps: int, size: str, device: str, c
     batch = _to(config.family.batch(size)(batch_size), torch.device(device))
     try:
         reference.run_steps(model, optimizer, batch, lambda m, b: _loss(config, m, b), steps=steps,
-                            autocast=_autocast(config, device))  # fmt: skip
+                            autocast=autocast_for(config, device))  # fmt: skip
     except torch.OutOfMemoryError as error:
         return {"batch_size": batch_size, "steps": steps, "ok": False, "error": str(error).splitlines()[0][:200]}
     out: dict[str, Any] = {"batch_size": batch_size, "steps": steps, "ok": True}

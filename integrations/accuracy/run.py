@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,12 @@ def optimizer_spec(name: str) -> tuple[Any, dict[str, Any]]:
         "adamw-fused": (torch.optim.AdamW, {"fused": True}),
         "sgd-momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
     }[name]
+
+
+def autocast_for(config: Config, device: str) -> Callable[[], Any]:
+    """The autocast context of ``config``'s precision on ``device`` (disabled for fp32)."""
+    dtype = _AUTOCAST.get(config.precision)
+    return lambda: torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 def build(config: Config, size: str) -> torch.nn.Module:
@@ -87,13 +94,10 @@ def real_model(config: Config, size: str, device: str) -> torch.nn.Module:
 
 def cpu_reference(config: Config, batch_size: int) -> dict[str, Any]:
     """Independent counts on real CPU tensors: saved activations, MemTracker peak, one step's time."""
-    dtype = _AUTOCAST.get(config.precision)
     cls, kwargs = optimizer_spec(config.optimizer)
     batch = config.family.batch("cpu")(batch_size)
     loss_of = functools.partial(_loss, config)
-
-    def autocast() -> Any:
-        return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+    autocast = autocast_for(config, "cpu")
 
     saved_bytes = None
     if not config.checkpointing:
@@ -124,18 +128,14 @@ def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, 
     """Real steps on the GPU; run in a fresh process per configuration."""
     config = next(c for c in configs("gpu") if c.name == config_name)
     device = torch.device("cuda")
-    dtype = _AUTOCAST.get(config.precision)
     model = real_model(config, "gpu", "cuda")
     cls, kwargs = optimizer_spec(config.optimizer)
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     batch = _to(config.family.batch("gpu")(batch_size), device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-
-    def autocast() -> Any:
-        return torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None)
-
-    reference.run_steps(model, optimizer, batch, functools.partial(_loss, config), steps=steps, autocast=autocast)
+    reference.run_steps(model, optimizer, batch, functools.partial(_loss, config), steps=steps,
+                        autocast=autocast_for(config, "cuda"))  # fmt: skip
     torch.cuda.synchronize()
     from memfit.measure import nvml_device_used_bytes
 
