@@ -247,10 +247,10 @@ def estimate_for_runtimes(
         model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
         checkpoint_modules, batch_size, device, loss_fn, forward_fn, runtimes[0], inference,
     )  # fmt: skip
-    primary_batch, secondary_batch, sample_batch = batches
-    started = time.perf_counter()
     if batch_fits is not None and len(batch_fits) != len(runtimes):
         raise InvalidInputError(f"batch_fits needs one estimate per runtime ({len(runtimes)}), got {len(batch_fits)}")
+    primary_batch, secondary_batch, sample_batch = batches
+    started = time.perf_counter()
     primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
     secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
