@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from memfit.categories import Category, Phase
+from memfit.ddp import DDPConfig
 from memfit.errors import (
     EstimationError,
     InsufficientMemoryError,
@@ -31,6 +32,7 @@ __all__ = [
     "BatchPeak",
     "Category",
     "CudaRuntime",
+    "DDPConfig",
     "EstimationError",
     "FormulaEstimate",
     "InsufficientMemoryError",

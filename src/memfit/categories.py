@@ -11,12 +11,14 @@ class Category(str, Enum):
     """Role of a block of device memory at a moment of the step.
 
     ``RUNTIME`` is memory outside the tensors: the CUDA context, and caching-allocator
-    rounding and fragmentation (reserved minus allocated).
+    rounding and fragmentation (reserved minus allocated). ``GRADIENT_BUCKETS`` are the flat
+    buffers ``DistributedDataParallel`` all-reduces gradients in.
     """
 
     PARAMETERS = "parameters"
     BUFFERS = "buffers"
     GRADIENTS = "gradients"
+    GRADIENT_BUCKETS = "gradient_buckets"
     OPTIMIZER_STATE = "optimizer_state"
     INPUTS = "inputs"
     ACTIVATIONS = "activations"

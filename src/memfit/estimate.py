@@ -22,12 +22,14 @@ from torch import nn
 from memfit.batch import Sample, infer_batch_size
 from memfit.categories import Category, Phase
 from memfit.checkpointing import CheckpointTarget
+from memfit.ddp import DDPConfig
 from memfit.errors import EstimationError, InvalidInputError
 from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
 from memfit.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.runtime import CudaRuntime
-from memfit.tracer import ForwardFn, LossFn, StepTrace, TraceSettings, trace_steps
+from memfit.tracer import ZERO_GRAD_ORDERS, ForwardFn, LossFn, StepTrace, TraceSettings, ZeroGrad, trace_steps
+from memfit.units import format_bytes
 
 __all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate", "estimate_for_runtimes"]
 
@@ -68,6 +70,7 @@ class MemoryEstimate:
     ``fixed_bytes + per_sample_bytes x batch`` is the allocated peak of the peak phase;
     ``at(batch)`` takes the maximum over all phases. ``activation_bytes`` is what one forward keeps
     for backward (saved tensors and the loss), in tensor bytes before allocator rounding.
+    ``zero_grad``, ``accumulation_steps`` and ``ddp`` are the training loop the step was traced in.
     """
 
     batch_size: int
@@ -91,11 +94,19 @@ class MemoryEstimate:
     reserved_to_allocated_ratio: float = 1.0
     notes: tuple[str, ...] = field(default=())
     timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False)
+    zero_grad: ZeroGrad = "after_step"
+    accumulation_steps: int = 1
+    ddp: DDPConfig | None = None
 
     @property
     def peak_bytes(self) -> int:
         """Device memory the step needs: reserved peak plus CUDA context."""
         return self.peak_reserved_bytes + (self.cuda_context_bytes or 0)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """The gradients' own blocks at their largest (none when they are DDP bucket views)."""
+        return max((p.breakdown.get(Category.GRADIENTS, 0) for p in self.phases), default=0)
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -160,6 +171,9 @@ class MemoryEstimate:
             "per_sample_bytes": self.per_sample_bytes,
             "activation_bytes": self.activation_bytes,
             "trace_seconds": round(self.trace_seconds, 3),
+            "zero_grad": self.zero_grad,
+            "accumulation_steps": self.accumulation_steps,
+            "ddp": dataclasses.asdict(self.ddp) if self.ddp is not None else None,
             "notes": list(self.notes),
         }
 
@@ -179,6 +193,10 @@ def estimate(
     forward_fn: ForwardFn | None = None,
     cuda_runtime: CudaRuntime | None = None,
     inference: bool = False,
+    zero_grad: ZeroGrad = "after_step",
+    accumulation_steps: int = 1,
+    ddp: DDPConfig | bool | None = None,
+    extra_batches: int = 0,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` without running it for real.
 
@@ -203,6 +221,15 @@ def estimate(
             the visible GPU, else an H100-class card).
         inference: plan a forward-only pass instead (eval mode, no gradients, optimizer state or saved
             activations; the outputs, including a KV cache, are kept to the end of the pass).
+        zero_grad: where the loop frees gradients: ``"after_step"`` (after ``optimizer.step()``, as the
+            Hugging Face Trainer does) or ``"before_backward"`` (Lightning's automatic optimization,
+            whose ``training_step`` runs with the last step's gradients still alive).
+        accumulation_steps: gradient accumulation; above 1, later micro batches of a window run forward
+            and backward with the window's gradients alive.
+        ddp: the step runs under ``DistributedDataParallel``: ``True`` for its defaults, or a
+            ``memfit.DDPConfig``; adds its gradient buckets (see ``memfit.ddp``).
+        extra_batches: batches the loop keeps on the device besides the step's own (memfit's
+            out-of-memory recovery keeps an accumulation window's earlier batches to replay them).
 
     Raises:
         InvalidInputError: an argument cannot be used.
@@ -213,6 +240,7 @@ def estimate(
         model, sample, runtimes=[cuda_runtime], optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
         precision=precision, gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules,
         batch_size=batch_size, device=device, loss_fn=loss_fn, forward_fn=forward_fn, inference=inference,
+        zero_grad=zero_grad, accumulation_steps=accumulation_steps, ddp=ddp, extra_batches=extra_batches,
     )[0]  # fmt: skip
 
 
@@ -232,6 +260,10 @@ def estimate_for_runtimes(
     forward_fn: ForwardFn | None = None,
     inference: bool = False,
     batch_fits: Sequence[MemoryEstimate] | None = None,
+    zero_grad: ZeroGrad = "after_step",
+    accumulation_steps: int = 1,
+    ddp: DDPConfig | bool | None = None,
+    extra_batches: int = 0,
 ) -> list[MemoryEstimate]:
     """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
 
@@ -247,6 +279,8 @@ def estimate_for_runtimes(
         model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
         checkpoint_modules, batch_size, device, loss_fn, forward_fn, runtimes[0], inference,
     )  # fmt: skip
+    loop = _loop_settings(zero_grad, accumulation_steps, ddp, extra_batches, inference)
+    settings = dataclasses.replace(settings, **loop)
     if batch_fits is not None and len(batch_fits) != len(runtimes):
         raise InvalidInputError(f"batch_fits needs one estimate per runtime ({len(runtimes)}), got {len(batch_fits)}")
     primary_batch, secondary_batch, sample_batch = batches
@@ -265,6 +299,31 @@ def estimate_for_runtimes(
                 _resize_workspace(trace, runtime.workspace_bytes)
         estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit))
     return estimates
+
+
+def _loop_settings(
+    zero_grad: Any, accumulation_steps: Any, ddp: Any, extra_batches: Any, inference: bool
+) -> dict[str, Any]:
+    if zero_grad not in ZERO_GRAD_ORDERS:
+        raise InvalidInputError(f"zero_grad must be one of {', '.join(ZERO_GRAD_ORDERS)}, got {zero_grad!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise InvalidInputError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+    if isinstance(extra_batches, bool) or not isinstance(extra_batches, int) or extra_batches < 0:
+        raise InvalidInputError(f"extra_batches must be a non-negative integer, got {extra_batches!r}")
+    if ddp is True:
+        ddp = DDPConfig()
+    elif ddp is False:
+        ddp = None
+    if ddp is not None and not isinstance(ddp, DDPConfig):
+        raise InvalidInputError(f"ddp must be True, False, None or a memfit.DDPConfig, got {ddp!r}")
+    if inference:  # no gradients: nothing of the training loop applies
+        return {}
+    return {
+        "zero_grad": zero_grad,
+        "accumulation_steps": accumulation_steps,
+        "ddp": ddp,
+        "extra_batches": extra_batches,
+    }
 
 
 def _resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
@@ -412,6 +471,18 @@ def _build_estimate(
             notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
     if primary.checkpointing:
         notes.append(f"checkpointing: {primary.checkpointing}")
+    if settings.zero_grad == "before_backward" and settings.accumulation_steps == 1:
+        notes.append("zero_grad before backward (Lightning): each forward carries the last step's gradients")
+    if settings.accumulation_steps > 1:
+        notes.append(
+            f"gradient accumulation over {settings.accumulation_steps} micro batches: step 2 is a later micro "
+            "batch, with the window's gradients alive"
+        )
+    if settings.extra_batches:
+        notes.append(f"{settings.extra_batches} more batch(es) held on the device through the step")
+    if settings.ddp is not None:
+        buckets = top.breakdown.get(Category.GRADIENT_BUCKETS, 0)
+        notes.append(f"{settings.ddp.describe()}: {format_bytes(buckets)} at the peak")
     return MemoryEstimate(
         batch_size=primary.batch_size,
         device="cuda" if cuda else "cpu",
@@ -434,6 +505,9 @@ def _build_estimate(
         reserved_to_allocated_ratio=reserved_ratio,
         notes=tuple(notes),
         timeline=tuple(timeline),
+        zero_grad=settings.zero_grad,
+        accumulation_steps=settings.accumulation_steps,
+        ddp=settings.ddp,
     )
 
 

@@ -21,6 +21,7 @@ _COLORS = {
     Category.PARAMETERS: "#4c72b0",
     Category.BUFFERS: "#8172b2",
     Category.GRADIENTS: "#dd8452",
+    Category.GRADIENT_BUCKETS: "#ccb974",
     Category.OPTIMIZER_STATE: "#c44e52",
     Category.INPUTS: "#937860",
     Category.ACTIVATIONS: "#55a868",

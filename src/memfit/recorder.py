@@ -116,8 +116,9 @@ class StorageRecorder(TorchDispatchMode):
         self._refs.pop(sid, None)
         self.events.append(-sid)
 
-    def _synthetic(self, size: int, category: Category) -> None:
-        """An allocation that no tensor owns (cuBLAS workspace); it lives to the end."""
+    def allocate_untracked(self, size: int, category: Category) -> int:
+        """An allocation that no traced tensor owns (cuBLAS workspace, DDP buckets); it lives until
+        ``free_untracked``, or to the end."""
         sid = self._next_id
         self._next_id += 1
         self.sizes[sid] = size
@@ -125,6 +126,27 @@ class StorageRecorder(TorchDispatchMode):
         self.alloc_phase[sid] = len(self.marks) - 1
         self._live[sid] = size
         self.events.append(sid)
+        return sid
+
+    def free_untracked(self, sid: int) -> None:
+        self._free(sid)
+
+    def free_on_allocation(self, category: Category) -> None:
+        """Move the free of every storage of ``category`` right after its allocation: those tensors
+        are copied elsewhere the moment they appear (gradients as DDP bucket views)."""
+        doomed = {sid for sid, c in self.categories.items() if c is category}
+        events: list[int] = []
+        moved_to: list[int] = []  # new index of each old one, for the phase marks
+        for event in self.events:
+            moved_to.append(len(events))
+            if event < 0 and -event in doomed:
+                continue
+            events.append(event)
+            if event > 0 and event in doomed:
+                events.append(-event)
+        moved_to.append(len(events))
+        self.marks = [PhaseMark(moved_to[m.event_index], m.step, m.phase) for m in self.marks]
+        self.events = events
 
     # ------------------------------------------------------------------ phases
     def mark(self, step: int, phase: Phase) -> None:
@@ -164,4 +186,4 @@ class StorageRecorder(TorchDispatchMode):
         key = Phase.BACKWARD if phase is Phase.BACKWARD else Phase.FORWARD
         if key not in self._workspace_phases:
             self._workspace_phases.add(key)
-            self._synthetic(self.workspace_bytes, Category.WORKSPACE)
+            self.allocate_untracked(self.workspace_bytes, Category.WORKSPACE)

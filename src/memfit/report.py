@@ -60,10 +60,13 @@ def formula_table(estimate: FormulaEstimate) -> Table:
     return _sizes_table(title, estimate.components(), estimate.total_bytes, caption)
 
 
+# What the "params+grads+optim" column of a plan counts: the state every step carries.
+_STATE_CATEGORIES = (Category.PARAMETERS, Category.GRADIENTS, Category.GRADIENT_BUCKETS, Category.OPTIMIZER_STATE)
 _CATEGORY_LABELS: dict[Category, str] = {
     Category.PARAMETERS: "Parameters",
     Category.BUFFERS: "Buffers",
     Category.GRADIENTS: "Gradients",
+    Category.GRADIENT_BUCKETS: "DDP gradient buckets",
     Category.OPTIMIZER_STATE: "Optimizer state",
     Category.INPUTS: "Inputs (batch)",
     Category.ACTIVATIONS: "Activations",
@@ -147,7 +150,7 @@ def plan_table(report: PlanReport) -> Table:
             table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * 8, "")
             continue
         plan, breakdown = row.plan, row.estimate.breakdown
-        state = sum(breakdown.get(c, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE))
+        state = sum(breakdown.get(c, 0) for c in _STATE_CATEGORIES)
         activations = breakdown.get(Category.ACTIVATIONS, 0)
         other = row.estimate.peak_bytes - state - activations
         table.add_row(

@@ -3,6 +3,13 @@
 One trace = two steps (forward, loss, backward, optimizer step, ``zero_grad``) at one batch size.
 Two steps because optimizers create their state lazily in the first ``step()``; the second step is
 the one every later step repeats.
+
+When gradients are freed decides what the second forward carries. ``zero_grad="after_step"``
+frees them after ``optimizer.step()`` (Hugging Face Trainer, most hand-written loops); Lightning's
+automatic optimization calls ``zero_grad`` between ``training_step`` and ``backward``
+(``"before_backward"``), so every forward runs with the last step's gradients alive. With gradient
+accumulation the second step stands for a later micro batch of a window: forward and backward
+with the window's gradients alive, then the optimizer step.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,6 +32,7 @@ from memfit.batch import Sample, call_model, describe, rebatch
 from memfit.categories import Category, Phase
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.cuda_semantics import CudaSemantics
+from memfit.ddp import DDPConfig
 from memfit.errors import InvalidInputError, TraceError, ValueDependentError
 from memfit.model_state import (
     module_path_tracker,
@@ -38,7 +46,10 @@ from memfit.precision import Precision
 from memfit.recorder import StorageRecorder
 from memfit.runtime import CudaRuntime
 
-__all__ = ["StepTrace", "TraceSettings", "trace_steps"]
+__all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
+
+ZeroGrad = Literal["after_step", "before_backward"]
+ZERO_GRAD_ORDERS: tuple[ZeroGrad, ...] = ("after_step", "before_backward")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 ForwardFn = Callable[[nn.Module, Any], Any]
@@ -68,6 +79,10 @@ class TraceSettings:
     workspace_bytes: int
     runtime: CudaRuntime
     inference: bool = False
+    zero_grad: ZeroGrad = "after_step"
+    accumulation_steps: int = 1
+    ddp: DDPConfig | None = None
+    extra_batches: int = 0
 
     @property
     def targets_cuda(self) -> bool:
@@ -126,13 +141,24 @@ def trace_steps(
         with fake_mode, recorder, paths:
             fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
-            batch = rebatch(
-                sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
-            )
+
+            def fake_batch() -> Any:
+                return rebatch(
+                    sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
+                )
+
+            batch = fake_batch()
+            # Batches the loop holds besides the step's (a recovery that can replay the window), whole steps long.
+            held = [fake_batch() for _ in range(settings.extra_batches)]
             optimizer = _build_optimizer(settings, fakes, trainable)
+            buckets = _DDPBuckets(settings.ddp, trainable, recorder) if settings.ddp else None
             for step in range(1, steps + 1):
-                _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths)
+                on_forward = buckets.rebuild if buckets is not None and step == 2 else None
+                _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths, on_forward)
             recorder.close()
+            del held
+        if settings.ddp is not None and settings.ddp.gradient_as_bucket_view:
+            recorder.free_on_allocation(Category.GRADIENTS)
     return StepTrace(
         batch_size=batch_size,
         recorder=recorder,
@@ -180,15 +206,24 @@ def _one_step(
     recorder: StorageRecorder,
     semantics: CudaSemantics | None,
     paths: module_path_tracker,
+    on_forward: Callable[[], None] | None = None,
 ) -> None:
+    # With accumulation, step 1 is a window's first micro batch (no optimizer step yet matters for
+    # the gradients: they stay) and step 2 a later one, whose gradients are zeroed only after its
+    # optimizer step; without, gradients go where the loop's zero_grad puts them.
+    accumulating = settings.accumulation_steps > 1
     recorder.mark(step, Phase.FORWARD)
     forward_index = len(recorder.marks) - 1
+    if on_forward is not None:
+        on_forward()
     with _autocast(settings, semantics), _failure("forward", model, batch, paths):
         output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
     with _autocast(settings, semantics), _failure("loss", model, batch, paths):
         loss = _loss_of(output, batch, settings.loss_fn)
     del output
     recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=forward_index)
+    if settings.zero_grad == "before_backward" and not accumulating:
+        _zero_grad(trainable)
 
     recorder.mark(step, Phase.BACKWARD)
     with _failure("backward", model, batch, paths):
@@ -206,8 +241,30 @@ def _one_step(
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         recorder.track(value, Category.OPTIMIZER_STATE)
-        for param in trainable:
-            param.grad = None  # zero_grad(set_to_none=True), the default in torch, Lightning and HF
+    if (settings.zero_grad == "after_step" and not accumulating) or (accumulating and step > 1):
+        _zero_grad(trainable)
+
+
+def _zero_grad(trainable: Sequence[torch.Tensor]) -> None:
+    for param in trainable:
+        param.grad = None  # zero_grad(set_to_none=True), the default in torch, Lightning and HF
+
+
+class _DDPBuckets:
+    """DDP's gradient buckets in the trace: allocated with the wrapper, rebuilt at the second forward."""
+
+    def __init__(self, config: DDPConfig, trainable: Sequence[torch.Tensor], recorder: StorageRecorder) -> None:
+        self._config, self._trainable, self._recorder = config, trainable, recorder
+        self._held = [recorder.allocate_untracked(size, Category.GRADIENT_BUCKETS) for size in
+                      config.initial_bucket_bytes(trainable)]  # fmt: skip
+
+    def rebuild(self) -> None:
+        sizes = self._config.rebuilt_bucket_bytes(self._trainable)
+        if sizes is None:
+            return
+        for sid in self._held:  # DDP frees the old buckets before it allocates the new ones
+            self._recorder.free_untracked(sid)
+        self._held = [self._recorder.allocate_untracked(size, Category.GRADIENT_BUCKETS) for size in sizes]
 
 
 @contextlib.contextmanager
