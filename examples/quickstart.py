@@ -32,10 +32,10 @@ def main() -> None:
     console.print(phases_table(estimate))
     console.print(f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes))
 
-    def traced(micro: int, checkpointing: bool) -> memfit.MemoryEstimate:
+    def traced(micro: int, checkpointing: bool, accumulation: int = 1) -> memfit.MemoryEstimate:
         return memfit.estimate(
             model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda",
-            batch_size=micro, gradient_checkpointing=checkpointing,
+            batch_size=micro, gradient_checkpointing=checkpointing, accumulation_steps=accumulation,
         )  # fmt: skip
 
     try:

@@ -203,7 +203,7 @@ def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_opti
     optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says 9 samples fit in 10 GiB
     calls = []
 
-    def confirm(micro: int, checkpointing: bool) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
         calls.append(micro)
         return linear_estimate(2 * GiB, 1 * GiB, batch=micro, context=None)  # the real step is 1 GiB heavier
 
@@ -215,23 +215,51 @@ def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_opti
 
     with pytest.raises(InsufficientMemoryError, match="a trace at that size predicts"):
         plan(linear_estimate(1 * GiB, 1 * GiB, context=None), 2 * GiB, margin=0.0, target_batch_size="max",
-             confirm=lambda micro, ckpt: linear_estimate(3 * GiB, 1 * GiB, batch=micro, context=None))  # fmt: skip
+             confirm=lambda micro, ckpt, _: linear_estimate(3 * GiB, 1 * GiB, batch=micro, context=None))  # fmt: skip
 
 
 def test_plan_on_a_real_trace() -> None:
     import zoo
 
     case = zoo.gpt2_case(batch=4, seq=128)
-    estimate = memfit.estimate(case.model, case.batch)
+    estimate = memfit.estimate(case.model, case.batch, accumulation_steps=4)  # the loop the plan will run
     capacity = estimate.at(3).device_bytes + 1
     chosen = plan(estimate, capacity, margin=0.0, target_batch_size=12)
     assert chosen.largest_micro_batch == 3
-    assert (chosen.micro_batch_size, chosen.accumulate_grad_batches, chosen.effective_batch_size) == (
-        3,
-        4,
-        12,
-    )
+    assert (chosen.micro_batch_size, chosen.accumulate_grad_batches, chosen.effective_batch_size) == (3, 4, 12)
     assert "micro batch 3 x accumulation 4" in chosen.summary()
+    assert not any("room is kept" in reason for reason in chosen.reasons)
+
+
+def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradients() -> None:
+    """Accumulation keeps the gradients through every micro batch: without a trace of that loop, the
+    plan must hold them on top, and end up at or above what a trace with accumulation predicts."""
+    import zoo
+
+    case = zoo.gpt2_case(batch=4, seq=128)
+    plain = memfit.estimate(case.model, case.batch)
+    accumulating = memfit.estimate(case.model, case.batch, accumulation_steps=4)
+    assert plain.gradient_bytes > 0
+    assert accumulating.at(3).allocated_bytes > plain.at(3).allocated_bytes  # what the loop adds
+    capacity = accumulating.at(3).device_bytes + 1
+    chosen = plan(plain, capacity, margin=0.0, target_batch_size=12)
+    assert chosen.accumulate_grad_batches > 1
+    assert any("room is kept" in reason for reason in chosen.reasons)
+    exact = accumulating.at(chosen.micro_batch_size)
+    assert chosen.predicted_allocated_bytes >= exact.allocated_bytes
+    assert chosen.predicted_peak_bytes >= exact.device_bytes
+    assert chosen.micro_batch_size <= 3
+
+    calls = []
+
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        calls.append((micro, accumulation))
+        return memfit.estimate(case.model, case.batch, batch_size=micro, accumulation_steps=accumulation)
+
+    confirmed = plan(plain, capacity, margin=0.0, target_batch_size=12, confirm=confirm)
+    assert calls[-1] == (confirmed.micro_batch_size, confirmed.accumulate_grad_batches) and calls[-1][1] > 1
+    assert confirmed.predicted_peak_bytes <= capacity
+    assert not any("room is kept" in reason for reason in confirmed.reasons)
 
 
 def test_checkpointing_is_not_traced_when_the_optimizer_step_alone_is_over_budget() -> None:

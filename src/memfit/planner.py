@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from memfit.allocator import SMALL_BUFFER
 from memfit.categories import Phase
 from memfit.errors import InsufficientMemoryError, InvalidInputError
-from memfit.estimate import MemoryEstimate
+from memfit.estimate import BatchPeak, MemoryEstimate
 from memfit.units import format_bytes
 
 __all__ = ["CHECKPOINTING_MIN_GAIN", "SMALL_MICRO_BATCH", "Plan", "plan"]
@@ -101,7 +102,7 @@ def plan(
     allow_checkpointing: bool = True,
     checkpointed: EstimateSource = None,
     include_context: bool = True,
-    confirm: Callable[[int, bool], MemoryEstimate] | None = None,
+    confirm: Callable[[int, bool, int], MemoryEstimate] | None = None,
 ) -> Plan:
     """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
 
@@ -115,9 +116,12 @@ def plan(
             demand (only called when checkpointing is considered).
         include_context: ``False`` when ``capacity_bytes`` was measured after CUDA started in this
             process, so the context is already outside it.
-        confirm: ``confirm(micro_batch, checkpointing)`` traces the step at the chosen micro batch; the
-            plan then uses that exact prediction instead of the interpolation, and steps down while it
-            is over budget (interpolating below the traced batch can underestimate).
+        confirm: ``confirm(micro_batch, checkpointing, accumulation_steps)`` traces the step at the chosen
+            micro batch and accumulation; the plan then uses that exact prediction instead of the
+            interpolation, and steps down while it is over budget (interpolating below the traced batch
+            can underestimate, and accumulation keeps gradients alive through later micro batches).
+            Without it, a plan that accumulates from an estimate traced without accumulation keeps
+            room for the gradients on top (an upper bound).
 
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
@@ -175,34 +179,74 @@ def plan(
             "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
         )
 
-    largest_micro = micro
-    while True:
-        micro, accumulation = _split(per_device_target, largest_micro)
-        if confirm is None:
-            peak = chosen.at(micro)
-            allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-            predicted = peak.device_bytes if include_context else peak.reserved_bytes
-            break
-        exact = confirm(micro, use_checkpointing)
-        allocated, reserved = exact.peak_allocated_bytes, exact.peak_reserved_bytes
-        predicted = exact.peak_bytes if include_context else exact.peak_reserved_bytes
-        if predicted <= budget:
-            break
-        if micro - 1 < min_batch_size:
-            raise InsufficientMemoryError(
-                f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} against "
-                f"a budget of {format_bytes(budget)} ({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin)."
+    def settle(source: MemoryEstimate, largest_micro: int, checkpointing: bool) -> tuple[int, int, int, BatchPeak]:
+        """Split the largest micro batch against the target and make sure the split fits: on a trace at
+        its size and accumulation (``confirm``), else with room for gradients that accumulation keeps."""
+        kept = 0  # reserved bytes held for gradients that accumulation keeps and the estimate freed
+        while True:
+            micro, accumulation = _split(per_device_target, largest_micro)
+            if confirm is None:
+                if accumulation > 1 and source.accumulation_steps == 1 and not kept:
+                    kept = _kept_gradient_bytes(source)
+                    if kept:
+                        refit = source.max_batch_size(budget - kept, include_context=include_context) or 0
+                        if refit < min_batch_size:
+                            raise InsufficientMemoryError(
+                                f"micro batch {min_batch_size} does not fit with gradient accumulation, which keeps "
+                                f"the gradients ({format_bytes(kept)}) alive through every micro batch; "
+                                f"budget {format_bytes(budget)}. Plan with confirm= for an exact answer."
+                            )
+                        largest_micro = min(refit, cap)
+                        reasons.append(
+                            f"accumulation keeps the gradients ({format_bytes(kept)}) alive through "
+                            "every micro batch; room is kept for them"
+                        )
+                        continue
+                peak = source.at(micro)
+                return micro, accumulation, largest_micro, BatchPeak(
+                    micro, peak.allocated_bytes + min(kept, source.gradient_bytes), peak.reserved_bytes + kept,
+                    peak.device_bytes + kept,
+                )  # fmt: skip
+            exact = confirm(micro, checkpointing, accumulation)
+            traced = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
+            predicted = traced.device_bytes if include_context else traced.reserved_bytes
+            if predicted <= budget:
+                return micro, accumulation, largest_micro, traced
+            if micro - 1 < min_batch_size:
+                raise InsufficientMemoryError(
+                    f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} "
+                    f"against a budget of {format_bytes(budget)} ({format_bytes(capacity_bytes)} capacity, "
+                    f"{margin:.0%} margin)."
+                )
+            # Step down by the overshoot over the per-sample growth, at least one sample at a time.
+            low = source.at(1)
+            growth = (source.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
+            step = max(1, math.ceil((predicted - budget) / growth)) if growth > 0 else 1
+            next_micro = max(min_batch_size, micro - step)
+            reasons.append(
+                f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the "
+                f"interpolation allowed; trying {next_micro}"
             )
-        # Step down by the overshoot over the per-sample growth, at least one sample at a time.
-        low = chosen.at(1)
-        growth = (chosen.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
-        step = max(1, math.ceil((predicted - budget) / growth)) if growth > 0 else 1
-        next_micro = max(min_batch_size, micro - step)
+            largest_micro = next_micro
+
+    try:
+        micro, accumulation, largest_micro, peak = settle(chosen, micro, use_checkpointing)
+    except InsufficientMemoryError:
+        # The split (or its accumulation) did not fit once traced: checkpointing may still make it fit.
+        if use_checkpointing or not allow_checkpointing or hopeless:
+            raise
+        with_ckpt = with_ckpt if with_ckpt is not None else _resolve(checkpointed)
+        micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
+        if with_ckpt is None or micro_ckpt < min_batch_size:
+            raise
         reasons.append(
-            f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the interpolation "
-            f"allowed; trying {next_micro}"
+            f"micro batch {min_batch_size} does not fit once traced at its size; checkpointing brings it within "
+            "(about 20-30 % slower per step)"
         )
-        largest_micro = next_micro
+        chosen, use_checkpointing = with_ckpt, True
+        micro, accumulation, largest_micro, peak = settle(with_ckpt, micro_ckpt, True)
+    allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
+    predicted = peak.device_bytes if include_context else peak.reserved_bytes
 
     if per_device_target is None:
         reasons.append(f"largest micro batch that fits: {micro}")
@@ -235,6 +279,16 @@ def plan(
         predicted_reserved_bytes=reserved,
         reasons=tuple(reasons),
     )
+
+
+def _kept_gradient_bytes(estimate: MemoryEstimate) -> int:
+    """Room for gradients kept alive through every micro batch, in reserved bytes: their blocks at the
+    allocator's traced ratio, rounded up to whole segments plus one (on CUDA they may open new ones)."""
+    gradients = estimate.gradient_bytes
+    if not gradients or estimate.device != "cuda":
+        return gradients
+    scaled = math.ceil(gradients * estimate.reserved_to_allocated_ratio)
+    return -(-scaled // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
 
 
 def _split(per_device_target: int | None, largest: int) -> tuple[int, int]:
