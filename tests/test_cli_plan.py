@@ -49,6 +49,25 @@ def test_plan_json_for_gpus_and_a_budget(capsys: pytest.CaptureFixture[str]) -> 
     assert budget["gpu"] == "budget 2GiB" and budget["micro_batch_size"] < t4["micro_batch_size"]
 
 
+def test_plan_counts_ddp_buckets_and_the_loops_zero_grad(capsys: pytest.CaptureFixture[str]) -> None:
+    def row(*extra: str) -> dict:
+        code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--budget", "3GiB",
+                     "--target-batch-size", "8", "--json", *extra])  # fmt: skip
+        assert code == 0
+        return json.loads(capsys.readouterr().out)["gpus"][0]
+
+    single, data_parallel = row(), row("--world-size", "2")
+    gradients = single["breakdown_bytes"]["gradients"]
+    assert single["breakdown_bytes"]["gradient_buckets"] == 0
+    # DDP keeps one more copy of the (fp32) gradients in its buckets, allocated with the wrapper (a few
+    # large blocks, while the gradients' own blocks are rounded one by one)
+    assert gradients > 0
+    assert data_parallel["breakdown_bytes"]["gradient_buckets"] == pytest.approx(gradients, rel=0.02)
+    assert data_parallel["effective_batch_size"] == 8 and data_parallel["micro_batch_size"] == 4
+    lightning = row("--zero-grad", "before_backward")
+    assert lightning["predicted_peak_bytes"] >= single["predicted_peak_bytes"]
+
+
 def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--budget", "200MiB", "--json"])
     assert code == 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +60,12 @@ def budget_between(estimate: memfit.MemoryEstimate, micro: int) -> int:
     return math.ceil((low + high) / 2 / (1 - MARGIN))
 
 
+def accumulating_estimate(model: torch.nn.Module, args: TrainingArguments, data: Any) -> memfit.MemoryEstimate:
+    """The step as the Trainer runs it with accumulation: later micro batches keep the gradients."""
+    accumulating = dataclasses.replace(args, gradient_accumulation_steps=4)
+    return plan_training_arguments(model, accumulating, data, budget="1GiB").estimate
+
+
 class BatchSizes:
     """Record the batch size of every real forward (memfit's trace runs on fake tensors)."""
 
@@ -76,7 +84,8 @@ def test_planned_arguments_take_effect_in_a_real_trainer(tmp_path: Path) -> None
     args = training_args(tmp_path)
     roomy = plan_training_arguments(model, args, data, budget="1GiB")
     assert roomy.plan.micro_batch_size == 12 and roomy.args.gradient_accumulation_steps == 1
-    planned = plan_training_arguments(model, args, data, budget=budget_between(roomy.estimate, 3), margin=MARGIN)
+    budget = budget_between(accumulating_estimate(model, args, data), 3)  # the plan will be 3 x 4
+    planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
     assert args.per_device_train_batch_size == 12  # the input is left alone
     assert (planned.args.per_device_train_batch_size, planned.args.gradient_accumulation_steps) == (3, 4)
     assert planned.plan.effective_batch_size == 12
@@ -94,9 +103,9 @@ def test_planned_arguments_take_effect_in_a_real_trainer(tmp_path: Path) -> None
 def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> None:
     model, data = tiny_gpt2(layers=4), Tokens()
     args = training_args(tmp_path, max_steps=1)
-    plain = plan_training_arguments(model, args, data, budget="1GiB").estimate
+    plain = accumulating_estimate(model, args, data)  # micro batch 1 or 2 of 12: accumulation either way
     sample = {"input_ids": data.ids[:12], "labels": data.ids[:12]}
-    checkpointed = memfit.estimate(model, sample, device="cpu", gradient_checkpointing=True)
+    checkpointed = memfit.estimate(model, sample, device="cpu", gradient_checkpointing=True, accumulation_steps=4)
     budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
     planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
     assert planned.plan.gradient_checkpointing and planned.args.activation_checkpointing
@@ -153,8 +162,8 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
 def test_resume_keeps_the_plan_saved_in_the_checkpoint(tmp_path: Path) -> None:
     model, data = tiny_gpt2(), Tokens()
     args = training_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=2)
-    roomy = plan_training_arguments(model, args, data, budget="1GiB")
-    first = plan_training_arguments(model, args, data, budget=budget_between(roomy.estimate, 3), margin=MARGIN)
+    budget = budget_between(accumulating_estimate(model, args, data), 3)  # the plan will be 3 x 4
+    first = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
     Trainer(
         model=model, args=first.args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=first.plan)]
     ).train()

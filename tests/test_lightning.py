@@ -6,6 +6,7 @@ import csv
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -25,12 +26,14 @@ DRIFT_KEYS = {
 }
 
 
-def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12) -> int:
-    """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``."""
+def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12, **loop: Any) -> int:
+    """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``, in
+    Lightning's loop (``loop``: more of ``memfit.estimate``'s loop arguments, accumulation, DDP)."""
     ids = torch.zeros(configured, SEQ, dtype=torch.long)
     estimate = memfit.estimate(
-        module, (ids,), device="cpu", forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0])
-    )
+        module, (ids,), device="cpu", forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
+        zero_grad="before_backward", **loop,
+    )  # fmt: skip
     low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
     assert low < high
     return math.ceil((low + high) / 2 / (1 - MARGIN))
@@ -154,7 +157,12 @@ def test_budget_too_small_even_with_checkpointing_fails_before_training(tmp_path
 def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> None:
     module = TinyGPT(batch_size=12, n_layer=4)
     ids = torch.zeros(12, SEQ, dtype=torch.long)
-    kwargs = {"device": "cpu", "forward_fn": lambda m, b: m.model(input_ids=b[0], labels=b[0])}
+    kwargs = {
+        "device": "cpu",
+        "forward_fn": lambda m, b: m.model(input_ids=b[0], labels=b[0]),
+        "zero_grad": "before_backward",
+        "accumulation_steps": 12,  # micro batch 1 or 2 of 12: accumulation either way
+    }
     plain = memfit.estimate(module, (ids,), **kwargs)
     checkpointed = memfit.estimate(module, (ids,), gradient_checkpointing=True, **kwargs)
     budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))

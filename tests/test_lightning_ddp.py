@@ -23,7 +23,8 @@ def test_ddp_ranks_apply_the_plan_of_the_smallest_budget(tmp_path: Path) -> None
 
         pytest.skip("torch.distributed is not available")
     module = TinyGPT(batch_size=12)
-    roomy, tight = budget_for_micro_batch(module, 6), budget_for_micro_batch(module, 3)
+    # the plan splits 12 samples per rank into 3 x 4 under DDP: trace that loop for the budgets
+    roomy, tight = (budget_for_micro_batch(module, micro, ddp=True, accumulation_steps=4) for micro in (6, 3))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path), str(roomy), str(tight)],

@@ -22,6 +22,7 @@ from memfit._figures import log_figure, matplotlib_available
 from memfit.batch import infer_batch_size
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.ddp import DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
@@ -231,11 +232,23 @@ class MemoryPlannerBase:
             "forward_fn": functools.partial(_training_step, device=device),
             "loss_fn": _loss_of_training_step,
             "checkpoint_modules": self.checkpoint_modules,
+            # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
+            # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
+            "zero_grad": "after_step" if self.on_oom == "replan" else "before_backward",
+            "ddp": self._ddp_config(trainer.strategy),
         }
+        accumulation = trainer.accumulate_grad_batches
+
+        def held(steps: int) -> int:  # memfit's recovery keeps a window's earlier batches to replay them
+            return steps - 1 if self.on_oom == "replan" else 0
+
         self._resident_bytes = sum(
             t.numel() * t.element_size() for t in [*pl_module.parameters(), *pl_module.buffers()]
         )
-        traced = estimate(pl_module, sample, batch_size=configured, **kwargs)
+        traced = estimate(
+            pl_module, sample, batch_size=configured, accumulation_steps=accumulation,
+            extra_batches=held(accumulation), **kwargs,
+        )  # fmt: skip
         self.estimate = traced
         world = trainer.world_size
         if self.mode == "observe":
@@ -247,14 +260,17 @@ class MemoryPlannerBase:
             )
         target = self.target_batch_size
         if target is None:
-            target = configured * trainer.accumulate_grad_batches * world
+            target = configured * accumulation * world
         include_context = device.type == "cuda" and self.budget_bytes is not None
 
         @functools.cache  # the planner and the confirmation may ask for the same trace
-        def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
-            if (micro, checkpointing) == (configured, False):
+        def traced_at(micro: int, checkpointing: bool, accumulation_steps: int = accumulation) -> MemoryEstimate:
+            if (micro, checkpointing, accumulation_steps) == (configured, False, accumulation):
                 return traced
-            return estimate(pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
+            return estimate(
+                pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing,
+                accumulation_steps=accumulation_steps, extra_batches=held(accumulation_steps), **kwargs,
+            )  # fmt: skip
 
         chosen = plan(
             traced,
@@ -270,8 +286,16 @@ class MemoryPlannerBase:
             confirm=traced_at,
         )
         self.plan = chosen
-        self.estimate = traced_at(chosen.micro_batch_size, chosen.gradient_checkpointing)
+        self.estimate = traced_at(
+            chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches
+        )
         return _Decision(chosen.to_dict(), chosen.predicted_allocated_bytes, chosen.predicted_reserved_bytes)
+
+    def _ddp_config(self, strategy: Any) -> DDPConfig | None:
+        """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
+        if not isinstance(strategy, self._pl.strategies.DDPStrategy):
+            return None
+        return DDPConfig.from_kwargs(getattr(strategy, "_ddp_kwargs", None))
 
     def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
         """Set micro batch, accumulation and checkpointing, all or nothing."""

@@ -106,6 +106,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         pin_memory=args.pin_memory,
         offload_optimizer=args.offload_optimizer,
         exact=args.exact,
+        zero_grad=args.zero_grad,
     )
     if args.plot:
         report.plot(args.plot)
@@ -194,7 +195,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
                       help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
-    plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices (default 1)")
+    plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices; above 1, DDP's gradient "
+                      "buckets count (default 1)")  # fmt: skip
+    plan.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
+                      help="when the loop frees gradients: after_step (Hugging Face Trainer, default) or "
+                      "before_backward (Lightning, whose forward carries the last step's gradients)")  # fmt: skip
     plan.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free (default 0.05)")
     plan.add_argument("--inference", action="store_true", help="plan a forward-only pass (serving): no gradients, "
                       "optimizer state or saved activations; outputs and KV cache kept")  # fmt: skip

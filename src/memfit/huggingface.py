@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 try:
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
     from transformers.trainer import Trainer
     from transformers.trainer_utils import get_last_checkpoint
 except ImportError as error:  # pragma: no cover - depends on the environment
@@ -41,6 +41,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from memfit._figures import log_figure, matplotlib_available
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import enable_checkpointing
+from memfit.ddp import DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
@@ -110,13 +111,24 @@ def plan_training_arguments(
     optimizer = _optimizer_factory(args, model)
     precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
-    traced = estimate(model, sample, batch_size=configured, **kwargs)
+    kwargs["ddp"] = ddp_config(args, model)
+    accumulation = args.gradient_accumulation_steps
+    # MemoryPlannerCallback recovers from out-of-memory errors by default (on_oom="replan"), keeping a
+    # window's earlier batches on the device to replay them.
+    lookahead = _lookahead_batches(device)
+    traced = estimate(
+        model, sample, batch_size=configured, accumulation_steps=accumulation,
+        extra_batches=accumulation - 1 + lookahead, **kwargs,
+    )  # fmt: skip
 
     @functools.cache  # the planner and the confirmation may ask for the same trace
-    def traced_at(micro: int, checkpointing: bool) -> MemoryEstimate:
-        if (micro, checkpointing) == (configured, False):
+    def traced_at(micro: int, checkpointing: bool, accumulation_steps: int = accumulation) -> MemoryEstimate:
+        if (micro, checkpointing, accumulation_steps) == (configured, False, accumulation):
             return traced
-        return estimate(model, sample, batch_size=micro, gradient_checkpointing=checkpointing, **kwargs)
+        return estimate(
+            model, sample, batch_size=micro, gradient_checkpointing=checkpointing,
+            accumulation_steps=accumulation_steps, extra_batches=accumulation_steps - 1 + lookahead, **kwargs,
+        )  # fmt: skip
 
     restored = _saved_plan(args, resume_from_checkpoint)
     if restored is not None:
@@ -125,7 +137,7 @@ def plan_training_arguments(
         capacity = budget_bytes or free_device_bytes(device)
         if capacity <= 0:
             raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
-        target = target_batch_size or configured * args.gradient_accumulation_steps * args.world_size
+        target = target_batch_size or configured * accumulation * args.world_size
         chosen = plan(
             traced,
             capacity,
@@ -148,6 +160,33 @@ def plan_training_arguments(
         **{switch: chosen.gradient_checkpointing or bool(getattr(args, switch))},
     )
     return PlannedArguments(planned, chosen, traced)
+
+
+def _lookahead_batches(device: torch.device) -> int:
+    """accelerate's loader reads the next batch before the step runs; it stays in host memory, which is
+    the device's own only when training on the CPU."""
+    return 1 if device.type == "cpu" else 0
+
+
+def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
+    """The ``DistributedDataParallel`` options the Trainer (through accelerate) will wrap ``model`` with,
+    or ``None`` when it will not (one process, FSDP, DeepSpeed)."""
+    if args.world_size <= 1 or getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        return None
+    if args.ddp_find_unused_parameters is not None:
+        find_unused = bool(args.ddp_find_unused_parameters)
+    elif isinstance(model, PreTrainedModel):  # as Trainer._build_accelerator_args decides it
+        checkpointing = getattr(model, "is_activation_checkpointing", False) or getattr(
+            args, "activation_checkpointing", False
+        )
+        find_unused = not checkpointing
+    else:
+        find_unused = True
+    return DDPConfig(
+        bucket_cap_mb=args.ddp_bucket_cap_mb,
+        find_unused_parameters=find_unused,
+        static_graph=bool(getattr(args, "ddp_static_graph", None)),
+    )
 
 
 def collated_sample(
@@ -382,6 +421,10 @@ class MemoryPlannerCallback(TrainerCallback):
             optimizer=_optimizer_factory(args, model),
             precision=precision,
             device="cuda" if device.type == "cuda" else "cpu",
+            accumulation_steps=args.gradient_accumulation_steps,
+            extra_batches=(args.gradient_accumulation_steps - 1 if self.on_oom == "replan" else 0)
+            + _lookahead_batches(device),
+            ddp=ddp_config(args, model),
         )
         self.estimate = traced
         resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.capacity import parse_budget
+from memfit.ddp import DDPConfig
 from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
 from memfit.estimate import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.gpus import GPU, gpu_by_name
@@ -15,6 +16,7 @@ from memfit.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.runtime import CudaRuntime
+from memfit.tracer import ZeroGrad
 
 __all__ = ["EXTRAPOLATION_DEPTHS", "GpuPlan", "PlanReport", "plan_for_gpus"]
 
@@ -112,6 +114,7 @@ def plan_for_gpus(
     pin_memory: bool = False,
     offload_optimizer: bool = False,
     exact: bool = False,
+    zero_grad: ZeroGrad = "after_step",
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
 
@@ -120,7 +123,10 @@ def plan_for_gpus(
     the allocated peak follows the depth closely, the allocator's reserved peak less so), unless
     ``exact``; the plan found is then confirmed, and its row's figures taken, from a trace of the
     whole model at the chosen batch. A model that does not fit at all is answered from the
-    extrapolation alone. ``benchmarks/depth_extrapolation.py`` compares both with full traces."""
+    extrapolation alone. ``benchmarks/depth_extrapolation.py`` compares both with full traces.
+
+    ``world_size`` above 1 means DistributedDataParallel (its gradient buckets count); a plan that
+    accumulates is confirmed on a trace with accumulation, as its gradients outlive a micro batch."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
@@ -135,7 +141,8 @@ def plan_for_gpus(
     ]
     # One trace serves every GPU. Confirmations at a chosen batch take their fit in the batch from
     # the search's trace at batch 1, so they trace once instead of twice.
-    full_trace = _tracer(spec, precision, optimizer, runtimes, inference, fits_of=lambda ckpt: trace(1, ckpt))
+    loop = {"zero_grad": zero_grad, "ddp": DDPConfig() if world_size > 1 else None}
+    full_trace = _tracer(spec, precision, optimizer, runtimes, inference, loop, fits_of=lambda ckpt: trace(1, ckpt))
     trace = full_trace
     depth = model_depth(spec.model)
     extrapolated = None
@@ -147,15 +154,17 @@ def plan_for_gpus(
                 from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d)
                 for d in EXTRAPOLATION_DEPTHS
             ]
-        tracers = [_tracer(s, precision, optimizer, runtimes, inference) for s in shallow]
+        tracers = [_tracer(s, precision, optimizer, runtimes, inference, loop) for s in shallow]
         trace, extrapolated = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth, full_trace), EXTRAPOLATION_DEPTHS
     rows = []
     for index, (name, capacity, gpu) in enumerate(targets):
         with _progress(show_progress, f"tracing {spec.name} and planning for {name}"):
             allow = "off" if inference else checkpointing
 
-            def for_gpu(batch: int, checkpointing: bool, index: int = index, source: Any = trace) -> MemoryEstimate:
-                return source(batch, checkpointing)[index]
+            def for_gpu(
+                batch: int, checkpointing: bool, accumulation: int = 1, index: int = index, source: Any = trace
+            ) -> MemoryEstimate:
+                return source(batch, checkpointing, accumulation)[index]
 
             whole = functools.partial(for_gpu, source=full_trace)
             rows.append(_plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin, whole))
@@ -177,15 +186,16 @@ def model_depth(model: Any) -> int | None:
 
 
 def _extrapolating(tracers: list[Any], depths: tuple[int, int], depth: int, full_trace: Any) -> Any:
-    """``trace(batch, checkpointing)`` from the two shallow traces; the full trace if they disagree."""
+    """``trace(batch, checkpointing, accumulation)`` from the two shallow traces; the full trace if they
+    disagree."""
 
     @functools.cache
-    def trace(batch: int, checkpointing: bool) -> list[MemoryEstimate]:
-        shallow, deeper = (tracer(batch, checkpointing) for tracer in tracers)
+    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
+        shallow, deeper = (tracer(batch, checkpointing, accumulation) for tracer in tracers)
         try:
             return [extrapolate_depth(a, b, *depths, depth) for a, b in zip(shallow, deeper, strict=True)]
         except EstimationError:
-            return full_trace(batch, checkpointing)
+            return full_trace(batch, checkpointing, accumulation)
 
     return trace
 
@@ -211,11 +221,12 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
 
 
 def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
-            fits_of: Any = None) -> Any:  # fmt: skip
-    """``trace(batch, checkpointing)``, cached; above batch 1 with ``fits_of``, one trace plus that fit."""
+            loop: dict[str, Any], fits_of: Any = None) -> Any:  # fmt: skip
+    """``trace(batch, checkpointing, accumulation)``, cached; above batch 1 with ``fits_of``, one trace plus
+    that fit (of the loop without accumulation: ``at()`` is raised to cover what accumulation adds)."""
 
     @functools.cache
-    def trace(batch: int, checkpointing: bool) -> list[MemoryEstimate]:
+    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
         return estimate_for_runtimes(
             spec.model,
             spec.sample,
@@ -227,6 +238,8 @@ def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[Cuda
             gradient_checkpointing=checkpointing,
             device="cuda",
             inference=inference,
+            accumulation_steps=accumulation,
+            **loop,
         )
 
     return trace
@@ -245,14 +258,14 @@ def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointi
             world_size=world_size,
             allow_checkpointing=checkpointing == "auto",
             checkpointed=lambda: trace(1, True),
-            confirm=lambda micro, ckpt: whole(micro, ckpt or always),
+            confirm=lambda micro, ckpt, accumulation: whole(micro, ckpt or always, accumulation),
         )
     except InsufficientMemoryError as error:
         approximate = bool(gpu and gpu.approximate)
         return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=trace(1, always))
     if always and not chosen.gradient_checkpointing:
         chosen = Plan(**{**chosen.to_dict(), "gradient_checkpointing": True, "reasons": tuple(chosen.reasons)})
-    exact = whole(chosen.micro_batch_size, chosen.gradient_checkpointing)
+    exact = whole(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
     return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate), base=trace(1, always))
 
 
