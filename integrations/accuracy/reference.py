@@ -1,7 +1,9 @@
 """Independent counts on real tensors, the yardsticks memfit's predictions are checked against.
 
 Nothing here uses memfit: saved activations come from autograd's ``saved_tensors_hooks``, peaks
-from PyTorch's ``MemTracker`` (CPU) or ``torch.cuda.max_memory_*`` (GPU), after real steps.
+from PyTorch's ``MemTracker`` (CPU), the CPU allocator's own reports to ``torch.profiler`` (CPU,
+whatever allocates: a framework's loop, DDP's C++ reducer) or ``torch.cuda.max_memory_*`` (GPU),
+after real steps.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["memtracker_peak", "onednn_off", "run_steps", "saved_activation_bytes"]
+__all__ = ["memtracker_peak", "onednn_off", "profiled_cpu_peak", "run_steps", "saved_activation_bytes"]
 
 LossOf = Callable[[nn.Module, Any], torch.Tensor]
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -104,3 +106,26 @@ def memtracker_peak(
     with onednn_off(), tracker:
         run_steps(model, optimizer, batch, loss_of, steps=steps, autocast=autocast, after_step=tracker.reset_mod_stats)
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def profiled_cpu_peak(run: Callable[[], Any]) -> int:
+    """Peak bytes of CPU tensors allocated inside ``run()`` and alive at once, as the CPU allocator
+    reports every allocation and free to ``torch.profiler`` (``profile_memory=True``).
+
+    Everything ``run`` creates counts (build the model and the batch inside it for an absolute
+    peak); what was alive before it does not.
+    """
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # what earlier runs left in reference cycles must not be freed inside the measurement
+    with onednn_off(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    events = profiler.profiler.kineto_results.events()
+    changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,215 @@
+"""The training loop around the step, predicted vs measured on CPU: zero_grad order, accumulation, DDP.
+
+When a loop frees gradients decides what the next forward carries: the Hugging Face Trainer frees
+them after ``optimizer.step()``, Lightning's closure between ``training_step`` and ``backward``;
+gradient accumulation keeps them through every micro batch; DDP adds its gradient buckets. For
+each loop this runs three real optimizer steps of one MLP on CPU and measures the peak from the
+CPU allocator's own reports (``reference.profiled_cpu_peak``), next to memfit's prediction for
+that loop and the prediction of a trace that ignores the loop. Lightning and the HF Trainer run
+for real, with memfit's callbacks observing (with ``on_oom="replan"`` memfit's own closure zeroes
+gradients before the forward and keeps a window's earlier batches to replay them; on CPU the
+Trainer's look-ahead batch counts too, as the device is the host).
+
+    python -m integrations.accuracy.loops      # ~1 min; writes benchmarks/results/training_loop-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import memfit
+from integrations.accuracy.reference import profiled_cpu_peak
+from memfit.ddp import DDPConfig
+
+WIDTH, BATCH, DEPTH = 1024, 512, 6  # 24 MiB of weights, activations of the same order
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "training_loop-cpu.json"
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)])
+
+
+def square_loss(output: torch.Tensor, _batch: object) -> torch.Tensor:
+    return output.square().mean()
+
+
+def predicted(**loop: Any) -> memfit.MemoryEstimate:
+    """memfit's estimate of the MLP's step with plain SGD, in the loop ``loop`` describes."""
+    return memfit.estimate(mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", device="cpu", loss_fn=square_loss, **loop)
+
+
+def hand_loop(
+    zero_grad: str, accumulation: int, wrap: Callable[[nn.Module], nn.Module] = lambda module: module
+) -> Callable[[], None]:
+    """Three optimizer steps of a hand-written loop with ``zero_grad`` where the argument says."""
+
+    def run() -> None:
+        torch.manual_seed(0)
+        model = wrap(mlp())
+        batch = torch.randn(BATCH, WIDTH)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            for micro in range(accumulation):
+                loss = model(batch).square().mean()
+                if zero_grad == "before_backward" and micro == 0:
+                    optimizer.zero_grad()
+                loss.backward()
+                del loss
+            optimizer.step()
+            if zero_grad == "after_step":
+                optimizer.zero_grad()
+
+    return run
+
+
+def lightning_fit(root: Path, on_oom: str, accumulation: int) -> tuple[Callable[[], None], Any]:
+    """A real ``lightning.Trainer.fit`` of the MLP with ``MemoryPlanner`` observing; returns it and the callback."""
+    import lightning as L
+
+    from memfit.lightning import MemoryPlanner
+
+    class MLPModule(L.LightningModule):
+        def __init__(self, data: torch.Tensor) -> None:
+            super().__init__()
+            self.net, self.data, self.batch_size = mlp(), data, BATCH
+
+        def training_step(self, batch: list[torch.Tensor], _index: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.data), batch_size=self.batch_size)
+
+    callback = MemoryPlanner(mode="observe", on_oom=on_oom, verbose=False)
+    data = torch.randn(BATCH * 8, WIDTH)  # the dataset is not part of the step
+
+    def fit() -> None:
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulation, callbacks=[callback],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(MLPModule(data))
+
+    return fit, callback
+
+
+class _LossOfMLP(nn.Module):
+    """The MLP as the Hugging Face Trainer wants a model: keyword inputs in, ``{"loss": ...}`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.net(x).square().mean()}
+
+
+def hf_train(root: Path, accumulation: int) -> tuple[Callable[[], None], Any]:
+    """A real ``transformers.Trainer.train`` of the MLP with ``MemoryPlannerCallback`` observing."""
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.huggingface import MemoryPlannerCallback
+
+    callback = MemoryPlannerCallback(verbose=False)
+    data = [{"x": row} for row in torch.randn(BATCH * 8, WIDTH)]
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
+        max_steps=3, optim="sgd", learning_rate=0.01, max_grad_norm=0.0, use_cpu=True, report_to=[],
+        save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+
+    def train() -> None:
+        torch.manual_seed(0)
+        Trainer(model=_LossOfMLP(), args=args, train_dataset=data, callbacks=[callback]).train()
+
+    return train, callback
+
+
+def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
+    # No broadcast of the weights at wrapping: with one process it only copies them, and gloo may
+    # keep that copy until a garbage collection, inside the measured steps.
+    return lambda module: nn.parallel.DistributedDataParallel(module, init_sync=False, **options)
+
+
+def measure_all(root: Path) -> list[dict[str, Any]]:
+    """Every loop: measured peak, memfit's prediction for it, and a loop-blind trace's."""
+    blind = predicted().peak_allocated_bytes
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, run: Callable[[], None], estimate: Callable[[], memfit.MemoryEstimate]) -> None:
+        measured = profiled_cpu_peak(run)
+        prediction = estimate()
+        rows.append({
+            "loop": name,
+            "measured_peak_bytes": measured,
+            "predicted_peak_bytes": prediction.peak_allocated_bytes,
+            "error_pct": round(100 * (prediction.peak_allocated_bytes - measured) / measured, 3),
+            "loop_blind_peak_bytes": blind,
+            "loop_blind_error_pct": round(100 * (blind - measured) / measured, 3),
+        })  # fmt: skip
+
+    for zero_grad, accumulation in [("after_step", 1), ("before_backward", 1), ("after_step", 3),
+                                    ("before_backward", 3)]:  # fmt: skip
+        add(f"hand loop, zero_grad {zero_grad}, accumulation {accumulation}", hand_loop(zero_grad, accumulation),
+            lambda z=zero_grad, a=accumulation: predicted(zero_grad=z, accumulation_steps=a))  # fmt: skip
+    if torch.distributed.is_available():
+        store = Path(tempfile.mkdtemp()) / "store"
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        try:
+            for label, options in [("default", {}), ("gradient_as_bucket_view", {"gradient_as_bucket_view": True}),
+                                   ("find_unused_parameters, 4 MiB buckets",
+                                    {"find_unused_parameters": True, "bucket_cap_mb": 4})]:  # fmt: skip
+                add(f"DDP ({label}), hand loop", hand_loop("after_step", 1, wrap_in_ddp(options)),
+                    lambda o=options: predicted(ddp=DDPConfig.from_kwargs(o)))  # fmt: skip
+        finally:
+            torch.distributed.destroy_process_group()
+    for on_oom, accumulation in [("raise", 1), ("raise", 2), ("replan", 1), ("replan", 2)]:
+        run, callback = lightning_fit(root / f"lightning-{on_oom}-{accumulation}", on_oom, accumulation)
+        add(f"Lightning Trainer.fit, on_oom={on_oom}, accumulation {accumulation}", run, lambda c=callback: c.estimate)
+    for accumulation in (1, 2):
+        run, callback = hf_train(root / f"hf-{accumulation}", accumulation)
+        add(f"HF Trainer.train, accumulation {accumulation}", run, lambda c=callback: c.estimate)
+    return rows
+
+
+def main() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit.units import format_bytes
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        rows = measure_all(Path(root))
+    table = Table(title=f"Training loops on CPU: {DEPTH} x Linear({WIDTH}) + GELU, batch {BATCH}, SGD, 3 steps")
+    for column in ("loop", "measured peak", "memfit", "error", "loop-blind trace", "its error"):
+        table.add_column(column, justify="left" if column == "loop" else "right")
+    for row in rows:
+        table.add_row(row["loop"], format_bytes(row["measured_peak_bytes"]), format_bytes(row["predicted_peak_bytes"]),
+                      f"{row['error_pct']:+.3f} %", format_bytes(row["loop_blind_peak_bytes"]),
+                      f"{row['loop_blind_error_pct']:+.2f} %")  # fmt: skip
+    Console(width=150).print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "device": "cpu", "torch": torch.__version__, "python": platform.python_version(),
+        "measured_with": "torch.profiler CPU allocator reports (integrations.accuracy.reference.profiled_cpu_peak)",
+        "seconds": round(time.perf_counter() - started, 1), "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
