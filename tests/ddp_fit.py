@@ -42,6 +42,8 @@ def main() -> None:
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "seen_batch_sizes": sorted(set(module.seen_batch_sizes)),
         "plan": callback.plan.to_dict() if callback.plan else None,
+        "estimate": callback.estimate.to_dict() if callback.estimate else None,  # rank 0 traces
+        "trainable_bytes": sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 

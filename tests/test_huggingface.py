@@ -196,3 +196,26 @@ def test_bad_input() -> None:
         MemoryPlannerCallback(margin=2)
     with pytest.raises(memfit.InvalidInputError, match="`on_oom` must be 'replan' or 'raise'"):
         MemoryPlannerCallback(on_oom=True)
+
+
+def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
+    """``Trainer._build_accelerator_args`` decides find_unused_parameters from the model; memfit follows it."""
+    import types
+
+    from memfit import DDPConfig
+    from memfit.huggingface import ddp_config
+
+    def args(**overrides: Any) -> Any:
+        fields = {"world_size": 2, "fsdp": None, "deepspeed": None, "ddp_find_unused_parameters": None,
+                  "ddp_bucket_cap_mb": None, "ddp_static_graph": None, "activation_checkpointing": False}  # fmt: skip
+        return types.SimpleNamespace(**{**fields, **overrides})
+
+    model = tiny_gpt2()
+    assert ddp_config(args(world_size=1), model) is None
+    assert ddp_config(args(fsdp="full_shard"), model) is None  # sharded: not DDP
+    assert ddp_config(args(), model) == DDPConfig(find_unused_parameters=True)
+    assert ddp_config(args(activation_checkpointing=True), model) == DDPConfig(find_unused_parameters=False)
+    assert ddp_config(args(ddp_bucket_cap_mb=50, ddp_static_graph=True, ddp_find_unused_parameters=False), model) == (
+        DDPConfig(bucket_cap_mb=50, static_graph=True)
+    )
+    assert ddp_config(args(), torch.nn.Linear(2, 2)) == DDPConfig(find_unused_parameters=True)  # not a PreTrainedModel

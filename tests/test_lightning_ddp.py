@@ -41,6 +41,11 @@ def test_ddp_ranks_apply_the_plan_of_the_smallest_budget(tmp_path: Path) -> None
         assert report["accumulate_grad_batches"] == 4
         assert report["seen_batch_sizes"] == [3]
     assert reports[0]["plan"]["effective_batch_size"] == 3 * 4 * 2 == 24
+    traced = reports[0]["estimate"]  # the plan's own trace: Lightning's loop under DDP, as it ran
+    assert traced["ddp"] == {"bucket_cap_mb": None, "gradient_as_bucket_view": False,
+                             "find_unused_parameters": False, "static_graph": False}  # fmt: skip
+    assert traced["breakdown_bytes"]["gradient_buckets"] == reports[0]["trainable_bytes"]
+    assert (traced["accumulation_steps"], traced["zero_grad"]) == (4, "after_step")  # memfit's closure zeroes first
     metrics = list((tmp_path / "logs").rglob("metrics.csv"))
     assert len(metrics) == 1  # only rank 0 writes
     with open(metrics[0]) as handle:

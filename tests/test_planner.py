@@ -275,3 +275,22 @@ def test_checkpointing_is_not_traced_when_the_optimizer_step_alone_is_over_budge
     assert traced == []  # the checkpointed trace would not have changed the answer
     message = str(error.value)
     assert "checkpointing cannot help" in message and "optimizer step alone holds 20.49 GiB" in message  # + context
+
+
+def test_a_split_whose_confirmation_does_not_fit_falls_back_to_checkpointing() -> None:
+    optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says micro batch 4 fits in 5.5 GiB
+    checkpointed = linear_estimate(1 * GiB, GiB / 4, context=None)
+
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        if checkpointing:
+            return linear_estimate(1 * GiB, GiB / 4, batch=micro, context=None)
+        return linear_estimate(6 * GiB, 1 * GiB, batch=micro, context=None)  # the real step: nothing fits
+
+    chosen = plan(
+        optimistic, 11 * GiB // 2, margin=0.0, target_batch_size=8, checkpointed=checkpointed, confirm=confirm
+    )
+    assert chosen.gradient_checkpointing and chosen.micro_batch_size == 8
+    assert chosen.predicted_peak_bytes == 3 * GiB
+    assert any("does not fit once traced at its size; checkpointing" in reason for reason in chosen.reasons)
+    with pytest.raises(InsufficientMemoryError, match="a trace at that size predicts"):
+        plan(optimistic, 11 * GiB // 2, margin=0.0, target_batch_size=8, allow_checkpointing=False, confirm=confirm)
