@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_checks.sh                      # every step in turn (well over an hour)
 #   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
 #   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh largest_batch
-# Steps: tests trace_zoo accuracy quickstarts oom_recovery largest_batch.
+# Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch.
 # Raw results land in benchmarks/results/ (commit them). Each step is independent: a failure is
 # reported and the next step still runs.
 set -u
@@ -14,12 +14,13 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'
 status=0
 run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests trace_zoo accuracy quickstarts oom_recovery largest_batch)
+[ ${#steps[@]} -eq 0 ] && steps=(tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch)
 for step in "${steps[@]}"; do
   case "$step" in
     tests) run python -m pytest -q -m gpu tests/test_gpu.py ;;
     trace_zoo) run python benchmarks/trace_zoo.py --measure ;;
     accuracy) run python -m integrations.accuracy.run --gpu ;;
+    loops) run python -m integrations.accuracy.loops --gpu ;;
     quickstarts)
       run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
       run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu ;;

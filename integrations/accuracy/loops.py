@@ -10,11 +10,15 @@ for real, with memfit's callbacks observing (with ``on_oom="replan"`` memfit's o
 gradients before the forward and keeps a window's earlier batches to replay them; on CPU the
 Trainer's look-ahead batch counts too, as the device is the host).
 
-    python -m integrations.accuracy.loops      # ~1 min; writes benchmarks/results/training_loop-cpu.json
+    python -m integrations.accuracy.loops        # CPU, ~20 s: benchmarks/results/training_loop-cpu.json
+    python -m integrations.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
+                                                 # torch.cuda.max_memory_allocated/reserved: training_loop-gpu.json
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import platform
 import tempfile
@@ -31,7 +35,7 @@ from integrations.accuracy.reference import profiled_cpu_peak
 from memfit.ddp import DDPConfig
 
 WIDTH, BATCH, DEPTH = 1024, 512, 6  # 24 MiB of weights, activations of the same order
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "training_loop-cpu.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def mlp() -> nn.Module:
@@ -42,20 +46,25 @@ def square_loss(output: torch.Tensor, _batch: object) -> torch.Tensor:
     return output.square().mean()
 
 
-def predicted(**loop: Any) -> memfit.MemoryEstimate:
+def predicted(device: str = "cpu", **loop: Any) -> memfit.MemoryEstimate:
     """memfit's estimate of the MLP's step with plain SGD, in the loop ``loop`` describes."""
-    return memfit.estimate(mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", device="cpu", loss_fn=square_loss, **loop)
+    return memfit.estimate(
+        mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", device=device, loss_fn=square_loss, **loop
+    )
 
 
 def hand_loop(
-    zero_grad: str, accumulation: int, wrap: Callable[[nn.Module], nn.Module] = lambda module: module
+    zero_grad: str,
+    accumulation: int,
+    wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
+    device: str = "cpu",
 ) -> Callable[[], None]:
     """Three optimizer steps of a hand-written loop with ``zero_grad`` where the argument says."""
 
     def run() -> None:
         torch.manual_seed(0)
-        model = wrap(mlp())
-        batch = torch.randn(BATCH, WIDTH)
+        model = wrap(mlp().to(device))
+        batch = torch.randn(BATCH, WIDTH, device=device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         for _ in range(3):
             for micro in range(accumulation):
@@ -71,7 +80,7 @@ def hand_loop(
     return run
 
 
-def lightning_fit(root: Path, on_oom: str, accumulation: int) -> tuple[Callable[[], None], Any]:
+def lightning_fit(root: Path, on_oom: str, accumulation: int, device: str = "cpu") -> tuple[Callable[[], None], Any]:
     """A real ``lightning.Trainer.fit`` of the MLP with ``MemoryPlanner`` observing; returns it and the callback."""
     import lightning as L
 
@@ -97,7 +106,8 @@ def lightning_fit(root: Path, on_oom: str, accumulation: int) -> tuple[Callable[
     def fit() -> None:
         torch.manual_seed(0)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulation, callbacks=[callback],
+            accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=3,
+            accumulate_grad_batches=accumulation, callbacks=[callback],
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=root,
         )  # fmt: skip
@@ -117,7 +127,7 @@ class _LossOfMLP(nn.Module):
         return {"loss": self.net(x).square().mean()}
 
 
-def hf_train(root: Path, accumulation: int) -> tuple[Callable[[], None], Any]:
+def hf_train(root: Path, accumulation: int, device: str = "cpu") -> tuple[Callable[[], None], Any]:
     """A real ``transformers.Trainer.train`` of the MLP with ``MemoryPlannerCallback`` observing."""
     from transformers import Trainer, TrainingArguments
 
@@ -127,7 +137,7 @@ def hf_train(root: Path, accumulation: int) -> tuple[Callable[[], None], Any]:
     data = [{"x": row} for row in torch.randn(BATCH * 8, WIDTH)]
     args = TrainingArguments(
         output_dir=str(root), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
-        max_steps=3, optim="sgd", learning_rate=0.01, max_grad_norm=0.0, use_cpu=True, report_to=[],
+        max_steps=3, optim="sgd", learning_rate=0.01, max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[],
         save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
 
@@ -144,57 +154,85 @@ def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     return lambda module: nn.parallel.DistributedDataParallel(module, init_sync=False, **options)
 
 
-def measure_all(root: Path) -> list[dict[str, Any]]:
+def cuda_peaks(run: Callable[[], None]) -> tuple[int, int]:
+    """``max_memory_allocated`` and ``max_memory_reserved`` over ``run()``, from an empty allocator
+    (cuBLAS workspaces of earlier runs freed, so each run allocates its own as a fresh process would)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - allocated, torch.cuda.max_memory_reserved() - reserved
+
+
+def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     """Every loop: measured peak, memfit's prediction for it, and a loop-blind trace's."""
-    blind = predicted().peak_allocated_bytes
+    blind = predicted(device).peak_allocated_bytes
     rows: list[dict[str, Any]] = []
 
     def add(name: str, run: Callable[[], None], estimate: Callable[[], memfit.MemoryEstimate]) -> None:
-        measured = profiled_cpu_peak(run)
+        measured, reserved = cuda_peaks(run) if device == "cuda" else (profiled_cpu_peak(run), None)
         prediction = estimate()
-        rows.append({
+        row = {
             "loop": name,
             "measured_peak_bytes": measured,
             "predicted_peak_bytes": prediction.peak_allocated_bytes,
             "error_pct": round(100 * (prediction.peak_allocated_bytes - measured) / measured, 3),
             "loop_blind_peak_bytes": blind,
             "loop_blind_error_pct": round(100 * (blind - measured) / measured, 3),
-        })  # fmt: skip
+        }
+        if reserved is not None:
+            predicted_reserved = prediction.peak_reserved_bytes
+            row |= {"measured_peak_reserved_bytes": reserved, "predicted_peak_reserved_bytes": predicted_reserved,
+                    "reserved_error_pct": round(100 * (predicted_reserved - reserved) / reserved, 3)}  # fmt: skip
+        rows.append(row)
 
     for zero_grad, accumulation in [("after_step", 1), ("before_backward", 1), ("after_step", 3),
                                     ("before_backward", 3)]:  # fmt: skip
-        add(f"hand loop, zero_grad {zero_grad}, accumulation {accumulation}", hand_loop(zero_grad, accumulation),
-            lambda z=zero_grad, a=accumulation: predicted(zero_grad=z, accumulation_steps=a))  # fmt: skip
+        add(f"hand loop, zero_grad {zero_grad}, accumulation {accumulation}",
+            hand_loop(zero_grad, accumulation, device=device),
+            lambda z=zero_grad, a=accumulation: predicted(device, zero_grad=z, accumulation_steps=a))  # fmt: skip
     if torch.distributed.is_available():
         store = Path(tempfile.mkdtemp()) / "store"
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        backend = "nccl" if device == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
         try:
             for label, options in [("default", {}), ("gradient_as_bucket_view", {"gradient_as_bucket_view": True}),
                                    ("find_unused_parameters, 4 MiB buckets",
                                     {"find_unused_parameters": True, "bucket_cap_mb": 4})]:  # fmt: skip
-                add(f"DDP ({label}), hand loop", hand_loop("after_step", 1, wrap_in_ddp(options)),
-                    lambda o=options: predicted(ddp=DDPConfig.from_kwargs(o)))  # fmt: skip
+                add(f"DDP ({label}), hand loop", hand_loop("after_step", 1, wrap_in_ddp(options), device),
+                    lambda o=options: predicted(device, ddp=DDPConfig.from_kwargs(o)))  # fmt: skip
         finally:
             torch.distributed.destroy_process_group()
     for on_oom, accumulation in [("raise", 1), ("raise", 2), ("replan", 1), ("replan", 2)]:
-        run, callback = lightning_fit(root / f"lightning-{on_oom}-{accumulation}", on_oom, accumulation)
+        run, callback = lightning_fit(root / f"lightning-{on_oom}-{accumulation}", on_oom, accumulation, device)
         add(f"Lightning Trainer.fit, on_oom={on_oom}, accumulation {accumulation}", run, lambda c=callback: c.estimate)
     for accumulation in (1, 2):
-        run, callback = hf_train(root / f"hf-{accumulation}", accumulation)
+        run, callback = hf_train(root / f"hf-{accumulation}", accumulation, device)
         add(f"HF Trainer.train, accumulation {accumulation}", run, lambda c=callback: c.estimate)
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from memfit.units import format_bytes
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="run on the visible CUDA GPU")
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA device; without one, run on CPU (no flag)")
+    device = "cuda" if args.gpu else "cpu"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        rows = measure_all(Path(root))
-    table = Table(title=f"Training loops on CPU: {DEPTH} x Linear({WIDTH}) + GELU, batch {BATCH}, SGD, 3 steps")
+        rows = measure_all(Path(root), device)
+    where = torch.cuda.get_device_name() if args.gpu else "CPU"
+    table = Table(title=f"Training loops on {where}: {DEPTH} x Linear({WIDTH}) + GELU, batch {BATCH}, SGD, 3 steps")
     for column in ("loop", "measured peak", "memfit", "error", "loop-blind trace", "its error"):
         table.add_column(column, justify="left" if column == "loop" else "right")
     for row in rows:
@@ -202,13 +240,17 @@ def main() -> None:
                       f"{row['error_pct']:+.3f} %", format_bytes(row["loop_blind_peak_bytes"]),
                       f"{row['loop_blind_error_pct']:+.2f} %")  # fmt: skip
     Console(width=150).print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "device": "cpu", "torch": torch.__version__, "python": platform.python_version(),
-        "measured_with": "torch.profiler CPU allocator reports (integrations.accuracy.reference.profiled_cpu_peak)",
-        "seconds": round(time.perf_counter() - started, 1), "rows": rows,
+    measured_with = (
+        "torch.cuda.max_memory_allocated/reserved from an emptied allocator" if args.gpu
+        else "torch.profiler CPU allocator reports (integrations.accuracy.reference.profiled_cpu_peak)"
+    )  # fmt: skip
+    path = RESULTS / f"training_loop-{'gpu' if args.gpu else 'cpu'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "device": where, "torch": torch.__version__, "python": platform.python_version(),
+        "measured_with": measured_with, "seconds": round(time.perf_counter() - started, 1), "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {RESULTS}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
