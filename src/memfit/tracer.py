@@ -208,9 +208,10 @@ def _one_step(
     paths: module_path_tracker,
     on_forward: Callable[[], None] | None = None,
 ) -> None:
-    # With accumulation, step 1 is a window's first micro batch (no optimizer step yet matters for
-    # the gradients: they stay) and step 2 a later one, whose gradients are zeroed only after its
-    # optimizer step; without, gradients go where the loop's zero_grad puts them.
+    # With accumulation, step 1 keeps its gradients (its optimizer step only creates the state, as
+    # earlier windows would have) and step 2 stands for a later micro batch: forward and backward with
+    # the window's gradients alive, zeroed after the optimizer step. Without, they are freed where the
+    # loop's zero_grad is.
     accumulating = settings.accumulation_steps > 1
     recorder.mark(step, Phase.FORWARD)
     forward_index = len(recorder.marks) - 1
