@@ -242,11 +242,14 @@ class MemoryPlannerCallback(TrainerCallback):
 
     At ``on_train_begin`` the callback traces the model with the batch size, accumulation,
     precision, optimizer and checkpointing that are about to run (one batch built from the train
-    dataloader's dataset and collator). Every ``logging_steps`` it reads the peaks of the window
-    and adds the metrics below to the Trainer's logs *before* the ``report_to`` trackers see them
-    (it moves itself to the front of the Trainer's callback list for that), so TensorBoard, MLflow,
-    W&B and the rest all receive them. The plan from ``plan_training_arguments`` is saved into each
-    checkpoint (``memfit_plan.json``) so a resumed run keeps it.
+    dataloader's dataset and collator), in the Trainer's loop: gradients freed after the optimizer
+    step, kept through an accumulation window, DDP's gradient buckets when the Trainer wraps the
+    model in ``DistributedDataParallel``, the window's batches the recovery keeps. Every
+    ``logging_steps`` it reads the peaks of the window and adds the metrics below to the Trainer's
+    logs *before* the ``report_to`` trackers see them (it moves itself to the front of the Trainer's
+    callback list for that), so TensorBoard, MLflow, W&B and the rest all receive them. The plan
+    from ``plan_training_arguments`` is saved into each checkpoint (``memfit_plan.json``) so a
+    resumed run keeps it.
 
     Logged keys (only those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
     ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,

@@ -35,6 +35,12 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     logs drift. Under DDP, the smallest free memory of all ranks is used, rank 0 decides and every
     rank applies the same plan.
 
+    The trace follows the loop the step runs in: Lightning's closure zeroes gradients between
+    ``training_step`` and ``backward``, so its forward carries the last step's gradients (memfit's
+    recovering closure, ``on_oom="replan"``, zeroes them first instead and keeps an accumulation
+    window's earlier batches to replay them); accumulation keeps gradients through a window; a
+    ``DDPStrategy`` adds DDP's gradient buckets (see ``memfit.ddp``).
+
     The trace calls ``training_step`` on fake tensors (``torch._subclasses.fake_tensor.is_fake``
     tells them apart), with ``self.log`` silenced; Python side effects of ``training_step``
     (counters, lists) happen for those calls too.
