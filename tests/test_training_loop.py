@@ -9,12 +9,13 @@ within a few bytes (scalars) when the model is right.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from integrations.accuracy.loops import WIDTH, hand_loop, hf_train, lightning_fit, mlp, predicted, wrap_in_ddp
+from integrations.accuracy.loops import BATCH, WIDTH, hand_loop, hf_train, lightning_fit, mlp, predicted, wrap_in_ddp
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import Category, DDPConfig, InvalidInputError
 from memfit.ddp import bucket_bytes
@@ -120,3 +121,52 @@ def test_hf_train_peaks_where_the_callback_predicts(tmp_path: Path, accumulation
     measured = profiled_cpu_peak(train)
     assert callback.estimate.accumulation_steps == accumulation
     assert abs(callback.estimate.peak_allocated_bytes - measured) <= EXACT
+
+
+def test_lightning_validation_beside_the_optimizer_state_is_predicted_and_warned(tmp_path: Path) -> None:
+    """Validation runs without gradients (Lightning releases them first) but beside the optimizer state."""
+    budget = 100 * MiB
+    fit, callback = lightning_fit(tmp_path, "replan", 1, validation_batch=8 * BATCH, budget="100MiB")
+    with pytest.warns(UserWarning, match="validation may run out of memory where training fits: evaluation at batch"):
+        measured = profiled_cpu_peak(fit)
+    validation, training = callback.validation, callback.estimate
+    assert training.peak_allocated_bytes < budget < validation.allocated_bytes  # the case the warning is for
+    assert abs(validation.allocated_bytes - measured) <= EXACT  # the run's peak is the validation pass
+    momentum = sum(p.numel() * p.element_size() for p in mlp().parameters())
+    assert validation.carried_bytes == momentum
+
+    roomy, callback = lightning_fit(tmp_path / "roomy", "replan", 1, validation_batch=8 * BATCH, budget="1GiB")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*validation may run out of memory.*")
+        roomy()
+    assert callback.validation.allocated_bytes == validation.allocated_bytes
+
+
+def test_a_validation_step_memfit_cannot_trace_costs_only_the_check(tmp_path: Path) -> None:
+    import lightning as L
+
+    from memfit.lightning import MemoryPlanner
+
+    class ReadsValues(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], _index: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def validation_step(self, batch: list[torch.Tensor], _index: int) -> None:
+            if self.net(batch[0]).mean().item() > 1e9:  # a value a fake tensor does not have
+                raise AssertionError
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4)
+    callback = MemoryPlanner(mode="observe", budget="1GiB", verbose=False)
+    trainer = L.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*memfit.*")
+        trainer.fit(ReadsValues(), data, data)
+    assert trainer.global_step == 2 and callback.estimate is not None and callback.validation is None

@@ -33,6 +33,7 @@ from torch import nn
 import memfit
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit.ddp import DDPConfig
+from memfit.evaluation import EvaluationPeak
 
 WIDTH, BATCH, DEPTH = 1024, 512, 6  # 24 MiB of weights, activations of the same order
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -80,8 +81,20 @@ def hand_loop(
     return run
 
 
-def lightning_fit(root: Path, on_oom: str, accumulation: int, device: str = "cpu") -> tuple[Callable[[], None], Any]:
-    """A real ``lightning.Trainer.fit`` of the MLP with ``MemoryPlanner`` observing; returns it and the callback."""
+def lightning_fit(
+    root: Path,
+    on_oom: str,
+    accumulation: int,
+    device: str = "cpu",
+    *,
+    validation_batch: int | None = None,
+    budget: str | None = None,
+) -> tuple[Callable[[], None], Any]:
+    """A real ``lightning.Trainer.fit`` of the MLP with ``MemoryPlanner`` observing; returns it and the callback.
+
+    With ``validation_batch``, one validation batch of that size runs after the second step, with
+    SGD's momentum as the optimizer state it runs beside.
+    """
     import lightning as L
 
     from memfit.lightning import MemoryPlanner
@@ -95,13 +108,24 @@ def lightning_fit(root: Path, on_oom: str, accumulation: int, device: str = "cpu
             return self.net(batch[0]).square().mean()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9 if validation_batch else 0.0)
 
         def train_dataloader(self) -> torch.utils.data.DataLoader:
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.data), batch_size=self.batch_size)
 
-    callback = MemoryPlanner(mode="observe", on_oom=on_oom, verbose=False)
-    data = torch.randn(BATCH * 8, WIDTH)  # the dataset is not part of the step
+    class WithValidation(MLPModule):
+        def validation_step(self, batch: list[torch.Tensor], _index: int) -> torch.Tensor:
+            loss = self.net(batch[0]).square().mean()
+            self.log("val_loss", loss)
+            return loss
+
+        def val_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(held_out), batch_size=validation_batch)
+
+    callback = MemoryPlanner(mode="observe", on_oom=on_oom, budget=budget, verbose=False)
+    data = torch.randn(BATCH * 8, WIDTH)  # the datasets are not part of the step
+    held_out = torch.randn(validation_batch or 1, WIDTH)
+    validation = {"val_check_interval": 2, "num_sanity_val_steps": 0} if validation_batch else {}
 
     def fit() -> None:
         torch.manual_seed(0)
@@ -109,9 +133,9 @@ def lightning_fit(root: Path, on_oom: str, accumulation: int, device: str = "cpu
             accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=3,
             accumulate_grad_batches=accumulation, callbacks=[callback],
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
+            default_root_dir=root, **validation,
         )  # fmt: skip
-        trainer.fit(MLPModule(data))
+        trainer.fit((WithValidation if validation_batch else MLPModule)(data))
 
     return fit, callback
 
@@ -154,6 +178,16 @@ def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     return lambda module: nn.parallel.DistributedDataParallel(module, init_sync=False, **options)
 
 
+Prediction = memfit.MemoryEstimate | EvaluationPeak
+
+
+def _peaks(prediction: Prediction) -> tuple[int, int]:
+    """Allocated and reserved peak of a step's estimate or of an evaluation pass beside training."""
+    if isinstance(prediction, EvaluationPeak):
+        return prediction.allocated_bytes, prediction.reserved_bytes
+    return prediction.peak_allocated_bytes, prediction.peak_reserved_bytes
+
+
 def cuda_peaks(run: Callable[[], None]) -> tuple[int, int]:
     """``max_memory_allocated`` and ``max_memory_reserved`` over ``run()``, from an empty allocator
     (cuBLAS workspaces of earlier runs freed, so each run allocates its own as a fresh process would)."""
@@ -173,19 +207,18 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     blind = predicted(device).peak_allocated_bytes
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, run: Callable[[], None], estimate: Callable[[], memfit.MemoryEstimate]) -> None:
+    def add(name: str, run: Callable[[], None], estimate: Callable[[], Prediction]) -> None:
         measured, reserved = cuda_peaks(run) if device == "cuda" else (profiled_cpu_peak(run), None)
-        prediction = estimate()
+        predicted_allocated, predicted_reserved = _peaks(estimate())
         row = {
             "loop": name,
             "measured_peak_bytes": measured,
-            "predicted_peak_bytes": prediction.peak_allocated_bytes,
-            "error_pct": round(100 * (prediction.peak_allocated_bytes - measured) / measured, 3),
+            "predicted_peak_bytes": predicted_allocated,
+            "error_pct": round(100 * (predicted_allocated - measured) / measured, 3),
             "loop_blind_peak_bytes": blind,
             "loop_blind_error_pct": round(100 * (blind - measured) / measured, 3),
         }
         if reserved is not None:
-            predicted_reserved = prediction.peak_reserved_bytes
             row |= {"measured_peak_reserved_bytes": reserved, "predicted_peak_reserved_bytes": predicted_reserved,
                     "reserved_error_pct": round(100 * (predicted_reserved - reserved) / reserved, 3)}  # fmt: skip
         rows.append(row)
@@ -210,6 +243,9 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     for on_oom, accumulation in [("raise", 1), ("raise", 2), ("replan", 1), ("replan", 2)]:
         run, callback = lightning_fit(root / f"lightning-{on_oom}-{accumulation}", on_oom, accumulation, device)
         add(f"Lightning Trainer.fit, on_oom={on_oom}, accumulation {accumulation}", run, lambda c=callback: c.estimate)
+    run, callback = lightning_fit(root / "lightning-validation", "replan", 1, device, validation_batch=8 * BATCH)
+    add(f"Lightning Trainer.fit, validation batch {8 * BATCH} after step 2 (SGD momentum)", run,
+        lambda c=callback: max(c.estimate, c.validation, key=lambda e: _peaks(e)[0]))  # fmt: skip
     for accumulation in (1, 2):
         run, callback = hf_train(root / f"hf-{accumulation}", accumulation, device)
         add(f"HF Trainer.train, accumulation {accumulation}", run, lambda c=callback: c.estimate)

@@ -16,6 +16,7 @@ from memfit.errors import (
     ValueDependentError,
 )
 from memfit.estimate import BatchPeak, MemoryEstimate, PhaseModel, estimate
+from memfit.evaluation import EvaluationPeak, evaluation_peak
 from memfit.formula import FormulaEstimate, estimate_from_counts
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
@@ -34,6 +35,7 @@ __all__ = [
     "CudaRuntime",
     "DDPConfig",
     "EstimationError",
+    "EvaluationPeak",
     "FormulaEstimate",
     "InsufficientMemoryError",
     "InvalidInputError",
@@ -50,6 +52,7 @@ __all__ = [
     "__version__",
     "estimate",
     "estimate_from_counts",
+    "evaluation_peak",
     "format_bytes",
     "parse_bytes",
     "plan",

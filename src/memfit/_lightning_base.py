@@ -26,6 +26,7 @@ from memfit.ddp import DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
+from memfit.evaluation import EvaluationPeak, evaluation_peak
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
@@ -121,6 +122,8 @@ class MemoryPlannerBase:
         self.verbose = verbose
         self.plan: Plan | None = None
         self.estimate: MemoryEstimate | None = None
+        self.validation: EvaluationPeak | None = None
+        self._steps_seen = 0
         self._decision: _Decision | None = None
         self._restored_plan: dict[str, Any] | None = None
         self._sampler: PeakSampler | None = None
@@ -138,6 +141,7 @@ class MemoryPlannerBase:
             self._decide_and_apply(trainer, pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._steps_seen = trainer.global_step  # a resumed run starts counting where it left off
         self._start_measuring(trainer, pl_module)
         try:
             self._install_recovery(trainer, pl_module)
@@ -156,6 +160,9 @@ class MemoryPlannerBase:
         self.teardown(trainer, pl_module, "fit")  # Lightning skips callbacks' teardown after an exception
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.recovery is not None and trainer.global_step != self._steps_seen:  # an optimizer step ended a window
+            self.recovery.end_window()
+        self._steps_seen = trainer.global_step
         self._maybe_log_drift(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -251,8 +258,11 @@ class MemoryPlannerBase:
         )  # fmt: skip
         self.estimate = traced
         world = trainer.world_size
+        include_context = device.type == "cuda" and self.budget_bytes is not None
         if self.mode == "observe":
             peak = traced.at(configured)
+            if capacity > 0:
+                self._check_validation(trainer, pl_module, traced, kwargs, capacity, include_context)
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
         if capacity <= 0:
             raise InvalidInputError(
@@ -261,7 +271,6 @@ class MemoryPlannerBase:
         target = self.target_batch_size
         if target is None:
             target = configured * accumulation * world
-        include_context = device.type == "cuda" and self.budget_bytes is not None
 
         @functools.cache  # the planner and the confirmation may ask for the same trace
         def traced_at(micro: int, checkpointing: bool, accumulation_steps: int = accumulation) -> MemoryEstimate:
@@ -289,7 +298,52 @@ class MemoryPlannerBase:
         self.estimate = traced_at(
             chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches
         )
+        self._check_validation(trainer, pl_module, self.estimate, kwargs, capacity, include_context)
         return _Decision(chosen.to_dict(), chosen.predicted_allocated_bytes, chosen.predicted_reserved_bytes)
+
+    def _check_validation(
+        self, trainer: Any, pl_module: Any, training: MemoryEstimate, kwargs: dict[str, Any], capacity: int,
+        include_context: bool,
+    ) -> None:  # fmt: skip
+        """Warn when the validation pass, beside the optimizer state, would not fit where training does."""
+        self.validation = None
+        try:
+            sample = self._validation_sample(trainer, pl_module)
+            if sample is None:
+                return
+            device = trainer.strategy.root_device
+            forward = functools.partial(_validation_step, device=device)
+            evaluation = estimate(pl_module, sample, inference=True, precision=kwargs["precision"],
+                                  device=kwargs["device"], forward_fn=forward)  # fmt: skip
+            self.validation = evaluation_peak(training, evaluation)
+        except Exception as error:  # the plan stands; only this check is lost
+            self._info(f"memfit could not check the validation pass ({type(error).__name__}: {error})")
+            return
+        budget = int(capacity * (1 - self.margin))
+        needed = self.validation.device_bytes if include_context else self.validation.reserved_bytes
+        if needed > budget:
+            self._warn(
+                f"memfit: validation may run out of memory where training fits: {self.validation.summary()}, over "
+                f"the {format_bytes(budget)} budget ({format_bytes(capacity)} with a {self.margin:.0%} margin). "
+                "Lower the validation batch size."
+            )
+
+    def _validation_sample(self, trainer: Any, pl_module: Any) -> Any:
+        """One batch of the first validation dataloader, or ``None`` when the fit runs no validation."""
+        overridden = self._pl.utilities.model_helpers.is_overridden("validation_step", pl_module)
+        if not trainer.limit_val_batches or not overridden:
+            return None
+        source = trainer.fit_loop.epoch_loop.val_loop._data_source
+        if not source.is_defined():
+            return None
+        loaders = source.dataloader()
+        loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+        if isinstance(loader, dict):
+            loader = next(iter(loader.values()), None)
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return None
+        with _preserved_rng():
+            return next(iter(loader), None)
 
     def _ddp_config(self, strategy: Any) -> DDPConfig | None:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
@@ -614,6 +668,11 @@ def _device_reported_as(module: Any, device: torch.device) -> Iterator[None]:
             module._device = previous
         else:
             vars(module).pop("_device", None)
+
+
+def _validation_step(module: nn.Module, batch: Any, *, device: torch.device) -> Any:
+    with _logging_silenced(module), _device_reported_as(module, device):
+        return module.validation_step(batch, 0)
 
 
 def _loss_of_training_step(output: Any, batch: Any) -> torch.Tensor:

@@ -220,7 +220,8 @@ def estimate(
         cuda_runtime: CUDA context size and compute capability of the target (default: measured on
             the visible GPU, else an H100-class card).
         inference: plan a forward-only pass instead (eval mode, no gradients, optimizer state or saved
-            activations; the outputs, including a KV cache, are kept to the end of the pass).
+            activations; the outputs, including a KV cache, are kept to the end of the pass). Labels
+            are dropped from a dict sample unless ``forward_fn`` is given (an evaluation step).
         zero_grad: where the loop frees gradients: ``"after_step"`` (after ``optimizer.step()``, as the
             Hugging Face Trainer does) or ``"before_backward"`` (Lightning's automatic optimization,
             whose ``training_step`` runs with the last step's gradients still alive).

@@ -346,8 +346,10 @@ class MemoryPlannerCallback(TrainerCallback):
                 )
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.recovery is not None and args.world_size > 1:
-            self._agree_on_chunk()
+        if self.recovery is not None:
+            self.recovery.end_window()  # after the optimizer step: the window's batches are done with
+            if args.world_size > 1:
+                self._agree_on_chunk()
         every = state.logging_steps or args.logging_steps
         if self._sampler is None or not state.global_step or state.global_step % max(1, int(every)):
             return

@@ -211,6 +211,11 @@ class OOMRecovery:
         """A new accumulation window begins (gradients were just zeroed): forget the last one's batches."""
         self.window.clear()
 
+    def end_window(self) -> None:
+        """The window's optimizer step is done: its batches are no longer needed (release them before
+        anything else, a validation pass included, runs)."""
+        self.window.clear()
+
     def backward_started(self) -> None:
         """The current chunk's forward is done and its backward begins."""
         self._in_backward = True

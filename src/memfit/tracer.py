@@ -185,7 +185,7 @@ def _trace_inference(
     with fake_mode, recorder, paths, torch.no_grad():
         swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
         batch = rebatch(sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder))
-        if isinstance(batch, dict):
+        if isinstance(batch, dict) and settings.forward_fn is None:
             batch = {k: v for k, v in batch.items() if k != "labels"}  # serving computes no loss
         recorder.mark(1, Phase.FORWARD)
         with _autocast(settings, semantics), _failure("forward", model, batch, paths):
