@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import memfit
 from integrations.accuracy.loops import BATCH, WIDTH, hand_loop, hf_train, lightning_fit, mlp, predicted, wrap_in_ddp
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import Category, DDPConfig, InvalidInputError
@@ -170,3 +171,13 @@ def test_a_validation_step_memfit_cannot_trace_costs_only_the_check(tmp_path: Pa
         warnings.filterwarnings("error", message=".*memfit.*")
         trainer.fit(ReadsValues(), data, data)
     assert trainer.global_step == 2 and callback.estimate is not None and callback.validation is None
+
+
+def test_evaluation_peak_needs_a_training_and_a_forward_only_estimate() -> None:
+    training, forward_only = predicted(), predicted(inference=True)
+    peak = memfit.evaluation_peak(training, forward_only)
+    assert peak.carried_bytes == 0 and peak.allocated_bytes == forward_only.peak_allocated_bytes  # plain SGD
+    with pytest.raises(InvalidInputError, match=r"estimate\(\.\.\., inference=True\)"):
+        memfit.evaluation_peak(training, training)
+    with pytest.raises(InvalidInputError, match="has no optimizer step"):
+        memfit.evaluation_peak(forward_only, forward_only)
