@@ -36,6 +36,7 @@ from memfit.recovery import (
     OnOOM,
     OOMRecovery,
     Recovery,
+    batches_held,
     check_loss_reduction,
     check_on_oom,
     is_out_of_memory,
@@ -246,15 +247,12 @@ class MemoryPlannerBase:
         }
         accumulation = trainer.accumulate_grad_batches
 
-        def held(steps: int) -> int:  # memfit's recovery keeps a window's earlier batches to replay them
-            return steps - 1 if self.on_oom == "replan" else 0
-
         self._resident_bytes = sum(
             t.numel() * t.element_size() for t in [*pl_module.parameters(), *pl_module.buffers()]
         )
         traced = estimate(
             pl_module, sample, batch_size=configured, accumulation_steps=accumulation,
-            extra_batches=held(accumulation), **kwargs,
+            extra_batches=batches_held(accumulation, self.on_oom), **kwargs,
         )  # fmt: skip
         self.estimate = traced
         world = trainer.world_size
@@ -278,7 +276,8 @@ class MemoryPlannerBase:
                 return traced
             return estimate(
                 pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing,
-                accumulation_steps=accumulation_steps, extra_batches=held(accumulation_steps), **kwargs,
+                accumulation_steps=accumulation_steps, extra_batches=batches_held(accumulation_steps, self.on_oom),
+                **kwargs,
             )  # fmt: skip
 
         chosen = plan(

@@ -53,6 +53,7 @@ from memfit.recovery import (
     OnOOM,
     OOMRecovery,
     Recovery,
+    batches_held,
     check_loss_reduction,
     check_on_oom,
     is_out_of_memory,
@@ -113,12 +114,11 @@ def plan_training_arguments(
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
     kwargs["ddp"] = ddp_config(args, model)
     accumulation = args.gradient_accumulation_steps
-    # MemoryPlannerCallback recovers from out-of-memory errors by default (on_oom="replan"), keeping a
-    # window's earlier batches on the device to replay them.
+    # MemoryPlannerCallback recovers from out-of-memory errors by default (on_oom="replan").
     lookahead = _lookahead_batches(device)
     traced = estimate(
         model, sample, batch_size=configured, accumulation_steps=accumulation,
-        extra_batches=accumulation - 1 + lookahead, **kwargs,
+        extra_batches=batches_held(accumulation, "replan") + lookahead, **kwargs,
     )  # fmt: skip
 
     @functools.cache  # the planner and the confirmation may ask for the same trace
@@ -127,7 +127,8 @@ def plan_training_arguments(
             return traced
         return estimate(
             model, sample, batch_size=micro, gradient_checkpointing=checkpointing,
-            accumulation_steps=accumulation_steps, extra_batches=accumulation_steps - 1 + lookahead, **kwargs,
+            accumulation_steps=accumulation_steps, extra_batches=batches_held(accumulation_steps, "replan") + lookahead,
+            **kwargs,
         )  # fmt: skip
 
     restored = _saved_plan(args, resume_from_checkpoint)
@@ -427,8 +428,7 @@ class MemoryPlannerCallback(TrainerCallback):
             precision=precision,
             device="cuda" if device.type == "cuda" else "cpu",
             accumulation_steps=args.gradient_accumulation_steps,
-            extra_batches=(args.gradient_accumulation_steps - 1 if self.on_oom == "replan" else 0)
-            + _lookahead_batches(device),
+            extra_batches=batches_held(args.gradient_accumulation_steps, self.on_oom) + _lookahead_batches(device),
             ddp=ddp_config(args, model),
         )
         self.estimate = traced

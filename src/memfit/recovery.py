@@ -48,6 +48,7 @@ __all__ = [
     "OnOOM",
     "OutOfMemoryFigures",
     "Recovery",
+    "batches_held",
     "is_out_of_memory",
     "out_of_memory_figures",
     "release_memory",
@@ -72,6 +73,12 @@ def check_on_oom(value: Any) -> OnOOM:
     if value not in ("replan", "raise"):
         raise InvalidInputError(f"`on_oom` must be 'replan' or 'raise', got {value!r}")
     return value
+
+
+def batches_held(accumulation_steps: int, on_oom: str) -> int:
+    """Batches the recovery keeps on the device besides the step's own: a window's earlier micro
+    batches, to replay them after an error mid-backward (released after the window's optimizer step)."""
+    return accumulation_steps - 1 if on_oom == "replan" else 0
 
 
 def check_loss_reduction(value: Any) -> LossReduction:
