@@ -116,9 +116,10 @@ def test_lightning_fit_peaks_where_the_callback_predicts(tmp_path: Path, on_oom:
     assert measured - loop_blind.peak_allocated_bytes > 0.5 * loop_blind.gradient_bytes
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_hf_train_peaks_where_the_callback_predicts(tmp_path: Path, accumulation: int) -> None:
-    train, callback = hf_train(tmp_path, accumulation)
+@pytest.mark.parametrize(("on_oom", "accumulation"), [("replan", 1), ("replan", 2), ("raise", 2)])
+def test_hf_train_peaks_where_the_callback_predicts(tmp_path: Path, on_oom: str, accumulation: int) -> None:
+    """The Trainer holds a whole accumulation window's batches whether or not memfit's recovery is on."""
+    train, callback = hf_train(tmp_path, accumulation, on_oom=on_oom)
     measured = profiled_cpu_peak(train)
     assert callback.estimate.accumulation_steps == accumulation
     assert abs(callback.estimate.peak_allocated_bytes - measured) <= EXACT

@@ -151,13 +151,15 @@ class _LossOfMLP(nn.Module):
         return {"loss": self.net(x).square().mean()}
 
 
-def hf_train(root: Path, accumulation: int, device: str = "cpu") -> tuple[Callable[[], None], Any]:
+def hf_train(
+    root: Path, accumulation: int, device: str = "cpu", on_oom: str = "replan"
+) -> tuple[Callable[[], None], Any]:
     """A real ``transformers.Trainer.train`` of the MLP with ``MemoryPlannerCallback`` observing."""
     from transformers import Trainer, TrainingArguments
 
     from memfit.huggingface import MemoryPlannerCallback
 
-    callback = MemoryPlannerCallback(verbose=False)
+    callback = MemoryPlannerCallback(on_oom=on_oom, verbose=False)
     data = [{"x": row} for row in torch.randn(BATCH * 8, WIDTH)]
     args = TrainingArguments(
         output_dir=str(root), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
@@ -246,9 +248,9 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     run, callback = lightning_fit(root / "lightning-validation", "replan", 1, device, validation_batch=8 * BATCH)
     add(f"Lightning Trainer.fit, validation batch {8 * BATCH} after step 2 (SGD momentum)", run,
         lambda c=callback: max(c.estimate, c.validation, key=lambda e: _peaks(e)[0]))  # fmt: skip
-    for accumulation in (1, 2):
-        run, callback = hf_train(root / f"hf-{accumulation}", accumulation, device)
-        add(f"HF Trainer.train, accumulation {accumulation}", run, lambda c=callback: c.estimate)
+    for on_oom, accumulation in [("replan", 1), ("replan", 2), ("raise", 2)]:
+        run, callback = hf_train(root / f"hf-{on_oom}-{accumulation}", accumulation, device, on_oom)
+        add(f"HF Trainer.train, on_oom={on_oom}, accumulation {accumulation}", run, lambda c=callback: c.estimate)
     return rows
 
 

@@ -53,7 +53,6 @@ from memfit.recovery import (
     OnOOM,
     OOMRecovery,
     Recovery,
-    batches_held,
     check_loss_reduction,
     check_on_oom,
     is_out_of_memory,
@@ -114,11 +113,9 @@ def plan_training_arguments(
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
     kwargs["ddp"] = ddp_config(args, model)
     accumulation = args.gradient_accumulation_steps
-    # MemoryPlannerCallback recovers from out-of-memory errors by default (on_oom="replan").
-    lookahead = _lookahead_batches(device)
     traced = estimate(
         model, sample, batch_size=configured, accumulation_steps=accumulation,
-        extra_batches=batches_held(accumulation, "replan") + lookahead, **kwargs,
+        extra_batches=held_batches(accumulation, device), **kwargs,
     )  # fmt: skip
 
     @functools.cache  # the planner and the confirmation may ask for the same trace
@@ -127,8 +124,7 @@ def plan_training_arguments(
             return traced
         return estimate(
             model, sample, batch_size=micro, gradient_checkpointing=checkpointing,
-            accumulation_steps=accumulation_steps, extra_batches=batches_held(accumulation_steps, "replan") + lookahead,
-            **kwargs,
+            accumulation_steps=accumulation_steps, extra_batches=held_batches(accumulation_steps, device), **kwargs,
         )  # fmt: skip
 
     restored = _saved_plan(args, resume_from_checkpoint)
@@ -163,10 +159,17 @@ def plan_training_arguments(
     return PlannedArguments(planned, chosen, traced)
 
 
-def _lookahead_batches(device: torch.device) -> int:
-    """accelerate's loader reads the next batch before the step runs; it stays in host memory, which is
-    the device's own only when training on the CPU."""
-    return 1 if device.type == "cpu" else 0
+def held_batches(accumulation_steps: int, device: torch.device) -> int:
+    """Batches alive on the device besides the step's own.
+
+    The Trainer fetches a whole accumulation window before its first micro batch runs
+    (``get_batch_samples``) and keeps it to the optimizer step; memfit's recovery replays those same
+    batches, so it holds nothing more (``memfit.recovery.batches_held`` counts the same ones).
+    accelerate's loader also reads the next batch ahead; that one stays in host memory, which is the
+    device's own only when training on the CPU.
+    """
+    lookahead = 1 if device.type == "cpu" else 0
+    return accumulation_steps - 1 + lookahead
 
 
 def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
@@ -428,7 +431,7 @@ class MemoryPlannerCallback(TrainerCallback):
             precision=precision,
             device="cuda" if device.type == "cuda" else "cpu",
             accumulation_steps=args.gradient_accumulation_steps,
-            extra_batches=batches_held(args.gradient_accumulation_steps, self.on_oom) + _lookahead_batches(device),
+            extra_batches=held_batches(args.gradient_accumulation_steps, device),
             ddp=ddp_config(args, model),
         )
         self.estimate = traced
