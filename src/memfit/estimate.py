@@ -97,6 +97,7 @@ class MemoryEstimate:
     zero_grad: ZeroGrad = "after_step"
     accumulation_steps: int = 1
     ddp: DDPConfig | None = None
+    extra_batches: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -174,6 +175,7 @@ class MemoryEstimate:
             "zero_grad": self.zero_grad,
             "accumulation_steps": self.accumulation_steps,
             "ddp": dataclasses.asdict(self.ddp) if self.ddp is not None else None,
+            "extra_batches": self.extra_batches,
             "notes": list(self.notes),
         }
 
@@ -230,7 +232,8 @@ def estimate(
         ddp: the step runs under ``DistributedDataParallel``: ``True`` for its defaults, or a
             ``memfit.DDPConfig``; adds its gradient buckets (see ``memfit.ddp``).
         extra_batches: batches the loop keeps on the device besides the step's own (memfit's
-            out-of-memory recovery keeps an accumulation window's earlier batches to replay them).
+            out-of-memory recovery keeps an accumulation window's earlier batches to replay them;
+            a loader reading ahead on the device); the only loop argument a forward-only pass takes.
 
     Raises:
         InvalidInputError: an argument cannot be used.
@@ -317,8 +320,8 @@ def _loop_settings(
         ddp = None
     if ddp is not None and not isinstance(ddp, DDPConfig):
         raise InvalidInputError(f"ddp must be True, False, None or a memfit.DDPConfig, got {ddp!r}")
-    if inference:  # no gradients: nothing of the training loop applies
-        return {}
+    if inference:  # no gradients: nothing of the training loop applies but the batches it holds
+        return {"extra_batches": extra_batches}
     return {
         "zero_grad": zero_grad,
         "accumulation_steps": accumulation_steps,
@@ -509,6 +512,7 @@ def _build_estimate(
         zero_grad=settings.zero_grad,
         accumulation_steps=settings.accumulation_steps,
         ddp=settings.ddp,
+        extra_batches=settings.extra_batches,
     )
 
 

@@ -5,20 +5,76 @@ state (and DDP's gradient buckets) stay from training. Lightning releases the gr
 its validation loop (``on_validation_model_zero_grad``) and the Hugging Face Trainer after every
 optimizer step, so the gradients are gone. A validation batch larger than the training batch, a
 common setting, can run out of memory where training did not; this tells before the run starts.
+
+An evaluation loop may also collect each batch's outputs on the device for its metrics: the
+Hugging Face Trainer keeps every batch's loss, logits and labels there until
+``eval_accumulation_steps`` batches have run (by default until the end of the evaluation set),
+and grows them by concatenation, which copies everything collected so far at every batch. For a
+language model the logits alone are ``batch x sequence x vocabulary`` numbers per batch, so this,
+not the forward, is what runs out of memory. ``CollectedOutputs`` describes that collection.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
 from memfit.estimate import MemoryEstimate
 from memfit.units import format_bytes
 
-__all__ = ["EvaluationPeak", "evaluation_peak"]
+__all__ = ["CollectedOutputs", "EvaluationPeak", "evaluation_peak", "largest_flush_every"]
 
 _CARRIED = (Category.OPTIMIZER_STATE, Category.GRADIENT_BUCKETS)
+
+
+@dataclass(frozen=True)
+class CollectedOutputs:
+    """Outputs an evaluation loop collects on the device from every batch, for its metrics.
+
+    Args:
+        bytes_per_sample: bytes per sample of each collection (e.g. ``{"predictions": ..., "labels": ...}``);
+            each is grown on its own, so a concatenation copies one collection at a time.
+        samples: samples collected over the whole pass (with several processes gathering their
+            outputs, all processes' samples).
+        samples_per_batch: samples added by one evaluation batch (the batch size, times the number
+            of processes when outputs are gathered).
+        flush_every: batches after which the collection leaves the device (the HF Trainer's
+            ``eval_accumulation_steps``); ``None``: it stays to the end of the pass.
+        concatenated: each batch is concatenated to what was collected (a copy of it all) rather
+            than appended to a list.
+    """
+
+    bytes_per_sample: Mapping[str, float]
+    samples: int
+    samples_per_batch: int
+    flush_every: int | None = None
+    concatenated: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "samples_per_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+        if self.flush_every is not None and (
+            isinstance(self.flush_every, bool) or not isinstance(self.flush_every, int) or self.flush_every < 1
+        ):
+            raise InvalidInputError(f"flush_every must be a positive integer or None, got {self.flush_every!r}")
+        if any(size < 0 for size in self.bytes_per_sample.values()):
+            raise InvalidInputError(f"bytes_per_sample must not be negative, got {dict(self.bytes_per_sample)}")
+
+    @property
+    def batches(self) -> int:
+        return math.ceil(self.samples / self.samples_per_batch)
+
+    @property
+    def total_bytes_per_sample(self) -> float:
+        return float(sum(self.bytes_per_sample.values()))
+
+    def flushed_every(self, batches: int | None) -> CollectedOutputs:
+        return replace(self, flush_every=batches)
 
 
 @dataclass(frozen=True)
@@ -30,20 +86,39 @@ class EvaluationPeak:
     reserved_bytes: int
     device_bytes: int
     carried_bytes: int  # optimizer state and DDP buckets kept from training
+    collected_bytes: int = 0  # outputs collected for the metrics, at the peak
+    collected: CollectedOutputs | None = field(default=None, repr=False)
+    forward: MemoryEstimate | None = field(default=None, repr=False)  # the forward-only estimate
 
     def summary(self) -> str:
-        return (
-            f"evaluation at batch {self.batch_size} needs {format_bytes(self.device_bytes)} "
-            f"({format_bytes(self.carried_bytes)} of it optimizer state kept from training)"
-        )
+        parts = [f"{format_bytes(self.carried_bytes)} of it optimizer state kept from training"]
+        if self.collected is not None and self.collected_bytes:
+            window = self.collected.flush_every
+            over = f"every {window} batches" if window else f"all {self.collected.batches} batches"
+            parts.append(f"{format_bytes(self.collected_bytes)} outputs collected for metrics ({over})")
+        return f"evaluation at batch {self.batch_size} needs {format_bytes(self.device_bytes)} ({'; '.join(parts)})"
 
 
-def evaluation_peak(training: MemoryEstimate, evaluation: MemoryEstimate) -> EvaluationPeak:
+def evaluation_peak(
+    training: MemoryEstimate,
+    evaluation: MemoryEstimate,
+    *,
+    collected: CollectedOutputs | None = None,
+    keeps_training_batches: bool = False,
+) -> EvaluationPeak:
     """Peaks of the forward-only pass ``evaluation`` (``estimate(..., inference=True)``) run beside
     what ``training`` (the run's training estimate) keeps between steps.
 
+    Args:
+        collected: outputs the loop collects on the device batch after batch, if any.
+        keeps_training_batches: the training loop's batches stay alive through the evaluation (the
+            HF Trainer evaluates inside its step loop, which still holds the window's batches).
+
     The carried state is added to both peaks at its traced block sizes; the reserved figure assumes
     it sits in segments of its own, which holds for state allocated by the first optimizer step.
+    Collected outputs are added at their tensor bytes and assumed to reuse cached blocks: growing
+    tensors leave freed blocks behind, which the caching allocator releases and retries with
+    before it reports out of memory.
     """
     if evaluation.optimizer != "none (inference)":
         raise InvalidInputError("evaluation must be an estimate of a forward-only pass: estimate(..., inference=True)")
@@ -51,12 +126,95 @@ def evaluation_peak(training: MemoryEstimate, evaluation: MemoryEstimate) -> Eva
     if not optimizer_phases:
         raise InvalidInputError("training must be an estimate of a training step (it has no optimizer step)")
     state = optimizer_phases[-1].breakdown
-    carried = sum(state.get(category, 0) for category in _CARRIED)
-    reserved = evaluation.peak_reserved_bytes + carried
+    carried_categories = (*_CARRIED, Category.INPUTS) if keeps_training_batches else _CARRIED
+    carried = sum(state.get(category, 0) for category in carried_categories)
+    allocated, collected_at_peak = evaluation.peak_allocated_bytes, 0
+    if collected is not None:
+        allocated, collected_at_peak = _peak_with_collection(evaluation, collected)
+    reserved = allocated + evaluation.allocator_overhead_bytes + carried
     return EvaluationPeak(
         batch_size=evaluation.batch_size,
-        allocated_bytes=evaluation.peak_allocated_bytes + carried,
+        allocated_bytes=allocated + carried,
         reserved_bytes=reserved,
         device_bytes=reserved + (evaluation.cuda_context_bytes or 0),
         carried_bytes=carried,
+        collected_bytes=collected_at_peak,
+        collected=collected,
+        forward=evaluation,
     )
+
+
+def largest_flush_every(
+    training: MemoryEstimate,
+    evaluation: MemoryEstimate,
+    collected: CollectedOutputs,
+    budget_bytes: int,
+    *,
+    include_context: bool = False,
+    keeps_training_batches: bool = False,
+) -> int | None:
+    """The most batches the collection may stay on the device with the pass within ``budget_bytes``
+    (the HF Trainer's ``eval_accumulation_steps``); ``None`` when even one batch does not fit."""
+
+    def needed(batches: int) -> int:
+        peak = evaluation_peak(
+            training, evaluation, collected=collected.flushed_every(batches),
+            keeps_training_batches=keeps_training_batches,
+        )  # fmt: skip
+        return peak.device_bytes if include_context else peak.reserved_bytes
+
+    low, high = 1, collected.batches
+    if needed(low) > budget_bytes:
+        return None
+    while low < high:  # the peak grows with the batches kept
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if needed(middle) <= budget_bytes else (low, middle - 1)
+    return low
+
+
+def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutputs) -> tuple[int, int]:
+    """Allocated peak of the pass and the collected bytes at that moment, batch by batch.
+
+    Before batch ``k``'s forward the collection holds the window's earlier batches, and with
+    concatenation the loop's variables still hold batch ``k - 1``'s outputs apart from it (except
+    right after the window's first batch, which the collection holds as is). Concatenating batch
+    ``k`` keeps the old collection, the batch and the result alive at once: twice the grown
+    collection for the collection being copied. Input batches scale with their size, and a loader
+    reading ahead (``evaluation.extra_batches``) has nothing left to read at the end.
+    """
+    per_sample = collected.total_bytes_per_sample
+    largest = max(collected.bytes_per_sample.values(), default=0.0)
+    fixed = sum(evaluation.breakdown.get(category, 0) for category in (Category.PARAMETERS, Category.BUFFERS))
+    traced_inputs = evaluation.breakdown.get(Category.INPUTS, 0)
+    one_batch_inputs = traced_inputs / (1 + evaluation.extra_batches)  # at the traced batch size
+    window = collected.flush_every or collected.batches
+    sizes = [
+        min(collected.samples_per_batch, collected.samples - index * collected.samples_per_batch)
+        for index in range(collected.batches)
+    ]
+    forward_batches = [max(1, math.ceil(size * evaluation.batch_size / collected.samples_per_batch)) for size in sizes]
+    peak, collected_at_peak = 0, 0
+    held = previous = 0
+    for index, (size, forward_batch) in enumerate(zip(sizes, forward_batches, strict=True)):
+        position = index % window  # 0 for the window's first batch
+        if position == 0:
+            held = previous = 0
+        ahead = forward_batches[index + 1 : index + 1 + evaluation.extra_batches]
+        inputs = one_batch_inputs * (forward_batch + sum(ahead)) / evaluation.batch_size
+        if forward_batch == evaluation.batch_size:
+            forward, inputs_in_forward = evaluation.peak_allocated_bytes, traced_inputs
+        else:  # the linear model scales every input batch with this one
+            forward = evaluation.at(forward_batch).allocated_bytes
+            inputs_in_forward = traced_inputs * forward_batch / evaluation.batch_size
+        forward += round(inputs - inputs_in_forward)
+        carried_over = previous if collected.concatenated and position >= 2 else 0
+        outputs = round(per_sample * (held + carried_over))
+        if forward + outputs > peak:
+            peak, collected_at_peak = forward + outputs, outputs
+        if collected.concatenated and position >= 1:
+            outputs = round((held + size) * (per_sample + largest))
+            if fixed + inputs + outputs > peak:
+                peak, collected_at_peak = round(fixed + inputs) + outputs, outputs
+        held += size
+        previous = size
+    return peak, collected_at_peak

@@ -33,7 +33,7 @@ from memfit.categories import Category, Phase
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.cuda_semantics import CudaSemantics
 from memfit.ddp import DDPConfig
-from memfit.errors import InvalidInputError, TraceError, ValueDependentError
+from memfit.errors import InvalidInputError, MemfitError, TraceError, ValueDependentError
 from memfit.model_state import (
     module_path_tracker,
     onednn_disabled,
@@ -184,15 +184,23 @@ def _trace_inference(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, recorder, paths, torch.no_grad():
         swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
-        batch = rebatch(sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder))
-        if isinstance(batch, dict) and settings.forward_fn is None:
-            batch = {k: v for k, v in batch.items() if k != "labels"}  # serving computes no loss
+
+        def fake_batch() -> Any:
+            batch = rebatch(
+                sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
+            )
+            if isinstance(batch, dict) and settings.forward_fn is None:
+                batch = {k: v for k, v in batch.items() if k != "labels"}  # serving computes no loss
+            return batch
+
+        batch = fake_batch()
+        held = [fake_batch() for _ in range(settings.extra_batches)]  # a loader reading ahead, say
         recorder.mark(1, Phase.FORWARD)
         with _autocast(settings, semantics), _failure("forward", model, batch, paths):
             output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
         recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=0)
         recorder.close()
-        del output
+        del output, held
     return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops)
 
 
@@ -295,7 +303,7 @@ def _failure(stage: str, model: nn.Module, batch: Any, paths: module_path_tracke
     """Turn whatever the user's code raises under fake tensors into a memfit error that says what to do."""
     try:
         yield
-    except TraceError:
+    except MemfitError:  # already says what is wrong (memfit's own forward functions raise these)
         raise
     except _VALUE_ERRORS as exc:
         where = f" in module `{paths.current}`" if paths.current else ""
