@@ -174,6 +174,71 @@ def hf_train(
     return train, callback
 
 
+class _Classifier(nn.Module):
+    """The MLP as a classifier over ``WIDTH`` classes: logits as wide as its activations, a loss with labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def _accuracy(prediction: Any) -> dict[str, float]:
+    """Accuracy in numpy, on the host, as metrics are: nothing here allocates on the device."""
+    import numpy as np
+
+    predictions, labels = prediction.predictions, prediction.label_ids
+    if isinstance(predictions, list):  # eval_do_concat_batches=False
+        predictions, labels = np.concatenate(predictions), np.concatenate(labels)
+    return {"accuracy": float((predictions.argmax(-1) == labels).mean())}
+
+
+EVAL_BATCH = BATCH // 2
+
+
+def hf_train_with_evaluation(
+    root: Path,
+    eval_batches: int,
+    device: str = "cpu",
+    *,
+    concatenated: bool = True,
+    eval_accumulation_steps: int | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+) -> tuple[Callable[[], None], Any]:
+    """A real ``Trainer.train`` (AdamW, 3 steps) evaluating after step 2 with ``compute_metrics``: every
+    evaluation batch's logits and labels are collected on the device until the pass ends."""
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.huggingface import MemoryPlannerCallback
+
+    callback = MemoryPlannerCallback(verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    train = [{"x": row, "labels": torch.tensor(i % WIDTH)}
+             for i, row in enumerate(torch.randn(BATCH * 4, WIDTH, generator=generator))]  # fmt: skip
+    rows = torch.randn(EVAL_BATCH * eval_batches, WIDTH, generator=generator)
+    evaluation = [{"x": row, "labels": torch.tensor(i % WIDTH)} for i, row in enumerate(rows)]
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=BATCH, per_device_eval_batch_size=EVAL_BATCH, max_steps=3,
+        optim="adamw_torch", learning_rate=0.01, max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[],
+        save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True, eval_strategy="steps",
+        eval_steps=2, eval_do_concat_batches=concatenated, eval_accumulation_steps=eval_accumulation_steps,
+    )  # fmt: skip
+
+    def train_and_evaluate() -> None:
+        torch.manual_seed(0)
+        Trainer(
+            model=_Classifier(), args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[callback],
+            compute_metrics=_accuracy, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        ).train()  # fmt: skip
+
+    return train_and_evaluate, callback
+
+
 def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     # No broadcast of the weights at wrapping: with one process it only copies them, and gloo may
     # keep that copy until a garbage collection, inside the measured steps.
@@ -251,6 +316,13 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     for on_oom, accumulation in [("replan", 1), ("replan", 2), ("raise", 2)]:
         run, callback = hf_train(root / f"hf-{on_oom}-{accumulation}", accumulation, device, on_oom)
         add(f"HF Trainer.train, on_oom={on_oom}, accumulation {accumulation}", run, lambda c=callback: c.estimate)
+    evaluations = [("concatenated", 32, {}), ("kept as a list", 64, {"concatenated": False})]
+    if device == "cuda":  # on the CPU the collection moves nowhere
+        evaluations.append(("moved to the CPU every 8 batches", 32, {"eval_accumulation_steps": 8}))
+    for label, batches, options in evaluations:
+        run, callback = hf_train_with_evaluation(root / f"hf-eval-{batches}-{len(options)}", batches, device, **options)
+        add(f"HF Trainer.train (AdamW) + evaluation of {batches} x {EVAL_BATCH} samples, logits {label}", run,
+            lambda c=callback: max(c.estimate, c.evaluation, key=lambda e: _peaks(e)[0]))  # fmt: skip
     return rows
 
 

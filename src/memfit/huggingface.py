@@ -45,6 +45,7 @@ from memfit.ddp import DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
+from memfit.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
 from memfit.measure import PeakSampler, current_rss_bytes
 from memfit.planner import Plan, plan
 from memfit.recovery import (
@@ -59,17 +60,25 @@ from memfit.recovery import (
 )
 from memfit.units import format_bytes
 
-__all__ = ["PLAN_FILE", "MemoryPlannerCallback", "PlannedArguments", "plan_training_arguments"]
+__all__ = [
+    "PLAN_FILE",
+    "MemoryPlannerCallback",
+    "PlannedArguments",
+    "plan_training_arguments",
+    "predict_evaluation",
+]
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
 
 
 class PlannedArguments(NamedTuple):
-    """``TrainingArguments`` with the plan applied, the plan, and the estimate behind it."""
+    """``TrainingArguments`` with the plan applied, the plan, the estimate behind it, and the predicted
+    evaluation pass (``None`` without an ``eval_dataset``)."""
 
     args: TrainingArguments
     plan: Plan
     estimate: MemoryEstimate
+    evaluation: EvaluationPeak | None = None
 
 
 def plan_training_arguments(
@@ -86,11 +95,20 @@ def plan_training_arguments(
     min_batch_size: int = 1,
     max_batch_size: int | None = None,
     resume_from_checkpoint: str | bool | None = None,
+    eval_dataset: Any = None,
+    compute_metrics: Any = None,
+    preprocess_logits_for_metrics: Any = None,
 ) -> PlannedArguments:
     """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
 
+    With an ``eval_dataset`` the evaluation pass is predicted too, beside the optimizer state
+    training leaves, with the outputs the Trainer collects for ``compute_metrics``. When it would
+    not fit, ``eval_accumulation_steps`` (if you left it unset) is set to the most batches whose
+    outputs fit on the GPU before they move to the CPU; otherwise a warning says what to change.
+
     Args:
-        model, args, train_dataset, data_collator, processing_class: what you will pass to ``Trainer``.
+        model, args, train_dataset, data_collator, processing_class, eval_dataset, compute_metrics,
+            preprocess_logits_for_metrics: what you will pass to ``Trainer``.
         budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the
             device the run will use (the CUDA GPU if there is one, else the available RAM).
         margin: fraction of the budget kept free.
@@ -106,11 +124,10 @@ def plan_training_arguments(
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
     budget_bytes = parse_budget(budget)
     configured = args.per_device_train_batch_size
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+    device = _run_device(args)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class)
-    optimizer = _optimizer_factory(args, model)
-    precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
-    kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": precision, "device": device.type}
+    optimizer = _trainer_optimizer(args, model)
+    kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": _precision(args), "device": device.type}
     kwargs["ddp"] = ddp_config(args, model)
     accumulation = args.gradient_accumulation_steps
     traced = estimate(
@@ -128,6 +145,7 @@ def plan_training_arguments(
         )  # fmt: skip
 
     restored = _saved_plan(args, resume_from_checkpoint)
+    capacity = 0
     if restored is not None:
         chosen = Plan(**{**restored, "reasons": (*restored["reasons"], "restored from the checkpoint")})
     else:
@@ -150,13 +168,233 @@ def plan_training_arguments(
         )
     # transformers 5 calls the switch activation_checkpointing; 4.x called it gradient_checkpointing
     switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
-    planned = dataclasses.replace(
-        args,
-        per_device_train_batch_size=chosen.micro_batch_size,
-        gradient_accumulation_steps=chosen.accumulate_grad_batches,
-        **{switch: chosen.gradient_checkpointing or bool(getattr(args, switch))},
+    changes: dict[str, Any] = {
+        "per_device_train_batch_size": chosen.micro_batch_size,
+        "gradient_accumulation_steps": chosen.accumulate_grad_batches,
+        switch: chosen.gradient_checkpointing or bool(getattr(args, switch)),
+    }
+    evaluation = None
+    if eval_dataset is not None:
+        training = traced_at(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
+        evaluation, flush_every = _planned_evaluation(
+            model, args, eval_dataset, training, device, chosen.budget_bytes or int(capacity * (1 - margin)),
+            include_context=device.type == "cuda" and budget_bytes is not None, data_collator=data_collator,
+            processing_class=processing_class, compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )  # fmt: skip
+        if flush_every is not None:
+            changes["eval_accumulation_steps"] = flush_every
+            chosen = dataclasses.replace(chosen, reasons=(
+                *chosen.reasons, f"eval_accumulation_steps={flush_every}: the outputs collected for compute_metrics "
+                "move to the CPU before they fill the GPU",
+            ))  # fmt: skip
+    return PlannedArguments(dataclasses.replace(args, **changes), chosen, traced, evaluation)
+
+
+def _planned_evaluation(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    eval_dataset: Any,
+    training: MemoryEstimate,
+    device: torch.device,
+    budget_bytes: int,
+    *,
+    include_context: bool,
+    **trainer_inputs: Any,
+) -> tuple[EvaluationPeak | None, int | None]:
+    """The predicted evaluation pass and, when it does not fit and the user left it unset, the
+    ``eval_accumulation_steps`` that makes it fit. The training plan stands whatever happens here."""
+    try:
+        evaluation = predict_evaluation(model, args, eval_dataset, training, device=device, **trainer_inputs)
+    except Exception as error:
+        _info(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})")
+        return None, None
+    if _needed(evaluation, include_context) <= budget_bytes:
+        return evaluation, None
+    steps = _fitting_flush(evaluation, training, device, budget_bytes, include_context)
+    if steps is not None:
+        collected = evaluation.collected.flushed_every(steps)
+        return evaluation_peak(training, evaluation.forward, collected=collected, keeps_training_batches=True), steps
+    warnings.warn(_evaluation_warning(evaluation, budget_bytes), UserWarning, stacklevel=3)
+    return evaluation, None
+
+
+def predict_evaluation(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    eval_dataset: Any,
+    training: MemoryEstimate,
+    *,
+    device: torch.device | None = None,
+    data_collator: Any = None,
+    processing_class: Any = None,
+    compute_metrics: Any = None,
+    preprocess_logits_for_metrics: Any = None,
+) -> EvaluationPeak:
+    """The Trainer's evaluation pass beside what ``training`` (its training estimate) leaves on the device.
+
+    The forward is ``prediction_step``'s: eval mode, no gradients, the loss computed when the batch
+    has labels. With ``compute_metrics`` every batch's predictions (the outputs but the loss and
+    ``config.keys_to_ignore_at_inference``, after ``preprocess_logits_for_metrics``) and labels stay
+    on the device, concatenated, until ``eval_accumulation_steps`` batches have run or the pass
+    ends; the losses always do. A dict of evaluation sets is predicted set by set; the largest
+    pass is returned.
+    """
+    if device is None:
+        device = _run_device(args)
+    if isinstance(eval_dataset, dict):
+        if not eval_dataset:
+            raise InvalidInputError("eval_dataset is an empty dict")
+        passes = [
+            predict_evaluation(
+                model, args, one, training, device=device, data_collator=data_collator,
+                processing_class=processing_class, compute_metrics=compute_metrics,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            )
+            for one in eval_dataset.values()
+        ]  # fmt: skip
+        return max(passes, key=lambda peak: peak.allocated_bytes)
+    try:
+        samples = len(eval_dataset)
+    except TypeError:
+        raise InvalidInputError("eval_dataset has no length: memfit cannot tell how many batches it collects") from None
+    batch = args.per_device_eval_batch_size
+    sample = collated_sample(model, args, eval_dataset, batch, data_collator, processing_class)
+    step = _PredictionStep(
+        model, args, collect_predictions=compute_metrics is not None and not args.prediction_loss_only,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+    )  # fmt: skip
+    forward = estimate(
+        model, sample, batch_size=batch, inference=True, precision=_precision(args), device=device.type,
+        forward_fn=step, extra_batches=1 if device.type == "cpu" else 0,  # the loader reads one batch ahead
+    )  # fmt: skip
+    collected = None
+    if step.bytes_per_sample and not args.batch_eval_metrics:
+        collected = CollectedOutputs(
+            bytes_per_sample=step.bytes_per_sample,
+            samples=samples,
+            samples_per_batch=batch * args.world_size,  # every process gathers every process's outputs
+            # On the CPU the collection moves nowhere: eval_accumulation_steps only turns it into numpy arrays.
+            flush_every=args.eval_accumulation_steps if device.type == "cuda" else None,
+            concatenated=bool(getattr(args, "eval_do_concat_batches", True)),
+        )
+    return evaluation_peak(training, forward, collected=collected, keeps_training_batches=True)
+
+
+class _PredictionStep:
+    """The forward of ``Trainer.prediction_step``, noting the bytes each batch leaves collected."""
+
+    def __init__(self, model: torch.nn.Module, args: TrainingArguments, *, collect_predictions: bool,
+                 preprocess_logits_for_metrics: Any) -> None:  # fmt: skip
+        from transformers.utils import can_return_loss, find_labels
+
+        self.label_names = args.label_names if args.label_names is not None else find_labels(type(model))
+        self.returns_loss = can_return_loss(type(model))
+        config = getattr(model, "config", None)
+        self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])) if config else []
+        self.collect_predictions = collect_predictions
+        self.preprocess = preprocess_logits_for_metrics
+        self.eval_batch_size = args.eval_batch_size
+        self.per_device_eval_batch_size = args.per_device_eval_batch_size
+        self.collect_inputs = "inputs" in (getattr(args, "include_for_metrics", None) or [])
+        self.main_input_name = getattr(model, "main_input_name", "input_ids")
+        self.bytes_per_sample: dict[str, float] = {}
+
+    def __call__(self, module: torch.nn.Module, batch: Any) -> Any:
+        if not isinstance(batch, dict):
+            raise InvalidInputError(f"the Trainer passes dict batches; the evaluation batch is {type(batch).__name__}")
+        outputs = module(**batch)
+        has_labels = bool(self.label_names) and all(batch.get(name) is not None for name in self.label_names)
+        with_loss = has_labels or (not self.label_names and self.returns_loss)
+        samples = _leading_dim(batch)  # the trace runs this at more than one batch size
+        collected: dict[str, float] = {}
+        if with_loss:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+            # loss.repeat(eval_batch_size): per batch, not per sample; a batch holds per_device_eval_batch_size
+            collected["losses"] = loss.element_size() * self.eval_batch_size / self.per_device_eval_batch_size
+        if self.collect_predictions:
+            ignored = [*self.ignore_keys, "loss"] if with_loss else self.ignore_keys
+            if isinstance(outputs, dict):
+                predictions: Any = tuple(v for k, v in outputs.items() if k not in ignored)
+            else:
+                predictions = outputs[1:] if with_loss else outputs
+            if isinstance(predictions, tuple) and len(predictions) == 1:
+                predictions = predictions[0]
+            labels: Any = None
+            if with_loss and has_labels:
+                labels = tuple(batch.get(name) for name in self.label_names)
+                labels = labels[0] if len(labels) == 1 else labels
+            if self.preprocess is not None:
+                try:
+                    predictions = self.preprocess(predictions, labels)
+                except Exception as error:
+                    raise InvalidInputError(
+                        f"preprocess_logits_for_metrics failed on shape-only tensors ({type(error).__name__}: "
+                        f"{error}); memfit cannot size what it keeps"
+                    ) from error
+            collected["predictions"] = _tensor_bytes(predictions) / samples
+            if labels is not None:
+                collected["labels"] = _tensor_bytes(labels) / samples
+            if self.collect_inputs and isinstance(batch.get(self.main_input_name), torch.Tensor):
+                collected["inputs"] = _tensor_bytes(batch[self.main_input_name]) / samples
+        self.bytes_per_sample = collected
+        return outputs
+
+
+def _leading_dim(batch: dict[str, Any]) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise InvalidInputError("the evaluation batch holds no tensor with a batch dimension")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _fitting_flush(
+    evaluation: EvaluationPeak, training: MemoryEstimate, device: torch.device, budget_bytes: int,
+    include_context: bool,
+) -> int | None:  # fmt: skip
+    """The most batches of collected outputs that fit before they move to the CPU, when moving them helps."""
+    collected = evaluation.collected
+    if collected is None or collected.flush_every is not None or device.type != "cuda" or evaluation.forward is None:
+        return None
+    return largest_flush_every(
+        training, evaluation.forward, collected, budget_bytes, include_context=include_context,
+        keeps_training_batches=True,
+    )  # fmt: skip
+
+
+def _needed(evaluation: EvaluationPeak, include_context: bool) -> int:
+    return evaluation.device_bytes if include_context else evaluation.reserved_bytes
+
+
+def _evaluation_warning(evaluation: EvaluationPeak, budget_bytes: int, flush_every: int | None = None) -> str:
+    advice = ["lower per_device_eval_batch_size"]
+    if flush_every is not None:
+        advice.insert(0, f"set eval_accumulation_steps={flush_every} (the most batches of outputs that fit)")
+    if evaluation.collected is not None and evaluation.collected.bytes_per_sample.get("predictions"):
+        advice.append("pass preprocess_logits_for_metrics that keeps less than the logits (their argmax, say)")
+    return (
+        f"memfit: evaluation may run out of memory where training fits: {evaluation.summary()}, over the "
+        f"{format_bytes(budget_bytes)} budget. To fit: {'; or '.join(advice)}."
     )
-    return PlannedArguments(planned, chosen, traced)
+
+
+def _run_device(args: TrainingArguments) -> torch.device:
+    """Where the Trainer will train: the CUDA GPU if there is one and ``use_cpu`` is off."""
+    return torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+
+
+def _precision(args: TrainingArguments) -> str:
+    return "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
 
 
 def held_batches(accumulation_steps: int, device: torch.device) -> int:
@@ -217,18 +455,39 @@ def collated_sample(
     return dict(batch) if isinstance(batch, dict) else batch
 
 
-def _optimizer_factory(args: TrainingArguments, model: torch.nn.Module) -> Any:
-    """The optimizer ``args.optim`` names, built the way the Trainer builds it."""
+def _trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
+    """The optimizer ``args.optim`` names, built as ``Trainer.create_optimizer`` builds it: weights
+    with weight decay in one group, biases and norms without in another (single-tensor optimizers
+    step group by group, which changes the step's peak). Nothing is allocated until its first step."""
     try:
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except Exception as error:
         raise InvalidInputError(f"cannot build the optimizer {args.optim!r} to trace it: {error}") from error
+    if not {"params", "model"} & set(optimizer_kwargs) and isinstance(optimizer_cls, type):
+        try:
+            decay = set(Trainer.get_decay_parameter_names(None, model))  # reads nothing of the Trainer
+            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            return optimizer_cls(
+                [
+                    {"params": [p for name, p in trainable if name in decay], "weight_decay": args.weight_decay},
+                    {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0},
+                ],
+                **optimizer_kwargs,
+            )
+        except Exception:  # the class over all parameters, as before; only the grouping is lost
+            pass
 
     def build(params: Any) -> torch.optim.Optimizer:
         return optimizer_cls(params, **optimizer_kwargs)
 
     build.__name__ = getattr(optimizer_cls, "__name__", str(args.optim))
     return build
+
+
+def _running_optimizer(args: TrainingArguments, model: torch.nn.Module, optimizer: Any) -> Any:
+    """The optimizer the Trainer created (unwrapped from accelerate), else the one ``args`` names."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, torch.optim.Optimizer) else _trainer_optimizer(args, model)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:
@@ -308,6 +567,7 @@ class MemoryPlannerCallback(TrainerCallback):
         self._handler: Any = None
         self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before; _UNSET: nothing)
         self.estimate: MemoryEstimate | None = None
+        self.evaluation: EvaluationPeak | None = None
         self.monitor: DriftMonitor | None = None
         self._sampler: PeakSampler | None = None
         self._pending: dict[str, float] = {}
@@ -333,11 +593,13 @@ class MemoryPlannerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         try:
-            self._predict(args, kwargs.get("model"), kwargs.get("train_dataloader"))
+            self._predict(args, kwargs.get("model"), kwargs.get("train_dataloader"), kwargs.get("optimizer"))
         except MemfitError as error:
             self._warn("predict", f"memfit could not predict this run ({error}); no drift is logged")
         except Exception as error:  # never let memfit end the run
             self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
+        if self.estimate is not None:
+            self._check_evaluation(args, kwargs.get("model"))
         if self.on_oom == "replan":
             try:
                 self._install_recovery(args, kwargs.get("model"))
@@ -416,19 +678,18 @@ class MemoryPlannerCallback(TrainerCallback):
             )
 
     # --------------------------------------------------------------- helpers
-    def _predict(self, args: TrainingArguments, model: Any, loader: Any) -> None:
+    def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
         sample = loader.collate_fn([loader.dataset[i % len(loader.dataset)] for i in range(micro)])
         device = next(model.parameters()).device
-        precision = "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
         traced = estimate(
             model,
             dict(sample) if isinstance(sample, dict) else sample,
             batch_size=micro,
-            optimizer=_optimizer_factory(args, model),
-            precision=precision,
+            optimizer=_running_optimizer(args, model, optimizer),
+            precision=_precision(args),
             device="cuda" if device.type == "cuda" else "cpu",
             accumulation_steps=args.gradient_accumulation_steps,
             extra_batches=held_batches(args.gradient_accumulation_steps, device),
@@ -450,6 +711,29 @@ class MemoryPlannerCallback(TrainerCallback):
                 f"{format_bytes(traced.peak_allocated_bytes)} allocated at micro batch {micro}"
                 + (f" (plan: {self.plan.summary()})" if self.plan else "")
             )
+
+    def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
+        """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""
+        self.evaluation = None
+        trainer = self._find_trainer()
+        if trainer is None or model is None or trainer.eval_dataset is None:
+            return
+        device = next(model.parameters()).device
+        try:
+            self.evaluation = predict_evaluation(
+                trainer.accelerator.unwrap_model(model), args, trainer.eval_dataset, self.estimate, device=device,
+                data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
+                preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
+            )  # fmt: skip
+        except Exception as error:  # the run goes on; only this check is lost
+            if self.verbose:
+                _info(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})")
+            return
+        free = free_device_bytes(device) if self.plan is None else 0
+        budget = self.plan.budget_bytes if self.plan is not None else int(free * (1 - self.margin))
+        if budget > 0 and self.evaluation.reserved_bytes > budget:
+            steps = _fitting_flush(self.evaluation, self.estimate, device, budget, include_context=False)
+            self._warn("evaluation", _evaluation_warning(self.evaluation, budget, steps))
 
     def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
         """Wrap the Trainer's ``training_step`` (run the batch in chunks through ``OOMRecovery``) and its
@@ -524,6 +808,9 @@ class MemoryPlannerCallback(TrainerCallback):
         self._patch(trainer, "training_step", training_step)
         self._patch(trainer, "compute_loss", compute_loss)
         if original_optimizer_step is not None:
+            if hasattr(original_optimizer_step, "_wrapped_by_lr_sched"):
+                # the LR scheduler's own wrapper still runs inside: keep it from warning that step was replaced
+                optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             self._patch(optimizer, "step", optimizer_step)
         self.recovery = recovery
 
