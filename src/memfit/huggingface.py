@@ -145,7 +145,6 @@ def plan_training_arguments(
         )  # fmt: skip
 
     restored = _saved_plan(args, resume_from_checkpoint)
-    capacity = 0
     if restored is not None:
         chosen = Plan(**{**restored, "reasons": (*restored["reasons"], "restored from the checkpoint")})
     else:
@@ -177,7 +176,7 @@ def plan_training_arguments(
     if eval_dataset is not None:
         training = traced_at(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
         evaluation, flush_every = _planned_evaluation(
-            model, args, eval_dataset, training, device, chosen.budget_bytes or int(capacity * (1 - margin)),
+            model, args, eval_dataset, training, device, chosen.budget_bytes,
             include_context=device.type == "cuda" and budget_bytes is not None, data_collator=data_collator,
             processing_class=processing_class, compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
@@ -599,7 +598,10 @@ class MemoryPlannerCallback(TrainerCallback):
         except Exception as error:  # never let memfit end the run
             self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
         if self.estimate is not None:
-            self._check_evaluation(args, kwargs.get("model"))
+            try:
+                self._check_evaluation(args, kwargs.get("model"))
+            except Exception as error:  # never let memfit end the run
+                self._warn("evaluation", f"memfit could not check evaluation ({type(error).__name__}: {error})")
         if self.on_oom == "replan":
             try:
                 self._install_recovery(args, kwargs.get("model"))
