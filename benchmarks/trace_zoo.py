@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
+from memfit.checkpointing import enable_checkpointing
 from memfit.measure import nvml_device_used_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
@@ -172,7 +173,7 @@ def measure(config: Config, steps: int = 3) -> dict[str, Any]:
     if config.precision in ("bf16", "bf16-true"):
         model = model.to(torch.bfloat16)
     if config.checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)  # the model's own switch, non-reentrant, under whichever name transformers uses
     model.train()
     optimizer = {
         "adamw": lambda: torch.optim.AdamW(model.parameters()),

@@ -9,6 +9,7 @@ from torch import nn
 import memfit
 import zoo
 from memfit import InvalidInputError, TraceError, ValueDependentError
+from memfit.huggingface import model_checkpointing
 
 
 class ReadsValues(nn.Module):
@@ -127,4 +128,4 @@ def test_model_is_restored_after_a_failure_mid_trace() -> None:
     with pytest.raises(TraceError):
         memfit.estimate(case.model, case.batch, loss_fn=lambda out, batch: out.logits)  # not a scalar
     assert {name: id(p) for name, p in case.model.named_parameters()} == parameters
-    assert not case.model.is_activation_checkpointing
+    assert not model_checkpointing(case.model)

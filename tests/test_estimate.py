@@ -13,6 +13,7 @@ import memfit
 import zoo
 from memfit import Category, Phase
 from memfit.allocator import round_size
+from memfit.huggingface import model_checkpointing
 from memfit.runtime import cublas_workspace_bytes
 
 
@@ -134,7 +135,7 @@ def test_model_is_left_untouched_after_tracing_with_checkpointing() -> None:
     before = _snapshot(case.model)
     memfit.estimate(case.model, case.batch, gradient_checkpointing=True)
     _assert_same(before, _snapshot(case.model))
-    assert not case.model.is_activation_checkpointing
+    assert not model_checkpointing(case.model)
     plain = zoo.resnet_case()
     before = _snapshot(plain.model)
     memfit.estimate(

@@ -14,7 +14,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import memfit
-from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, plan_training_arguments
+from memfit.huggingface import (
+    PLAN_FILE,
+    MemoryPlannerCallback,
+    checkpointing_switch,
+    model_checkpointing,
+    plan_training_arguments,
+)
 
 SEQ = 32
 VOCAB = 500
@@ -108,10 +114,10 @@ def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> N
     checkpointed = memfit.estimate(model, sample, device="cpu", gradient_checkpointing=True, accumulation_steps=4)
     budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
     planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
-    assert planned.plan.gradient_checkpointing and planned.args.activation_checkpointing
+    assert planned.plan.gradient_checkpointing and getattr(planned.args, checkpointing_switch(args))
     trainer = Trainer(model=model, args=planned.args, train_dataset=data)
     trainer.train()
-    assert model.is_activation_checkpointing
+    assert model_checkpointing(model)
 
 
 def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,14 +213,16 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
 
     def args(**overrides: Any) -> Any:
         fields = {"world_size": 2, "fsdp": None, "deepspeed": None, "ddp_find_unused_parameters": None,
-                  "ddp_bucket_cap_mb": None, "ddp_static_graph": None, "activation_checkpointing": False}  # fmt: skip
+                  "ddp_bucket_cap_mb": None, "ddp_static_graph": None, "gradient_checkpointing": False}  # fmt: skip
         return types.SimpleNamespace(**{**fields, **overrides})
 
     model = tiny_gpt2()
     assert ddp_config(args(world_size=1), model) is None
     assert ddp_config(args(fsdp="full_shard"), model) is None  # sharded: not DDP
     assert ddp_config(args(), model) == DDPConfig(find_unused_parameters=True)
-    assert ddp_config(args(activation_checkpointing=True), model) == DDPConfig(find_unused_parameters=False)
+    assert ddp_config(args(gradient_checkpointing=True), model) == DDPConfig(find_unused_parameters=False)
+    renamed = args(activation_checkpointing=True)  # the newer name wins where both exist
+    assert ddp_config(renamed, model) == DDPConfig(find_unused_parameters=False)
     assert ddp_config(args(ddp_bucket_cap_mb=50, ddp_static_graph=True, ddp_find_unused_parameters=False), model) == (
         DDPConfig(bucket_cap_mb=50, static_graph=True)
     )

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 
 import memfit
 from lightning_models import SEQ, ModuleForDataModule, NoBatchAttribute, ReadsValues, TinyGPT, TokenData
+from memfit.huggingface import model_checkpointing
 from memfit.lightning import MemoryPlanner
 
 MARGIN = 0.05
@@ -171,7 +172,7 @@ def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> 
     fit = trainer(tmp_path, callback, max_steps=1)
     fit.fit(module)
     assert callback.plan.gradient_checkpointing
-    assert module.model.is_activation_checkpointing
+    assert model_checkpointing(module.model)
 
 
 def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ def enable_checkpointing(
     ``preserved_module_state``; in a real run it stays on.
 
     Hugging Face models, also when nested in another module (a LightningModule), use their own switch
-    (``activation_checkpointing_enable`` in transformers 5, ``gradient_checkpointing_enable``
-    before), non-reentrant as transformers defaults to. Other modules get ``torch.utils.checkpoint``
+    (``activation_checkpointing_enable`` in recent transformers, ``gradient_checkpointing_enable``
+    in older ones), non-reentrant as transformers defaults to. Other modules get ``torch.utils.checkpoint``
     around each block: the classes or qualified names in ``modules``, or by default the children
     of the longest list of identical blocks. ``recompute_context`` makes a context the
     recomputation in backward runs under (the autograd engine does not carry torch-function modes

@@ -165,8 +165,7 @@ def plan_training_arguments(
             include_context=device.type == "cuda" and budget_bytes is not None,
             confirm=traced_at,
         )
-    # transformers 5 calls the switch activation_checkpointing; 4.x called it gradient_checkpointing
-    switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    switch = checkpointing_switch(args)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": chosen.micro_batch_size,
         "gradient_accumulation_steps": chosen.accumulate_grad_batches,
@@ -409,6 +408,18 @@ def held_batches(accumulation_steps: int, device: torch.device) -> int:
     return accumulation_steps - 1 + lookahead
 
 
+def checkpointing_switch(args: Any) -> str:
+    """The ``TrainingArguments`` field that turns checkpointing on: ``activation_checkpointing`` in
+    recent transformers (5.23), ``gradient_checkpointing`` in older ones (4.x, 5.17)."""
+    return "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+
+
+def model_checkpointing(model: Any) -> bool:
+    """Whether a ``PreTrainedModel`` has checkpointing on, under either name its transformers uses."""
+    names = ("is_activation_checkpointing", "is_gradient_checkpointing")
+    return any(bool(getattr(model, name, False)) for name in names)
+
+
 def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
     """The ``DistributedDataParallel`` options the Trainer (through accelerate) will wrap ``model`` with,
     or ``None`` when it will not (one process, FSDP, DeepSpeed)."""
@@ -417,10 +428,7 @@ def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | N
     if args.ddp_find_unused_parameters is not None:
         find_unused = bool(args.ddp_find_unused_parameters)
     elif isinstance(model, PreTrainedModel):  # as Trainer._build_accelerator_args decides it
-        checkpointing = getattr(model, "is_activation_checkpointing", False) or getattr(
-            args, "activation_checkpointing", False
-        )
-        find_unused = not checkpointing
+        find_unused = not (model_checkpointing(model) or getattr(args, checkpointing_switch(args), False))
     else:
         find_unused = True
     return DDPConfig(
@@ -746,7 +754,7 @@ class MemoryPlannerCallback(TrainerCallback):
             raise InvalidInputError("the Trainer could not be found from its callback handler")
         original_step, original_loss = trainer.training_step, trainer.compute_loss
         inner = trainer.accelerator.unwrap_model(model)
-        switch = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+        switch = checkpointing_switch(args)
         recovery = OOMRecovery(
             reset_gradients=lambda: model.zero_grad(set_to_none=True),
             estimate=self.estimate,
