@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import memfit
 import memfit.huggingface as hf
-from integrations.accuracy.loops import EVAL_BATCH, WIDTH, _Classifier, hf_train_with_evaluation
+from integrations.accuracy.loops import EVAL_BATCH, WIDTH, _Classifier, hf_predict, hf_train_with_evaluation
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import InvalidInputError
 from memfit.evaluation import CollectedOutputs, evaluation_peak, largest_flush_every
@@ -226,3 +226,71 @@ def test_collection_arithmetic_and_the_largest_window() -> None:
             CollectedOutputs(**{"bytes_per_sample": {"p": 1.0}, "samples": 8, "samples_per_batch": 8, **bad})
     with pytest.raises(InvalidInputError, match="must not be negative"):
         CollectedOutputs({"p": -1.0}, samples=8, samples_per_batch=8)
+    with pytest.raises(InvalidInputError, match="names collections not collected"):
+        CollectedOutputs({"p": 1.0}, samples=8, samples_per_batch=8, end_copy_bytes_per_sample={"q": 2.0})
+
+
+def test_end_of_pass_copies_are_made_one_collection_at_a_time() -> None:
+    """bf16 predictions get a float32 copy for numpy while still held; the labels, already int64, none."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    forward = memfit.estimate(model, torch.randn(8, 64), inference=True, device="cpu")
+    fixed = sum(forward.breakdown.get(c, 0) for c in (memfit.Category.PARAMETERS, memfit.Category.BUFFERS))
+    one_input = forward.breakdown[memfit.Category.INPUTS]
+    sizes = {"predictions": 1024.0, "labels": 8.0}
+    kept = CollectedOutputs(sizes, samples=80, samples_per_batch=8, end_copy_bytes_per_sample={"predictions": 2048.0})
+    plain = evaluation_peak(None, forward, collected=CollectedOutputs(sizes, samples=80, samples_per_batch=8))
+    copied = evaluation_peak(None, forward, collected=kept)
+    # the last concatenation: old + new + grown collection of the largest (predictions), beside the labels'
+    assert plain.collected_bytes == 80 * (1024 + 8) + 80 * 1024
+    # at the end: the collection (80 samples), its predictions' copy (twice as wide), and the last batch's
+    # outputs the loop still binds apart from the collection
+    assert copied.collected_bytes == 80 * (1024 + 8) + 80 * 2048
+    assert copied.allocated_bytes == fixed + one_input + copied.collected_bytes + 8 * (1024 + 8)
+    assert copied.carried_bytes == 0  # nothing kept from training
+
+
+@pytest.mark.parametrize(("after_training", "full_eval"), [(False, None), (True, None), (True, "bf16")])
+def test_trainer_predict_peaks_where_predicted(tmp_path: Path, after_training: bool, full_eval: str | None) -> None:
+    """A real ``Trainer.predict``: every batch's logits kept without compute_metrics, beside the optimizer
+    state of the training before it; with bf16_full_eval in a cast model, and converted to float32 at the end."""
+    run, predicted = hf_predict(tmp_path, after_training=after_training, full_eval=full_eval)
+    measured = profiled_cpu_peak(run)
+    peak = predicted["peak"]
+    assert abs(peak.allocated_bytes - measured) <= CLOSE
+    assert (peak.carried_bytes > 0) is after_training  # the Trainer keeps its optimizer after train()
+    logits_per_sample = 32 * 512 * (2 if full_eval else 4)
+    assert peak.collected.bytes_per_sample["predictions"] == logits_per_sample
+    assert bool(peak.collected.end_copy_bytes_per_sample) is (full_eval == "bf16")
+    assert measured - (peak.allocated_bytes - peak.collected_bytes) > 0.9 * peak.collected_bytes
+
+
+def test_trainer_pass_reads_the_trainer_and_says_what_it_lacks(tmp_path: Path) -> None:
+    model, rows = tiny_gpt2(), token_rows(32)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                             max_steps=1, use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+    evaluate = hf.predict_trainer_pass(trainer)  # evaluate() without compute_metrics keeps only the losses
+    predict = hf.predict_trainer_pass(trainer, rows, loop="predict")
+    assert set(evaluate.collected.bytes_per_sample) == {"losses"}
+    assert {"losses", "predictions", "labels"} <= set(predict.collected.bytes_per_sample)
+    assert predict.allocated_bytes > evaluate.allocated_bytes and evaluate.carried_bytes == 0
+    loss_only = dataclasses.replace(args, prediction_loss_only=True)
+    assert set(hf.predict_trainer_pass(Trainer(model=model, args=loss_only), rows, loop="predict")
+               .collected.bytes_per_sample) == {"losses"}  # fmt: skip
+    half = dataclasses.replace(args, fp16_full_eval=True)
+    cast = hf.predict_trainer_pass(Trainer(model=model, args=half), rows, loop="predict")
+    parameters = memfit.Category.PARAMETERS
+    assert 2 * cast.forward.breakdown[parameters] == predict.forward.breakdown[parameters]
+
+    with pytest.raises(InvalidInputError, match=r"trainer\.predict needs a dataset"):
+        hf.predict_trainer_pass(trainer, loop="predict")
+    with pytest.raises(InvalidInputError, match="loop must be 'evaluate' or 'predict'"):
+        hf.predict_trainer_pass(trainer, rows, loop="test")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="no eval_dataset"):
+        hf.predict_trainer_pass(Trainer(model=model, args=args))
+    trainer.train()  # without memfit's callback: the optimizer state it left is unknown
+    with pytest.raises(InvalidInputError, match="add MemoryPlannerCallback"):
+        hf.predict_trainer_pass(trainer, rows, loop="predict")
+    training = memfit.estimate(model, {"input_ids": rows[0]["input_ids"][None].repeat(8, 1)}, optimizer="adamw",
+                               device="cpu", loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
+    assert hf.predict_trainer_pass(trainer, rows, loop="predict", training=training).carried_bytes > 0

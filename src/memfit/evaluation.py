@@ -45,6 +45,10 @@ class CollectedOutputs:
             ``eval_accumulation_steps``); ``None``: it stays to the end of the pass.
         concatenated: each batch is concatenated to what was collected (a copy of it all) rather
             than appended to a list.
+        end_copy_bytes_per_sample: bytes per sample of the copy each collection gets as it leaves at
+            the end of the pass, while it is still held, where that copy takes the same memory (the
+            HF Trainer converts bfloat16 to float32 for numpy; on the CPU that is the device's memory).
+            Collections are converted one after the other, in the order of ``bytes_per_sample``.
     """
 
     bytes_per_sample: Mapping[str, float]
@@ -52,6 +56,7 @@ class CollectedOutputs:
     samples_per_batch: int
     flush_every: int | None = None
     concatenated: bool = True
+    end_copy_bytes_per_sample: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("samples", "samples_per_batch"):
@@ -62,8 +67,12 @@ class CollectedOutputs:
             isinstance(self.flush_every, bool) or not isinstance(self.flush_every, int) or self.flush_every < 1
         ):
             raise InvalidInputError(f"flush_every must be a positive integer or None, got {self.flush_every!r}")
-        if any(size < 0 for size in self.bytes_per_sample.values()):
-            raise InvalidInputError(f"bytes_per_sample must not be negative, got {dict(self.bytes_per_sample)}")
+        for name in ("bytes_per_sample", "end_copy_bytes_per_sample"):
+            sizes = getattr(self, name)
+            if any(size < 0 for size in sizes.values()):
+                raise InvalidInputError(f"{name} must not be negative, got {dict(sizes)}")
+        if unknown := set(self.end_copy_bytes_per_sample) - set(self.bytes_per_sample):
+            raise InvalidInputError(f"end_copy_bytes_per_sample names collections not collected: {sorted(unknown)}")
 
     @property
     def batches(self) -> int:
@@ -91,23 +100,25 @@ class EvaluationPeak:
     forward: MemoryEstimate | None = field(default=None, repr=False)  # the forward-only estimate
 
     def summary(self) -> str:
-        parts = [f"{format_bytes(self.carried_bytes)} of it optimizer state kept from training"]
+        parts = [f"{format_bytes(self.carried_bytes)} of it kept from training"] if self.carried_bytes else []
         if self.collected is not None and self.collected_bytes:
             window = self.collected.flush_every
             over = f"every {window} batches" if window else f"all {self.collected.batches} batches"
             parts.append(f"{format_bytes(self.collected_bytes)} outputs collected for metrics ({over})")
-        return f"evaluation at batch {self.batch_size} needs {format_bytes(self.device_bytes)} ({'; '.join(parts)})"
+        detail = f" ({'; '.join(parts)})" if parts else ""
+        return f"evaluation at batch {self.batch_size} needs {format_bytes(self.device_bytes)}{detail}"
 
 
 def evaluation_peak(
-    training: MemoryEstimate,
+    training: MemoryEstimate | None,
     evaluation: MemoryEstimate,
     *,
     collected: CollectedOutputs | None = None,
     keeps_training_batches: bool = False,
 ) -> EvaluationPeak:
     """Peaks of the forward-only pass ``evaluation`` (``estimate(..., inference=True)``) run beside
-    what ``training`` (the run's training estimate) keeps between steps.
+    what ``training`` (the run's training estimate) keeps between steps; ``None`` for a pass with
+    nothing kept from training (a model that has not trained, or a fresh process).
 
     Args:
         collected: outputs the loop collects on the device batch after batch, if any.
@@ -122,12 +133,14 @@ def evaluation_peak(
     """
     if evaluation.optimizer != "none (inference)":
         raise InvalidInputError("evaluation must be an estimate of a forward-only pass: estimate(..., inference=True)")
-    optimizer_phases = [p for p in training.phases if p.phase is Phase.OPTIMIZER]
-    if not optimizer_phases:
-        raise InvalidInputError("training must be an estimate of a training step (it has no optimizer step)")
-    state = optimizer_phases[-1].breakdown
-    carried_categories = (*_CARRIED, Category.INPUTS) if keeps_training_batches else _CARRIED
-    carried = sum(state.get(category, 0) for category in carried_categories)
+    carried = 0
+    if training is not None:
+        optimizer_phases = [p for p in training.phases if p.phase is Phase.OPTIMIZER]
+        if not optimizer_phases:
+            raise InvalidInputError("training must be an estimate of a training step (it has no optimizer step)")
+        state = optimizer_phases[-1].breakdown
+        carried_categories = (*_CARRIED, Category.INPUTS) if keeps_training_batches else _CARRIED
+        carried = sum(state.get(category, 0) for category in carried_categories)
     allocated, collected_at_peak = evaluation.peak_allocated_bytes, 0
     if collected is not None:
         allocated, collected_at_peak = _peak_with_collection(evaluation, collected)
@@ -145,7 +158,7 @@ def evaluation_peak(
 
 
 def largest_flush_every(
-    training: MemoryEstimate,
+    training: MemoryEstimate | None,
     evaluation: MemoryEstimate,
     collected: CollectedOutputs,
     budget_bytes: int,
@@ -180,7 +193,8 @@ def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutput
     right after the window's first batch, which the collection holds as is). Concatenating batch
     ``k`` keeps the old collection, the batch and the result alive at once: twice the grown
     collection for the collection being copied. Input batches scale with their size, and a loader
-    reading ahead (``evaluation.extra_batches``) has nothing left to read at the end.
+    reading ahead (``evaluation.extra_batches``) has nothing left to read at the end, where each
+    collection's end copy (if any) is made beside what is still held.
     """
     per_sample = collected.total_bytes_per_sample
     largest = max(collected.bytes_per_sample.values(), default=0.0)
@@ -217,4 +231,26 @@ def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutput
                 peak, collected_at_peak = round(fixed + inputs) + outputs, outputs
         held += size
         previous = size
+    if collected.end_copy_bytes_per_sample:
+        last_position = (collected.batches - 1) % window
+        inputs = one_batch_inputs * forward_batches[-1] / evaluation.batch_size  # the loop's last batch
+        outputs, copied_at_peak = _end_copies(collected, held, previous, bound_apart=last_position >= 1)
+        if round(fixed + inputs) + outputs > peak:
+            peak, collected_at_peak = round(fixed + inputs) + outputs, copied_at_peak
     return peak, collected_at_peak
+
+
+def _end_copies(collected: CollectedOutputs, held: int, last: int, *, bound_apart: bool) -> tuple[int, int]:
+    """Bytes of outputs alive at the most crowded moment of the end-of-pass conversion, and of it
+    the collections'. ``held`` samples are collected, ``last`` of them the last batch's, whose outputs
+    the loop's variables still hold: apart from the collection (``bound_apart``, after a
+    concatenation) or as part of it, in which case they outlive its conversion."""
+    sizes = {name: per_sample * held for name, per_sample in collected.bytes_per_sample.items()}
+    bound = collected.total_bytes_per_sample * last if bound_apart else 0.0
+    most = 0.0
+    for name, per_sample in collected.bytes_per_sample.items():
+        copy = collected.end_copy_bytes_per_sample.get(name, 0.0) * held
+        if copy:
+            most = max(most, sum(sizes.values()) + copy)
+            sizes[name] = copy + (0.0 if bound_apart else per_sample * last)
+    return round(bound + most), round(most)

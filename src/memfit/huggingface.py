@@ -66,6 +66,7 @@ __all__ = [
     "PlannedArguments",
     "plan_training_arguments",
     "predict_evaluation",
+    "predict_trainer_pass",
 ]
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
@@ -221,8 +222,10 @@ def predict_evaluation(
     model: torch.nn.Module,
     args: TrainingArguments,
     eval_dataset: Any,
-    training: MemoryEstimate,
+    training: MemoryEstimate | None,
     *,
+    loop: Literal["evaluate", "predict"] = "evaluate",
+    during_training: bool = True,
     device: torch.device | None = None,
     data_collator: Any = None,
     processing_class: Any = None,
@@ -232,12 +235,24 @@ def predict_evaluation(
     """The Trainer's evaluation pass beside what ``training`` (its training estimate) leaves on the device.
 
     The forward is ``prediction_step``'s: eval mode, no gradients, the loss computed when the batch
-    has labels. With ``compute_metrics`` every batch's predictions (the outputs but the loss and
+    has labels. Every batch's predictions (the outputs but the loss and
     ``config.keys_to_ignore_at_inference``, after ``preprocess_logits_for_metrics``) and labels stay
     on the device, concatenated, until ``eval_accumulation_steps`` batches have run or the pass
-    ends; the losses always do. A dict of evaluation sets is predicted set by set; the largest
-    pass is returned.
+    ends; the losses always do. ``Trainer.evaluate`` keeps predictions only with
+    ``compute_metrics``; ``Trainer.predict`` (``loop="predict"``) always does, unless
+    ``prediction_loss_only``. A dict of evaluation sets is predicted set by set; the largest pass
+    is returned.
+
+    Args:
+        training: the training step's estimate, whose optimizer state stays on the device (after
+            ``train()`` returns too: the Trainer keeps its optimizer); ``None`` when the Trainer has
+            not trained.
+        during_training: the pass runs inside ``train()`` (``eval_strategy``), where the window's
+            training batches stay alive; outside it, ``fp16_full_eval``/``bf16_full_eval`` cast the
+            model to half precision first (and leave it so).
     """
+    if loop not in ("evaluate", "predict"):
+        raise InvalidInputError(f"loop must be 'evaluate' or 'predict', got {loop!r}")
     if device is None:
         device = _run_device(args)
     if isinstance(eval_dataset, dict):
@@ -245,8 +260,8 @@ def predict_evaluation(
             raise InvalidInputError("eval_dataset is an empty dict")
         passes = [
             predict_evaluation(
-                model, args, one, training, device=device, data_collator=data_collator,
-                processing_class=processing_class, compute_metrics=compute_metrics,
+                model, args, one, training, loop=loop, during_training=during_training, device=device,
+                data_collator=data_collator, processing_class=processing_class, compute_metrics=compute_metrics,
                 preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             )
             for one in eval_dataset.values()
@@ -258,12 +273,14 @@ def predict_evaluation(
         raise InvalidInputError("eval_dataset has no length: memfit cannot tell how many batches it collects") from None
     batch = args.per_device_eval_batch_size
     sample = collated_sample(model, args, eval_dataset, batch, data_collator, processing_class)
+    wants_predictions = loop == "predict" or compute_metrics is not None  # evaluate() is loss-only without metrics
     step = _PredictionStep(
-        model, args, collect_predictions=compute_metrics is not None and not args.prediction_loss_only,
+        model, args, collect_predictions=wants_predictions and not args.prediction_loss_only,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     )  # fmt: skip
+    precision = _precision(args) if during_training else _evaluation_precision(args)
     forward = estimate(
-        model, sample, batch_size=batch, inference=True, precision=_precision(args), device=device.type,
+        model, sample, batch_size=batch, inference=True, precision=precision, device=device.type,
         forward_fn=step, extra_batches=1 if device.type == "cpu" else 0,  # the loader reads one batch ahead
     )  # fmt: skip
     collected = None
@@ -275,8 +292,58 @@ def predict_evaluation(
             # On the CPU the collection moves nowhere: eval_accumulation_steps only turns it into numpy arrays.
             flush_every=args.eval_accumulation_steps if device.type == "cuda" else None,
             concatenated=bool(getattr(args, "eval_do_concat_batches", True)),
+            # The float32 copies are made in host memory: the device's own only on the CPU.
+            end_copy_bytes_per_sample=step.numpy_copy_bytes_per_sample if device.type == "cpu" else {},
         )
-    return evaluation_peak(training, forward, collected=collected, keeps_training_batches=True)
+    return evaluation_peak(training, forward, collected=collected, keeps_training_batches=during_training)
+
+
+def predict_trainer_pass(
+    trainer: Any,
+    dataset: Any = None,
+    *,
+    loop: Literal["evaluate", "predict"] = "evaluate",
+    training: MemoryEstimate | None = None,
+) -> EvaluationPeak:
+    """Predict ``trainer.evaluate(dataset)`` (or ``trainer.predict(dataset)``) before running it.
+
+    Everything is read from the Trainer: model, arguments, collator, ``compute_metrics``, whether it
+    is inside ``train()``. What training leaves on the device is the optimizer state: ``training``
+    (a training estimate) if given, else, once the Trainer's optimizer has stepped, the estimate of
+    the ``MemoryPlannerCallback`` in the Trainer. ``dataset`` defaults to ``trainer.eval_dataset``.
+    """
+    if dataset is None:
+        if loop == "predict":
+            raise InvalidInputError("trainer.predict needs a dataset: pass the one you will predict on")
+        dataset = trainer.eval_dataset
+        if dataset is None:
+            raise InvalidInputError("the Trainer has no eval_dataset: pass the dataset you will evaluate on")
+    optimizer = getattr(trainer, "optimizer", None)
+    has_state = optimizer is not None and any(len(state) for state in optimizer.state.values())
+    if training is None and has_state:
+        training = next(
+            (c.estimate for c in trainer.callback_handler.callbacks if isinstance(c, MemoryPlannerCallback)), None
+        )
+        if training is None:
+            raise InvalidInputError(
+                "the Trainer's optimizer holds state from training, and memfit has no estimate of it: add "
+                "MemoryPlannerCallback to the Trainer before train(), or pass training=memfit.estimate(...)"
+            )
+    model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+    return predict_evaluation(
+        model, trainer.args, dataset, training, loop=loop,
+        during_training=bool(getattr(trainer, "is_in_train", False)), data_collator=trainer.data_collator,
+        compute_metrics=trainer.compute_metrics, preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
+    )  # fmt: skip
+
+
+def _evaluation_precision(args: TrainingArguments) -> str:
+    """The precision of an evaluation outside ``train()``: ``*_full_eval`` casts the whole model."""
+    if args.fp16_full_eval:
+        return "16-true"
+    if args.bf16_full_eval:
+        return "bf16-true"
+    return _precision(args)
 
 
 class _PredictionStep:
@@ -297,6 +364,7 @@ class _PredictionStep:
         self.collect_inputs = "inputs" in (getattr(args, "include_for_metrics", None) or [])
         self.main_input_name = getattr(model, "main_input_name", "input_ids")
         self.bytes_per_sample: dict[str, float] = {}
+        self.numpy_copy_bytes_per_sample: dict[str, float] = {}
 
     def __call__(self, module: torch.nn.Module, batch: Any) -> Any:
         if not isinstance(batch, dict):
@@ -305,9 +373,11 @@ class _PredictionStep:
         has_labels = bool(self.label_names) and all(batch.get(name) is not None for name in self.label_names)
         with_loss = has_labels or (not self.label_names and self.returns_loss)
         samples = _leading_dim(batch)  # the trace runs this at more than one batch size
+        kept: dict[str, Any] = {}
         collected: dict[str, float] = {}
         if with_loss:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+            kept["losses"] = loss
             # loss.repeat(eval_batch_size): per batch, not per sample; a batch holds per_device_eval_batch_size
             collected["losses"] = loss.element_size() * self.eval_batch_size / self.per_device_eval_batch_size
         if self.collect_predictions:
@@ -330,12 +400,20 @@ class _PredictionStep:
                         f"preprocess_logits_for_metrics failed on shape-only tensors ({type(error).__name__}: "
                         f"{error}); memfit cannot size what it keeps"
                     ) from error
+            kept["predictions"] = predictions
             collected["predictions"] = _tensor_bytes(predictions) / samples
             if labels is not None:
+                kept["labels"] = labels
                 collected["labels"] = _tensor_bytes(labels) / samples
             if self.collect_inputs and isinstance(batch.get(self.main_input_name), torch.Tensor):
+                kept["inputs"] = batch[self.main_input_name]
                 collected["inputs"] = _tensor_bytes(batch[self.main_input_name]) / samples
         self.bytes_per_sample = collected
+        # numpy has no bfloat16: the Trainer hands such collections to compute_metrics as float32 copies
+        copies = {name: _tensor_bytes(value, only=torch.bfloat16) * 2 for name, value in kept.items()}
+        self.numpy_copy_bytes_per_sample = {
+            name: copy * (collected[name] / _tensor_bytes(kept[name])) for name, copy in copies.items() if copy
+        }
         return outputs
 
 
@@ -346,13 +424,14 @@ def _leading_dim(batch: dict[str, Any]) -> int:
     raise InvalidInputError("the evaluation batch holds no tensor with a batch dimension")
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: Any, only: torch.dtype | None = None) -> int:
+    """Bytes of the tensors in ``value`` (nested in dicts, lists and tuples), of dtype ``only`` if given."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.numel() * value.element_size() if only in (None, value.dtype) else 0
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
+        return sum(_tensor_bytes(v, only) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
+        return sum(_tensor_bytes(v, only) for v in value)
     return 0
 
 
