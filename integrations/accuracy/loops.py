@@ -8,9 +8,12 @@ CPU allocator's own reports (``reference.profiled_cpu_peak``), next to memfit's 
 that loop and the prediction of a trace that ignores the loop. Lightning and the HF Trainer run
 for real, with memfit's callbacks observing (with ``on_oom="replan"`` memfit's own closure zeroes
 gradients before the forward and keeps a window's earlier batches to replay them; on CPU the
-Trainer's look-ahead batch counts too, as the device is the host).
+Trainer's look-ahead batch counts too, as the device is the host). Evaluation passes run inside
+``Trainer.train`` with ``compute_metrics``, and ``Trainer.predict`` runs on a small GPT-2 (fresh,
+after training, with ``bf16_full_eval``); their loop-blind column is the training step alone, or
+for ``predict`` the pass without the outputs it keeps.
 
-    python -m integrations.accuracy.loops        # CPU, ~20 s: benchmarks/results/training_loop-cpu.json
+    python -m integrations.accuracy.loops        # CPU, ~40 s: benchmarks/results/training_loop-cpu.json
     python -m integrations.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
                                                  # torch.cuda.max_memory_allocated/reserved: training_loop-gpu.json
 """
@@ -239,6 +242,41 @@ def hf_train_with_evaluation(
     return train_and_evaluate, callback
 
 
+def hf_predict(
+    root: Path, device: str = "cpu", *, after_training: bool, full_eval: str | None = None
+) -> tuple[Callable[[], None], dict[str, EvaluationPeak]]:
+    """A real ``Trainer.predict`` of a small GPT-2 over 32 batches of 16, on a Trainer that has just
+    trained 2 AdamW steps with ``MemoryPlannerCallback`` or on a fresh one. ``predict`` keeps every
+    batch's logits (batch x 32 x 512 here) with no ``compute_metrics``; ``full_eval`` ("bf16" or
+    "fp16") casts the model first. memfit's prediction (``predict_trainer_pass``) is made inside the
+    run, right before ``predict``, into the returned dict."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from memfit.huggingface import MemoryPlannerCallback, predict_trainer_pass
+
+    ids = torch.randint(0, 512, (64 + 16 * 32, 32), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=8, per_device_eval_batch_size=16, max_steps=2,
+        optim="adamw_torch", learning_rate=0.01, max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[],
+        save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        bf16_full_eval=full_eval == "bf16", fp16_full_eval=full_eval == "fp16",
+    )  # fmt: skip
+    predicted: dict[str, EvaluationPeak] = {}
+
+    def predict() -> None:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=32))
+        trainer = Trainer(model=model, args=args, train_dataset=rows[:64],
+                          callbacks=[MemoryPlannerCallback(verbose=False)])  # fmt: skip
+        if after_training:
+            trainer.train()
+        predicted["peak"] = predict_trainer_pass(trainer, rows[64:], loop="predict")
+        trainer.predict(rows[64:])
+
+    return predict, predicted
+
+
 def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     # No broadcast of the weights at wrapping: with one process it only copies them, and gloo may
     # keep that copy until a garbage collection, inside the measured steps.
@@ -330,6 +368,13 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
         add(f"HF train (AdamW) + eval of {batches} x {EVAL_BATCH}, logits {label}", run,
             lambda c=callback: max(c.estimate, c.evaluation, key=lambda e: _peaks(e)[0]),
             lambda c=callback: c.estimate.peak_allocated_bytes)  # fmt: skip
+    for label, after_training, full_eval in [("fresh Trainer", False, None), ("after 2 AdamW steps", True, None),
+                                             ("after 2 AdamW steps, bf16_full_eval", True, "bf16")]:  # fmt: skip
+        run, predicted_pass = hf_predict(root / f"hf-predict-{len(rows)}", device, after_training=after_training,
+                                         full_eval=full_eval)  # fmt: skip
+        # the pass without the logits it keeps: what a forward-only trace would say
+        add(f"HF Trainer.predict, GPT-2 32 x 16, {label}", run, lambda p=predicted_pass: p["peak"],
+            lambda p=predicted_pass: p["peak"].allocated_bytes - p["peak"].collected_bytes)  # fmt: skip
     return rows
 
 
