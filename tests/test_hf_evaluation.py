@@ -196,6 +196,9 @@ def test_evaluation_input_errors(tmp_path: Path) -> None:
     two_sets = hf.predict_evaluation(model, args, {"short": rows[:4], "long": rows}, training,
                                      compute_metrics=accuracy)  # fmt: skip
     assert two_sets.collected.samples == 8  # the larger pass
+    half = hf.predict_evaluation(model, args, rows[:2], training, compute_metrics=accuracy)
+    full = hf.predict_evaluation(model, args, rows[:4], training, compute_metrics=accuracy)
+    assert half.forward.batch_size == 4 and half.allocated_bytes < full.allocated_bytes  # one batch, half full
 
 
 def test_collection_arithmetic_and_the_largest_window() -> None:
