@@ -43,6 +43,46 @@ def test_value_dependent_model_names_the_module_and_the_ways_out() -> None:
     assert all(type(p) is nn.Parameter for p in model.parameters())  # no fake tensor left behind
 
 
+class MaskedScores(nn.Module):
+    """transformers 4.x's BERT pattern (``guard="compiling"``): drop an all-ones attention mask in eager
+    mode, a value read, but build it when ``is_torchdynamo_compiling()`` says a compiler is tracing."""
+
+    def __init__(self, guard: str) -> None:
+        super().__init__()
+        self.embed, self.guard = nn.Embedding(50, 16), guard
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        from transformers.utils import is_torchdynamo_compiling
+
+        hidden = self.embed(ids)
+        scores = hidden @ hidden.transpose(1, 2)
+        if self.guard == "always" or (self.guard == "compiling" and is_torchdynamo_compiling()):
+            expand = True  # what an eager run does for a batch with padding
+        else:
+            expand = not torch.all(mask == 1)
+        if expand:
+            scores = scores + (1.0 - mask[:, None, :].float()) * -1e4
+        return scores.softmax(-1).sum()
+
+
+def test_a_guarded_value_read_is_traced_through_the_branch_kept_for_torch_compile() -> None:
+    import transformers.utils.import_utils as import_utils
+
+    ids, mask = torch.randint(0, 50, (4, 32)), torch.ones(4, 32, dtype=torch.long)
+
+    def traced(guard: str) -> memfit.MemoryEstimate:
+        return memfit.estimate(MaskedScores(guard), (ids, mask), loss_fn=lambda out, _b: out, device="cpu")
+
+    guarded, expanded = traced("compiling"), traced("always")
+    assert any("torch.compile" in note for note in guarded.notes)
+    assert not any("torch.compile" in note for note in expanded.notes)
+    assert guarded.peak_allocated_bytes == expanded.peak_allocated_bytes
+    assert guarded.breakdown == expanded.breakdown
+    assert import_utils.is_torchdynamo_compiling() is False  # put back after the trace
+    with pytest.raises(ValueDependentError, match="reads tensor values"):  # unguarded: the eager error stands
+        traced("eager")
+
+
 def test_sample_that_does_not_fit_the_model_names_module_and_shapes() -> None:
     model = nn.Sequential(nn.Linear(10, 4), nn.ReLU(), nn.Linear(4, 1))
     with pytest.raises(TraceError) as error:

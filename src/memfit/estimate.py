@@ -23,12 +23,21 @@ from memfit.batch import Sample, infer_batch_size
 from memfit.categories import Category, Phase
 from memfit.checkpointing import CheckpointTarget
 from memfit.ddp import DDPConfig
-from memfit.errors import EstimationError, InvalidInputError
+from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
 from memfit.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.runtime import CudaRuntime
-from memfit.tracer import ZERO_GRAD_ORDERS, ForwardFn, LossFn, StepTrace, TraceSettings, ZeroGrad, trace_steps
+from memfit.tracer import (
+    ZERO_GRAD_ORDERS,
+    ForwardFn,
+    LossFn,
+    StepTrace,
+    TraceSettings,
+    ZeroGrad,
+    has_compile_paths,
+    trace_steps,
+)
 from memfit.units import format_bytes
 
 __all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate", "estimate_for_runtimes"]
@@ -289,7 +298,16 @@ def estimate_for_runtimes(
         raise InvalidInputError(f"batch_fits needs one estimate per runtime ({len(runtimes)}), got {len(batch_fits)}")
     primary_batch, secondary_batch, sample_batch = batches
     started = time.perf_counter()
-    primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+    try:
+        primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+    except ValueDependentError as eager_error:
+        if not has_compile_paths():
+            raise
+        settings = dataclasses.replace(settings, compile_paths=True)  # the model's value-free branch, if it has one
+        try:
+            primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+        except MemfitError:
+            raise eager_error from None
     secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
@@ -473,6 +491,12 @@ def _build_estimate(
         notes.append("traced on fake CPU tensors with CUDA kernels' memory substituted")
         for name, count in sorted(primary.substitutions.items()):
             notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
+    if settings.compile_paths:
+        notes.append(
+            "the model's eager forward reads tensor values: traced the branch it keeps for torch.compile "
+            "(transformers' is_torchdynamo_compiling() true), which e.g. builds an attention mask even where "
+            "an eager run skips an all-ones one"
+        )
     if primary.checkpointing:
         notes.append(f"checkpointing: {primary.checkpointing}")
     if settings.zero_grad == "before_backward" and settings.accumulation_steps == 1:

@@ -15,6 +15,7 @@ with the window's gradients alive, then the optimizer step.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -83,6 +84,7 @@ class TraceSettings:
     accumulation_steps: int = 1
     ddp: DDPConfig | None = None
     extra_batches: int = 0
+    compile_paths: bool = False  # take the branch models keep for torch.compile (see ``compile_paths``)
 
     @property
     def targets_cuda(self) -> bool:
@@ -125,7 +127,8 @@ def trace_steps(
 
     # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
-    with preserved_module_state(model), preserved_rng_state(), onednn_disabled():
+    branch = compile_paths() if settings.compile_paths else contextlib.nullcontext()
+    with preserved_module_state(model), preserved_rng_state(), onednn_disabled(), branch:
         if settings.inference:
             return _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
         model.train()
@@ -296,6 +299,39 @@ def _autocast(settings: TraceSettings, semantics: CudaSemantics | None) -> Itera
         return
     with torch.autocast(settings.device.type, dtype=settings.precision.compute_dtype):
         yield
+
+
+def has_compile_paths() -> bool:
+    """Whether ``compile_paths`` can change anything: transformers is loaded."""
+    return "transformers" in sys.modules
+
+
+@contextlib.contextmanager
+def compile_paths() -> Iterator[None]:
+    """Make transformers' ``is_torchdynamo_compiling()`` true wherever it is bound.
+
+    transformers 4.x guards the data checks in its models' forwards with it (BERT's "is the
+    attention mask all ones?", say), as torch.compile cannot trace them either; the branch it takes
+    then reads no values (it builds the mask), so fake tensors can trace it. Only transformers'
+    own function is replaced, in every module that imported it: torch's behaviour is untouched.
+    """
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(import_utils, "is_torchdynamo_compiling", None)
+    if original is None:
+        yield
+        return
+    bound = [m for m in list(sys.modules.values()) if getattr(m, "is_torchdynamo_compiling", None) is original]
+    for module in bound:
+        module.is_torchdynamo_compiling = _compiling  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in bound:
+            module.is_torchdynamo_compiling = original  # type: ignore[attr-defined]
+
+
+def _compiling() -> bool:
+    return True
 
 
 @contextlib.contextmanager
