@@ -132,7 +132,9 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     mlflow.create_experiment("memfit-hf", artifact_location=str(tmp_path / "art"))  # artifacts stay in tmp_path
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     model, data = tiny_gpt2(), Tokens()
-    args = training_args(tmp_path, report_to=["tensorboard", "mlflow"])
+    # transformers 5 reads the TensorBoard folder from the environment; 4.x from logging_dir
+    older = {"logging_dir": str(tmp_path / "tb")} if "logging_dir" in TrainingArguments.__dataclass_fields__ else {}
+    args = training_args(tmp_path, report_to=["tensorboard", "mlflow"], **older)
     planned = plan_training_arguments(model, args, data, budget="1GiB")
     callback = MemoryPlannerCallback(plan=planned.plan)
     trainer = Trainer(model=model, args=planned.args, train_dataset=data, callbacks=[callback])

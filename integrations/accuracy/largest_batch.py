@@ -30,6 +30,7 @@ Raw rows: ``benchmarks/results/largest_batch-<device>.json``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -169,7 +170,10 @@ def lightning_finder(config: Config, mode: str, size: str, device: str, ceiling:
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder)  # fmt: skip
         module = Module()
         started = time.perf_counter()
-        chosen = Tuner(trainer).scale_batch_size(module, mode=mode, steps_per_trial=3, init_val=2, max_val=max_batch)
+        tuner = Tuner(trainer)
+        # Lightning 2.4 and older have no max_val: the finder then stops at an OOM or after max_trials
+        limit = {"max_val": max_batch} if "max_val" in inspect.signature(tuner.scale_batch_size).parameters else {}
+        chosen = tuner.scale_batch_size(module, mode=mode, steps_per_trial=3, init_val=2, **limit)
         seconds = time.perf_counter() - started
     return {"batch_size": chosen, "seconds": round(seconds, 3)}
 
@@ -216,7 +220,14 @@ def hf_auto_find(config: Config, start: int, size: str, device: str, ceiling: in
                                  use_cpu=device == "cpu", dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=_Repeat(config, size, 4 * start))
         started = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            # accelerate keeps the mixed precision process-wide, and transformers 4.x hands it to the
+            # next Trainer of the process whatever its own arguments say: leave the process as found
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()
         seconds = time.perf_counter() - started
     return {"batch_size": trainer._train_batch_size, "seconds": round(seconds, 3)}
 
