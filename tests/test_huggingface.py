@@ -106,6 +106,20 @@ def test_planned_arguments_take_effect_in_a_real_trainer(tmp_path: Path) -> None
     assert set(sizes.seen) == {3} and len(sizes.seen) == 24  # 6 steps x 4 micro batches
 
 
+def test_precision_is_the_one_accelerate_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``accelerate launch --mixed_precision bf16`` sets ACCELERATE_MIXED_PRECISION; the Trainer's flags stay off."""
+    model, data = tiny_gpt2(), Tokens()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    callback = MemoryPlannerCallback(verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16" and not trainer.args.bf16
+    assert callback.estimate.precision is memfit.Precision.BF16_MIXED
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    plain = plan_training_arguments(model, training_args(tmp_path), data, budget="1GiB")
+    assert plain.estimate.precision is memfit.Precision.FP32
+
+
 def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> None:
     model, data = tiny_gpt2(layers=4), Tokens()
     args = training_args(tmp_path, max_steps=1)

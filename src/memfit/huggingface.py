@@ -25,6 +25,7 @@ import functools
 import gc
 import inspect
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -471,7 +472,15 @@ def _run_device(args: TrainingArguments) -> torch.device:
 
 
 def _precision(args: TrainingArguments) -> str:
-    return "bf16-mixed" if args.bf16 else "16-mixed" if args.fp16 else "fp32"
+    """The mixed precision the Trainer's accelerator will run: the ``bf16``/``fp16`` flags, else
+    accelerate's ``ACCELERATE_MIXED_PRECISION`` (``accelerate launch --mixed_precision bf16`` sets it;
+    transformers 4.x also sets it for the whole process from any earlier fp16/bf16 arguments)."""
+    if args.bf16:
+        return "bf16-mixed"
+    if args.fp16:
+        return "16-mixed"
+    mode = getattr(args, "mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    return {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(mode).lower(), "fp32")
 
 
 def held_batches(accumulation_steps: int, device: torch.device) -> int:
