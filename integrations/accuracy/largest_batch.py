@@ -212,23 +212,26 @@ def hf_auto_find(config: Config, start: int, size: str, device: str, ceiling: in
     if config.optimizer not in _HF_OPTIMIZER:
         raise SystemExit(f"HF comparison supports {', '.join(_HF_OPTIMIZER)}, not {config.optimizer}")
     model = _WithLoss(config, _simulate_ceiling(real_model(config, size, "cpu"), ceiling))
+    # transformers 4.x writes the precision into ACCELERATE_MIXED_PRECISION, where every later Trainer
+    # of the process reads it whatever its own arguments say: leave the process as found
+    environment = os.environ.get("ACCELERATE_MIXED_PRECISION")
     with tempfile.TemporaryDirectory() as folder:
-        args = TrainingArguments(output_dir=folder, per_device_train_batch_size=start, auto_find_batch_size=True,
-                                 max_steps=3, bf16=config.precision == "bf16-mixed",
-                                 fp16=config.precision == "16-mixed", optim=_HF_OPTIMIZER[config.optimizer],
-                                 report_to=[], save_strategy="no", logging_strategy="no", remove_unused_columns=False,
-                                 use_cpu=device == "cpu", dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
-        trainer = Trainer(model=model, args=args, train_dataset=_Repeat(config, size, 4 * start))
-        started = time.perf_counter()
         try:
+            args = TrainingArguments(output_dir=folder, per_device_train_batch_size=start, auto_find_batch_size=True,
+                                     max_steps=3, bf16=config.precision == "bf16-mixed",
+                                     fp16=config.precision == "16-mixed", optim=_HF_OPTIMIZER[config.optimizer],
+                                     report_to=[], save_strategy="no", logging_strategy="no",
+                                     remove_unused_columns=False, use_cpu=device == "cpu", dataloader_num_workers=0,
+                                     disable_tqdm=True)  # fmt: skip
+            trainer = Trainer(model=model, args=args, train_dataset=_Repeat(config, size, 4 * start))
+            started = time.perf_counter()
             trainer.train()
+            seconds = time.perf_counter() - started
         finally:
-            # accelerate keeps the mixed precision process-wide, and transformers 4.x hands it to the
-            # next Trainer of the process whatever its own arguments say: leave the process as found
-            from accelerate.state import AcceleratorState
-
-            AcceleratorState._reset_state()
-        seconds = time.perf_counter() - started
+            if environment is None:
+                os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+            else:
+                os.environ["ACCELERATE_MIXED_PRECISION"] = environment
     return {"batch_size": trainer._train_batch_size, "seconds": round(seconds, 3)}
 
 
