@@ -320,7 +320,13 @@ def compile_paths() -> Iterator[None]:
     if original is None:
         yield
         return
-    bound = [m for m in list(sys.modules.values()) if getattr(m, "is_torchdynamo_compiling", None) is original]
+    # a module's own namespace only: getattr on transformers' lazy modules would import their submodules
+    bound = [
+        module
+        for module in list(sys.modules.values())
+        if isinstance(getattr(module, "__dict__", None), dict)
+        and module.__dict__.get("is_torchdynamo_compiling") is original
+    ]
     for module in bound:
         module.is_torchdynamo_compiling = _compiling  # type: ignore[attr-defined]
     try:
