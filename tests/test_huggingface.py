@@ -243,3 +243,29 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
         DDPConfig(bucket_cap_mb=50, static_graph=True)
     )
     assert ddp_config(args(), torch.nn.Linear(2, 2)) == DDPConfig(find_unused_parameters=True)  # not a PreTrainedModel
+
+
+def test_variable_lengths_are_planned_at_the_longest_batch(tmp_path: Path) -> None:
+    """With dynamic padding the longest batch makes the peak, wherever it falls in the epoch."""
+    from integrations.accuracy.loops import hf_train_variable_lengths, pad_to_longest
+    from integrations.accuracy.reference import profiled_cpu_peak
+    from memfit.huggingface import longest_examples
+
+    rows = [{"input_ids": [1] * n} for n in [8, 8, 32, 8]]
+    assert longest_examples(rows, 3) == [2, 0, 1]  # the longest, then the earlier of equals
+    assert longest_examples(rows[:2], 3) == [0, 1, 0]  # all as long: the first ones, repeated to a batch
+    train, callback, first_batch = hf_train_variable_lengths(tmp_path)
+    measured = profiled_cpu_peak(train)
+    predicted = callback.estimate.peak_allocated_bytes
+    assert first_batch().peak_allocated_bytes < 0.5 * measured  # the first batch alone would under-predict
+    assert measured <= predicted <= 1.02 * measured  # read-ahead batches are costed at the longest too
+
+    def planned_peak(lengths: list[int]) -> int:
+        rows = [{"input_ids": [1] * n} for n in lengths]
+        args = training_args(tmp_path, per_device_train_batch_size=8)
+        return plan_training_arguments(
+            tiny_gpt2(), args, rows, budget="1GiB", data_collator=pad_to_longest
+        ).estimate.peak_allocated_bytes
+
+    # the plan's batch pads to the one long example, as a batch of long examples would be
+    assert planned_peak([8] * 40 + [SEQ]) == planned_peak([SEQ] * 8) > planned_peak([8] * 8)

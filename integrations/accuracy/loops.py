@@ -11,9 +11,10 @@ gradients before the forward and keeps a window's earlier batches to replay them
 Trainer's look-ahead batch counts too, as the device is the host). Evaluation passes run inside
 ``Trainer.train`` with ``compute_metrics``, and ``Trainer.predict`` runs on a small GPT-2 (fresh,
 after training, with ``bf16_full_eval``); their loop-blind column is the training step alone, or
-for ``predict`` the pass without the outputs it keeps.
+for ``predict`` the pass without the outputs it keeps. One more runs a small GPT-2 over examples of
+varying length, padded to the longest in each batch; its loop-blind column is the first batch's trace.
 
-    python -m integrations.accuracy.loops        # CPU, ~40 s: benchmarks/results/training_loop-cpu.json
+    python -m integrations.accuracy.loops        # CPU, ~45 s: benchmarks/results/training_loop-cpu.json
     python -m integrations.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
                                                  # torch.cuda.max_memory_allocated/reserved: training_loop-gpu.json
 """
@@ -277,6 +278,48 @@ def hf_predict(
     return predict, predicted
 
 
+def pad_to_longest(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """What DataCollatorWithPadding and the language-modeling collators do: pad to the batch's longest."""
+    longest = max(len(row["input_ids"]) for row in rows)
+    ids = torch.tensor([row["input_ids"] + [0] * (longest - len(row["input_ids"])) for row in rows])
+    labels = torch.tensor([row["input_ids"] + [-100] * (longest - len(row["input_ids"])) for row in rows])
+    return {"input_ids": ids, "labels": labels}
+
+
+def hf_train_variable_lengths(
+    root: Path, device: str = "cpu"
+) -> tuple[Callable[[], None], Any, Callable[[], memfit.MemoryEstimate]]:
+    """A real ``Trainer.train`` (SGD, one epoch of 6 steps of 8) of a small GPT-2 over 40 examples of 8
+    tokens and one of 32, padded to the longest in each batch: the peak is the batch with the long one.
+    Also returns the estimate of the first batch, which a plan from the first examples would trace."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from memfit.huggingface import MemoryPlannerCallback, held_batches
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 512, (n,), generator=generator).tolist()} for n in [8] * 40 + [32]]
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=8, max_steps=6, optim="sgd", learning_rate=0.01,
+        max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[], save_strategy="no", logging_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    callback = MemoryPlannerCallback(verbose=False)
+
+    def model() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=32))
+
+    def train() -> None:
+        Trainer(model=model(), args=args, train_dataset=rows, data_collator=pad_to_longest,
+                callbacks=[callback]).train()  # fmt: skip
+
+    def first_batch() -> memfit.MemoryEstimate:
+        extra = held_batches(1, torch.device(device))
+        return memfit.estimate(model(), pad_to_longest(rows[:8]), device=device, optimizer="sgd", extra_batches=extra)
+
+    return train, callback, first_batch
+
+
 def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     # No broadcast of the weights at wrapping: with one process it only copies them, and gloo may
     # keep that copy until a garbage collection, inside the measured steps.
@@ -368,6 +411,9 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
         add(f"HF train (AdamW) + eval of {batches} x {EVAL_BATCH}, logits {label}", run,
             lambda c=callback: max(c.estimate, c.evaluation, key=lambda e: _peaks(e)[0]),
             lambda c=callback: c.estimate.peak_allocated_bytes)  # fmt: skip
+    run, callback, first_batch = hf_train_variable_lengths(root / "hf-lengths", device)
+    add("HF Trainer.train, GPT-2, 40 x 8 tokens + 1 x 32, padded to the longest in each batch", run,
+        lambda c=callback: c.estimate, lambda f=first_batch: f().peak_allocated_bytes)  # fmt: skip
     for label, after_training, full_eval in [("fresh Trainer", False, None), ("after 2 AdamW steps", True, None),
                                              ("after 2 AdamW steps, bf16_full_eval", True, "bf16")]:  # fmt: skip
         run, predicted_pass = hf_predict(root / f"hf-predict-{len(rows)}", device, after_training=after_training,

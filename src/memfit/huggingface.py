@@ -65,6 +65,7 @@ __all__ = [
     "PLAN_FILE",
     "MemoryPlannerCallback",
     "PlannedArguments",
+    "longest_examples",
     "plan_training_arguments",
     "predict_evaluation",
     "predict_trainer_pass",
@@ -534,7 +535,8 @@ def collated_sample(
     data_collator: Any = None,
     processing_class: Any = None,
 ) -> Any:
-    """One batch as the Trainer would build it: unused columns dropped, the Trainer's default collator."""
+    """One batch as the Trainer would build it (unused columns dropped, the Trainer's default collator),
+    of the longest examples: a collator that pads to the longest in the batch makes its peak there."""
     if train_dataset is None or len(train_dataset) == 0:
         raise InvalidInputError("train_dataset is empty or None: memfit needs one batch of it to plan")
     if data_collator is None:
@@ -542,12 +544,45 @@ def collated_sample(
 
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
-    examples = [train_dataset[i % len(train_dataset)] for i in range(batch_size)]
+    examples = [train_dataset[i] for i in longest_examples(train_dataset, batch_size, args.length_column_name)]
     batch = data_collator(examples)
     if args.remove_unused_columns and isinstance(batch, dict):
         accepted = set(inspect.signature(model.forward).parameters) | {"labels"}
         batch = {key: value for key, value in batch.items() if key in accepted}
     return dict(batch) if isinstance(batch, dict) else batch
+
+
+_LENGTH_SCAN_LIMIT = 20_000  # examples whose length is read; larger datasets are read evenly spaced
+
+
+def longest_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[int]:
+    """Indices of ``count`` examples with the longest sequences, the first ``count`` if all are as long.
+
+    An example's length is its ``length_column`` where the dataset has that column (the Trainer's
+    ``group_by_length`` convention), else its longest list or tensor. Datasets of more than 20,000
+    examples are read at 20,000 evenly spaced ones, so a rare longer example can be missed.
+    """
+    size = len(dataset)
+    stride = max(1, -(-size // _LENGTH_SCAN_LIMIT))
+    indices = range(0, size, stride)
+    columns = getattr(dataset, "column_names", None) or []
+    if length_column and length_column in columns:
+        column = dataset[length_column]
+        lengths = [int(column[i]) for i in indices]
+    else:
+        lengths = [_example_length(dataset[i]) for i in indices]
+    if len(set(lengths)) <= 1:
+        return [i % size for i in range(count)]
+    order = sorted(range(len(indices)), key=lambda k: -lengths[k])  # stable: the earlier of equals first
+    longest = [indices[k] for k in order[:count]]
+    return [longest[i % len(longest)] for i in range(count)]
+
+
+def _example_length(example: Any) -> int:
+    values = example.values() if isinstance(example, dict) else example if isinstance(example, (list, tuple)) else []
+    lengths = [len(v) for v in values if isinstance(v, (list, tuple))]
+    lengths += [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return max(lengths, default=0)
 
 
 def _trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
@@ -780,7 +815,8 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
-        sample = loader.collate_fn([loader.dataset[i % len(loader.dataset)] for i in range(micro)])
+        dataset = loader.dataset
+        sample = loader.collate_fn([dataset[i] for i in longest_examples(dataset, micro, args.length_column_name)])
         device = next(model.parameters()).device
         traced = estimate(
             model,
