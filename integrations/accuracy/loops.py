@@ -243,6 +243,18 @@ def hf_train_with_evaluation(
     return train_and_evaluate, callback
 
 
+SMALL_GPT2_VOCAB, SMALL_GPT2_POSITIONS = 512, 32
+
+
+def small_gpt2() -> nn.Module:
+    """The GPT-2 of the Trainer.predict and variable-length rows: 2 layers, 64 wide, vocabulary 512."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=SMALL_GPT2_VOCAB, n_positions=SMALL_GPT2_POSITIONS)
+    return GPT2LMHeadModel(config)
+
+
 def hf_predict(
     root: Path, device: str = "cpu", *, after_training: bool, full_eval: str | None = None
 ) -> tuple[Callable[[], None], dict[str, EvaluationPeak]]:
@@ -251,11 +263,12 @@ def hf_predict(
     batch's logits (batch x 32 x 512 here) with no ``compute_metrics``; ``full_eval`` ("bf16" or
     "fp16") casts the model first. memfit's prediction (``predict_trainer_pass``) is made inside the
     run, right before ``predict``, into the returned dict."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from memfit.huggingface import MemoryPlannerCallback, predict_trainer_pass
 
-    ids = torch.randint(0, 512, (64 + 16 * 32, 32), generator=torch.Generator().manual_seed(0))
+    shape = (64 + 16 * 32, SMALL_GPT2_POSITIONS)
+    ids = torch.randint(0, SMALL_GPT2_VOCAB, shape, generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     args = TrainingArguments(
         output_dir=str(root), per_device_train_batch_size=8, per_device_eval_batch_size=16, max_steps=2,
@@ -266,9 +279,7 @@ def hf_predict(
     predicted: dict[str, EvaluationPeak] = {}
 
     def predict() -> None:
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=32))
-        trainer = Trainer(model=model, args=args, train_dataset=rows[:64],
+        trainer = Trainer(model=small_gpt2(), args=args, train_dataset=rows[:64],
                           callbacks=[MemoryPlannerCallback(verbose=False)])  # fmt: skip
         if after_training:
             trainer.train()
@@ -292,12 +303,13 @@ def hf_train_variable_lengths(
     """A real ``Trainer.train`` (SGD, one epoch of 6 steps of 8) of a small GPT-2 over 40 examples of 8
     tokens and one of 32, padded to the longest in each batch: the peak is the batch with the long one.
     Also returns the estimate of the first batch, which a plan from the first examples would trace."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from memfit.huggingface import MemoryPlannerCallback, held_batches
 
     generator = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(0, 512, (n,), generator=generator).tolist()} for n in [8] * 40 + [32]]
+    lengths = [8] * 40 + [SMALL_GPT2_POSITIONS]
+    rows = [{"input_ids": torch.randint(0, SMALL_GPT2_VOCAB, (n,), generator=generator).tolist()} for n in lengths]
     args = TrainingArguments(
         output_dir=str(root), per_device_train_batch_size=8, max_steps=6, optim="sgd", learning_rate=0.01,
         max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[], save_strategy="no", logging_strategy="no",
@@ -305,17 +317,14 @@ def hf_train_variable_lengths(
     )  # fmt: skip
     callback = MemoryPlannerCallback(verbose=False)
 
-    def model() -> GPT2LMHeadModel:
-        torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=512, n_positions=32))
-
     def train() -> None:
-        Trainer(model=model(), args=args, train_dataset=rows, data_collator=pad_to_longest,
+        Trainer(model=small_gpt2(), args=args, train_dataset=rows, data_collator=pad_to_longest,
                 callbacks=[callback]).train()  # fmt: skip
 
     def first_batch() -> memfit.MemoryEstimate:
         extra = held_batches(1, torch.device(device))
-        return memfit.estimate(model(), pad_to_longest(rows[:8]), device=device, optimizer="sgd", extra_batches=extra)
+        first = pad_to_longest(rows[:8])
+        return memfit.estimate(small_gpt2(), first, device=device, optimizer="sgd", extra_batches=extra)
 
     return train, callback, first_batch
 

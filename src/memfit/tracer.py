@@ -302,8 +302,8 @@ def _autocast(settings: TraceSettings, semantics: CudaSemantics | None) -> Itera
 
 
 def has_compile_paths() -> bool:
-    """Whether ``compile_paths`` can change anything: transformers is loaded."""
-    return "transformers" in sys.modules
+    """Whether ``compile_paths`` can change anything: transformers' ``is_torchdynamo_compiling`` is loaded."""
+    return "transformers.utils.import_utils" in sys.modules
 
 
 @contextlib.contextmanager
