@@ -16,7 +16,17 @@ import pytest
 import torch
 
 import memfit
-from integrations.accuracy.loops import BATCH, WIDTH, hand_loop, hf_train, lightning_fit, mlp, predicted, wrap_in_ddp
+from integrations.accuracy.loops import (
+    BATCH,
+    WIDTH,
+    hand_loop,
+    hf_train,
+    lightning_fit,
+    lightning_fit_variable_lengths,
+    mlp,
+    predicted,
+    wrap_in_ddp,
+)
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import Category, DDPConfig, InvalidInputError
 from memfit.ddp import bucket_bytes
@@ -123,6 +133,14 @@ def test_hf_train_peaks_where_the_callback_predicts(tmp_path: Path, on_oom: str,
     measured = profiled_cpu_peak(train)
     assert callback.estimate.accumulation_steps == accumulation
     assert abs(callback.estimate.peak_allocated_bytes - measured) <= EXACT
+
+
+def test_lightning_plans_on_the_longest_batch_its_collate_fn_pads(tmp_path: Path) -> None:
+    """The dataloader pads each batch to its longest example; the third batch holds the long one."""
+    fit, callback, first_batch = lightning_fit_variable_lengths(tmp_path)
+    measured = profiled_cpu_peak(fit)
+    assert abs(callback.estimate.peak_allocated_bytes - measured) <= EXACT
+    assert first_batch().peak_allocated_bytes < 0.5 * measured  # what the dataloader's first batch would say
 
 
 def test_lightning_validation_beside_the_optimizer_state_is_predicted_and_warned(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ gradients before the forward and keeps a window's earlier batches to replay them
 Trainer's look-ahead batch counts too, as the device is the host). Evaluation passes run inside
 ``Trainer.train`` with ``compute_metrics``, and ``Trainer.predict`` runs on a small GPT-2 (fresh,
 after training, with ``bf16_full_eval``); their loop-blind column is the training step alone, or
-for ``predict`` the pass without the outputs it keeps. One more runs a small GPT-2 over examples of
-varying length, padded to the longest in each batch; its loop-blind column is the first batch's trace.
+for ``predict`` the pass without the outputs it keeps. Two more run a small GPT-2 over examples of
+varying length (HF Trainer.train, Lightning Trainer.fit), padded to the longest in each batch; their
+loop-blind column is the first batch's trace.
 
     python -m integrations.accuracy.loops        # CPU, ~45 s: benchmarks/results/training_loop-cpu.json
     python -m integrations.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
@@ -329,6 +330,51 @@ def hf_train_variable_lengths(
     return train, callback, first_batch
 
 
+def lightning_fit_variable_lengths(
+    root: Path, device: str = "cpu"
+) -> tuple[Callable[[], None], Any, Callable[[], memfit.MemoryEstimate]]:
+    """A real ``lightning.Trainer.fit`` (SGD, 5 steps of 8) of a small GPT-2 over 20 examples of 8
+    tokens, one of 32, then 20 more of 8, in order, padded to the longest in each batch by the
+    dataloader's ``collate_fn``: the third batch makes the peak. Also returns the estimate of the
+    first batch, which a plan from the dataloader's first batch would trace."""
+    import lightning as L
+
+    from memfit.lightning import MemoryPlanner
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [8] * 20 + [SMALL_GPT2_POSITIONS] + [8] * 20
+    rows = [{"input_ids": torch.randint(0, SMALL_GPT2_VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+
+    class LanguageModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.batch_size = small_gpt2(), 8
+
+        def training_step(self, batch: dict[str, torch.Tensor], _index: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size, collate_fn=pad_to_longest)
+
+    callback = MemoryPlanner(mode="observe", verbose=False)
+
+    def fit() -> None:
+        trainer = L.Trainer(
+            accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=5, callbacks=[callback],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(LanguageModel())
+
+    def first_batch() -> memfit.MemoryEstimate:
+        return memfit.estimate(small_gpt2(), pad_to_longest(rows[:8]), device=device, optimizer="sgd")
+
+    return fit, callback, first_batch
+
+
 def wrap_in_ddp(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     # No broadcast of the weights at wrapping: with one process it only copies them, and gloo may
     # keep that copy until a garbage collection, inside the measured steps.
@@ -422,6 +468,9 @@ def measure_all(root: Path, device: str = "cpu") -> list[dict[str, Any]]:
             lambda c=callback: c.estimate.peak_allocated_bytes)  # fmt: skip
     run, callback, first_batch = hf_train_variable_lengths(root / "hf-lengths", device)
     add("HF Trainer.train, GPT-2, 40 x 8 tokens + 1 x 32, padded to the longest in each batch", run,
+        lambda c=callback: c.estimate, lambda f=first_batch: f().peak_allocated_bytes)  # fmt: skip
+    run, callback, first_batch = lightning_fit_variable_lengths(root / "lightning-lengths", device)
+    add("Lightning Trainer.fit, GPT-2, 20 x 8 tokens, 1 x 32, 20 x 8, padded by collate_fn", run,
         lambda c=callback: c.estimate, lambda f=first_batch: f().peak_allocated_bytes)  # fmt: skip
     for label, after_training, full_eval in [("fresh Trainer", False, None), ("after 2 AdamW steps", True, None),
                                              ("after 2 AdamW steps, bf16_full_eval", True, "bf16")]:  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import infer_batch_size
+from memfit.batch import infer_batch_size, longest_batch
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.ddp import DDPConfig
@@ -342,7 +342,10 @@ class MemoryPlannerBase:
         if not isinstance(loader, torch.utils.data.DataLoader):
             return None
         with _preserved_rng():
-            return next(iter(loader), None)
+            try:
+                return longest_batch(loader)
+            except StopIteration:  # an empty loader: no batch to check
+                return None
 
     def _ddp_config(self, strategy: Any) -> DDPConfig | None:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
@@ -403,7 +406,7 @@ class MemoryPlannerBase:
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
         with _preserved_rng():  # taking a batch must not shift the run's shuffling
-            return next(iter(loader))
+            return longest_batch(loader)
 
     def _configured_batch(self, pl_module: Any) -> int | None:
         parsing = self._pl.utilities.parsing

@@ -1,16 +1,19 @@
-"""The sample batch: find its batch size, and remake it at any batch size as fake tensors."""
+"""The sample batch: pick it from a dataset, find its batch size, and remake it at any batch size as fake tensors."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
 
 from memfit.errors import InvalidInputError
 
-__all__ = ["call_model", "describe", "infer_batch_size", "rebatch"]
+__all__ = ["call_model", "describe", "infer_batch_size", "longest_batch", "longest_examples", "rebatch"]
 
 Sample = Any  # a tensor, or a dict / list / tuple (possibly nested) of tensors
 
@@ -78,3 +81,75 @@ def describe(sample: Sample) -> str:
         inner = ", ".join(describe(value) for value in sample)
         return ("[" + inner + "]") if isinstance(sample, list) else ("(" + inner + ")")
     return type(sample).__name__
+
+
+LENGTH_SCAN_LIMIT = 20_000  # examples whose length is read at most; larger datasets are read evenly spaced
+LENGTH_SCAN_SECONDS = 2.0  # about how long reading lengths may take; slow datasets are read more sparsely
+_LENGTH_PROBE = 64  # examples read first, to time one read
+
+
+def longest_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[int]:
+    """Indices of ``count`` examples with the longest sequences, the first ``count`` if all are as long.
+
+    A collator that pads to the longest example in the batch makes the run's peak at its longest
+    batch, wherever that falls in the epoch; this is the batch to plan on. An example's length is
+    its ``length_column`` where the dataset has that column (Hugging Face's ``group_by_length``
+    convention), else its longest list or tensor. At most 20,000 examples are read, evenly spaced,
+    and fewer where reading takes long (about 2 seconds in all), so a rare longer example can be missed.
+    """
+    size = len(dataset)
+    if size == 0:
+        raise InvalidInputError("the dataset is empty: memfit needs examples to build a batch from")
+    columns = getattr(dataset, "column_names", None) or []
+    if length_column and length_column in columns:
+        column = dataset[length_column]
+        stride = max(1, -(-size // LENGTH_SCAN_LIMIT))
+        lengths = {i: int(column[i]) for i in range(0, size, stride)}
+    else:
+        lengths = _scanned_lengths(dataset, size)
+    if len(set(lengths.values())) <= 1:
+        return [i % size for i in range(count)]
+    longest = sorted(lengths, key=lambda i: (-lengths[i], i))[:count]  # the earlier of equals first
+    return [longest[i % len(longest)] for i in range(count)]
+
+
+def _scanned_lengths(dataset: Any, size: int) -> dict[int, int]:
+    """Lengths of evenly spaced examples: as many as the time of the first reads says fit in the budget."""
+    started = time.perf_counter()
+    probe = _evenly_spaced(size, min(size, _LENGTH_PROBE))
+    lengths = {i: _example_length(dataset[i]) for i in probe}
+    per_example = (time.perf_counter() - started) / len(probe)
+    affordable = int(LENGTH_SCAN_SECONDS / per_example) if per_example > 0 else LENGTH_SCAN_LIMIT
+    for i in _evenly_spaced(size, min(size, LENGTH_SCAN_LIMIT, max(len(probe), affordable))):
+        if i not in lengths:
+            lengths[i] = _example_length(dataset[i])
+    return lengths
+
+
+def _evenly_spaced(size: int, count: int) -> list[int]:
+    return sorted({i * size // count for i in range(count)}) if count else []
+
+
+def _example_length(example: Any) -> int:
+    values = example.values() if isinstance(example, Mapping) else example if isinstance(example, (list, tuple)) else []
+    lengths = [len(v) for v in values if isinstance(v, (list, tuple))]
+    lengths += [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return max(lengths, default=0)
+
+
+def longest_batch(loader: DataLoader) -> Any:
+    """One batch as ``loader`` builds it, of the longest examples its dataset holds.
+
+    Only a custom ``collate_fn`` can batch examples of different lengths (``default_collate``
+    needs equal shapes), so a loader with the default one, an iterable dataset, or a custom batch
+    sampler gives its first batch, as does a dataset that cannot be read by index.
+    """
+    dataset, batch_size = loader.dataset, loader.batch_size
+    if not (isinstance(dataset, IterableDataset) or batch_size is None or loader.collate_fn is default_collate):
+        try:
+            examples = [dataset[i] for i in longest_examples(dataset, batch_size, length_column=None)]
+        except Exception:  # not readable by position: its first batch
+            pass
+        else:
+            return loader.collate_fn(examples)
+    return next(iter(loader))

@@ -40,6 +40,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
 from memfit._figures import log_figure, matplotlib_available
+from memfit.batch import longest_examples
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import enable_checkpointing
 from memfit.ddp import DDPConfig
@@ -550,39 +551,6 @@ def collated_sample(
         accepted = set(inspect.signature(model.forward).parameters) | {"labels"}
         batch = {key: value for key, value in batch.items() if key in accepted}
     return dict(batch) if isinstance(batch, dict) else batch
-
-
-_LENGTH_SCAN_LIMIT = 20_000  # examples whose length is read; larger datasets are read evenly spaced
-
-
-def longest_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[int]:
-    """Indices of ``count`` examples with the longest sequences, the first ``count`` if all are as long.
-
-    An example's length is its ``length_column`` where the dataset has that column (the Trainer's
-    ``group_by_length`` convention), else its longest list or tensor. Datasets of more than 20,000
-    examples are read at 20,000 evenly spaced ones, so a rare longer example can be missed.
-    """
-    size = len(dataset)
-    stride = max(1, -(-size // _LENGTH_SCAN_LIMIT))
-    indices = range(0, size, stride)
-    columns = getattr(dataset, "column_names", None) or []
-    if length_column and length_column in columns:
-        column = dataset[length_column]
-        lengths = [int(column[i]) for i in indices]
-    else:
-        lengths = [_example_length(dataset[i]) for i in indices]
-    if len(set(lengths)) <= 1:
-        return [i % size for i in range(count)]
-    order = sorted(range(len(indices)), key=lambda k: -lengths[k])  # stable: the earlier of equals first
-    longest = [indices[k] for k in order[:count]]
-    return [longest[i % len(longest)] for i in range(count)]
-
-
-def _example_length(example: Any) -> int:
-    values = example.values() if isinstance(example, dict) else example if isinstance(example, (list, tuple)) else []
-    lengths = [len(v) for v in values if isinstance(v, (list, tuple))]
-    lengths += [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return max(lengths, default=0)
 
 
 def _trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:

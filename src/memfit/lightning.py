@@ -23,7 +23,9 @@ __all__ = ["MemoryPlanner"]
 _DOC = """Plan micro batch, gradient accumulation and checkpointing before the first batch; log drift.
 
     At ``setup`` (stage ``"fit"``) the callback takes one batch from the train dataloader (or
-    ``sample``), traces two training steps of the real LightningModule (its ``training_step``, the
+    ``sample``): where the dataloader's ``collate_fn`` pads batches of a map-style dataset, the
+    batch of its longest examples, since the longest batch makes the peak (``memfit.batch.longest_batch``).
+    It traces two training steps of the real LightningModule (its ``training_step``, the
     first optimizer from ``configure_optimizers``, the trainer's precision) on fake tensors, and
     plans with ``memfit.plan``: the largest micro batch whose predicted peak fits the budget minus
     the margin, the accumulation that keeps the effective batch, and checkpointing only if needed.

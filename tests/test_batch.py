@@ -1,0 +1,103 @@
+"""Which examples the plan's batch is built from: the longest, read within a time budget."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import memfit.batch
+from memfit import InvalidInputError
+from memfit.batch import longest_batch, longest_examples
+
+
+def rows(lengths: list[int]) -> list[dict[str, list[int]]]:
+    return [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+
+
+def pad(examples: list[dict[str, list[int]]]) -> torch.Tensor:
+    longest = max(len(e["input_ids"]) for e in examples)
+    return torch.tensor([e["input_ids"] + [0] * (longest - len(e["input_ids"])) for e in examples])
+
+
+class CountingReads(Dataset):
+    """Examples of growing length that count how often they are read, each read taking ``seconds``."""
+
+    def __init__(self, size: int, seconds: float = 0.0) -> None:
+        self.size, self.seconds, self.reads = size, seconds, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.reads += 1
+        if self.seconds:
+            time.sleep(self.seconds)
+        return {"input_ids": torch.zeros(1 + index % 1000)}
+
+
+def test_longest_examples_picks_the_longest_and_keeps_order_among_equals() -> None:
+    assert longest_examples(rows([8, 8, 32, 8]), 3) == [2, 0, 1]  # the longest, then the earlier of equals
+    assert longest_examples(rows([8, 8]), 3) == [0, 1, 0]  # all as long: the first ones, repeated to a batch
+    assert longest_examples(rows([8, 32]), 3) == [1, 0, 1]  # fewer examples than the batch: repeated
+    tensors = [(torch.zeros(n), torch.tensor(0)) for n in [4, 9, 2]]
+    assert longest_examples(tensors, 1) == [1]  # tuples of tensors: the longest first dimension
+    with pytest.raises(InvalidInputError, match="the dataset is empty"):
+        longest_examples([], 2)
+
+
+def test_a_length_column_is_read_instead_of_the_examples() -> None:
+    class WithColumn(list):
+        column_names = ("input_ids", "length")
+
+        def __getitem__(self, key: Any) -> Any:
+            if key == "length":
+                return [3, 50, 7]
+            raise AssertionError("the examples themselves are not read")
+
+    assert longest_examples(WithColumn([None] * 3), 2) == [1, 2]
+
+
+def test_large_datasets_are_read_evenly_spaced_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memfit.batch, "LENGTH_SCAN_SECONDS", 600.0)  # only the count limits here
+    dataset = CountingReads(100_000)
+    longest = longest_examples(dataset, 1)
+    assert memfit.batch.LENGTH_SCAN_LIMIT <= dataset.reads <= memfit.batch.LENGTH_SCAN_LIMIT + 64  # and the probe
+    assert longest[0] % 1000 >= 995  # one of the longest of the read examples (lengths cycle to 1000)
+
+
+def test_slow_datasets_are_read_more_sparsely(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memfit.batch, "LENGTH_SCAN_SECONDS", 0.5)
+    dataset = CountingReads(10_000, seconds=0.002)  # 20 s to read them all
+    longest_examples(dataset, 4)
+    assert 64 <= dataset.reads < 1_000  # the probe, then what fits in about half a second
+
+
+def test_longest_batch_collates_the_longest_examples_only_where_the_collate_fn_can_pad() -> None:
+    data = rows([8] * 20 + [32] + [8] * 20)
+    assert longest_batch(DataLoader(data, batch_size=8, collate_fn=pad)).shape == (8, 32)
+    assert next(iter(DataLoader(data, batch_size=8, collate_fn=pad))).shape == (8, 8)  # what the first batch holds
+    same = [torch.zeros(4) + i for i in range(10)]
+    first = longest_batch(DataLoader(same, batch_size=4))  # default_collate stacks equal shapes: the first batch
+    assert first[:, 0].tolist() == [0, 1, 2, 3]
+
+    class Stream(IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(data)
+
+    assert longest_batch(DataLoader(Stream(), batch_size=8, collate_fn=pad)).shape == (8, 8)  # no index: first batch
+    sampler = torch.utils.data.BatchSampler(range(41), batch_size=4, drop_last=False)
+    assert longest_batch(DataLoader(data, batch_sampler=sampler, collate_fn=pad)).shape == (4, 8)  # its own batches
+
+    class KeyedByName(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, key: str) -> dict[str, list[int]]:
+            return {"a": {"input_ids": [1] * 3}, "b": {"input_ids": [1] * 5}}[key]
+
+    keyed = DataLoader(KeyedByName(), batch_size=2, sampler=["a", "b"], collate_fn=pad)
+    assert longest_batch(keyed).shape == (2, 5)  # not readable by position: the loader's own first batch
