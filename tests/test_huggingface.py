@@ -265,3 +265,40 @@ def test_variable_lengths_are_planned_at_the_longest_batch(tmp_path: Path) -> No
 
     # the plan's batch pads to the one long example, as a batch of long examples would be
     assert planned_peak([8] * 40 + [SEQ]) == planned_peak([SEQ] * 8) > planned_peak([8] * 8)
+
+
+def word_tokenizer(words: list[str]) -> Any:
+    """A real fast tokenizer built in code (no download): one id per word, [PAD] = 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{word: i + 2 for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_text_columns_are_dropped_before_the_tokenizers_padding_collator(tmp_path: Path) -> None:
+    """With a tokenizer as processing_class the Trainer pads with DataCollatorWithPadding, which
+    cannot collate a text column: the Trainer drops unused columns first, and so must the plan."""
+    from transformers import GPT2ForSequenceClassification
+
+    words = [f"w{i}" for i in range(40)]
+    tokenizer = word_tokenizer(words)
+    texts = [" ".join(words[: 4 + i % 20]) for i in range(48)]
+    rows = [{"text": text, "label": i % 3, **tokenizer(text)} for i, text in enumerate(texts)]
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=len(words) + 2, n_positions=SEQ, num_labels=3,
+                        pad_token_id=0)  # fmt: skip
+    args = training_args(tmp_path, per_device_train_batch_size=8)
+    planned = plan_training_arguments(
+        GPT2ForSequenceClassification(config), args, rows, budget="1GiB", processing_class=tokenizer
+    )
+    callback = MemoryPlannerCallback(verbose=False)
+    Trainer(model=GPT2ForSequenceClassification(config), args=planned.args, train_dataset=rows,
+            processing_class=tokenizer, callbacks=[callback]).train()  # fmt: skip
+    # the plan traced the batch the Trainer collates: its longest examples, padded by the tokenizer
+    assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes
+    with pytest.raises(memfit.InvalidInputError, match=r"data collator cannot batch 12 examples.*remove_unused_columns"):
+        plan_training_arguments(GPT2ForSequenceClassification(config), training_args(
+            tmp_path, remove_unused_columns=False), rows, budget="1GiB", processing_class=tokenizer)  # fmt: skip

@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -36,6 +37,7 @@ try:
     from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
     from transformers.trainer import Trainer
     from transformers.trainer_utils import get_last_checkpoint
+    from transformers.utils import find_labels
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
@@ -546,11 +548,26 @@ def collated_sample(
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
     examples = [train_dataset[i] for i in longest_examples(train_dataset, batch_size, args.length_column_name)]
-    batch = data_collator(examples)
-    if args.remove_unused_columns and isinstance(batch, dict):
-        accepted = set(inspect.signature(model.forward).parameters) | {"labels"}
-        batch = {key: value for key, value in batch.items() if key in accepted}
-    return dict(batch) if isinstance(batch, dict) else batch
+    if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
+        kept = _signature_columns(model, args)
+        examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]
+    try:
+        batch = data_collator(examples)
+    except Exception as error:
+        raise InvalidInputError(
+            f"the data collator cannot batch {len(examples)} examples of this dataset ({type(error).__name__}: "
+            f"{error}); the Trainer would fail the same way. Check the dataset's columns against the collator"
+            + ("" if args.remove_unused_columns else ", or leave remove_unused_columns=True")
+        ) from error
+    return dict(batch) if isinstance(batch, Mapping) else batch
+
+
+def _signature_columns(model: torch.nn.Module, args: TrainingArguments) -> set[str]:
+    """The example keys the Trainer keeps under ``remove_unused_columns``: the forward's parameters
+    (of the base model under PEFT) and the label names."""
+    inspected = model.get_base_model() if hasattr(model, "get_base_model") else model
+    labels = find_labels(type(inspected)) if args.label_names is None else args.label_names
+    return set(inspect.signature(inspected.forward).parameters) | {"label", "label_ids", *labels}
 
 
 def _trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
