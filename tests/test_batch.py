@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import memfit.batch
 from memfit import InvalidInputError
-from memfit.batch import longest_batch, longest_examples
+from memfit.batch import batch_examples, longest_batch, longest_examples, preserved_rng
 
 
 def rows(lengths: list[int]) -> list[dict[str, list[int]]]:
@@ -101,3 +102,32 @@ def test_longest_batch_collates_the_longest_examples_only_where_the_collate_fn_c
 
     keyed = DataLoader(KeyedByName(), batch_size=2, sampler=["a", "b"], collate_fn=pad)
     assert longest_batch(keyed).shape == (2, 5)  # not readable by position: the loader's own first batch
+
+
+def test_batch_examples_reads_streams_from_their_start_and_refuses_one_shot_iterators() -> None:
+    class Stream(IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(rows([3, 9, 5]))
+
+    assert [len(e["input_ids"]) for e in batch_examples(Stream(), 4)] == [3, 9, 5, 3]  # its first, repeated
+    assert [len(e["input_ids"]) for e in batch_examples(rows([3, 9, 5]), 2)] == [9, 5]  # by index: the longest
+    with pytest.raises(InvalidInputError, match="one-shot iterator"):
+        batch_examples(iter(rows([3])), 1)
+
+    class Empty(IterableDataset):
+        def __iter__(self) -> Any:
+            return iter([])
+
+    with pytest.raises(InvalidInputError, match="the dataset is empty"):
+        batch_examples(Empty(), 1)
+
+
+def test_reading_a_batch_leaves_the_random_numbers_as_they_were() -> None:
+    torch.manual_seed(1)
+    random.seed(1)
+    expected = (torch.rand(1), random.random())
+    torch.manual_seed(1)
+    random.seed(1)
+    with preserved_rng():
+        torch.rand(5), random.random()  # a dataset's random transform
+    assert (torch.rand(1), random.random()) == expected

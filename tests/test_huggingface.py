@@ -214,6 +214,12 @@ def test_callback_without_a_plan_observes_and_warns_on_mismatch(tmp_path: Path) 
 def test_bad_input() -> None:
     with pytest.raises(memfit.InvalidInputError, match="TrainingArguments"):
         plan_training_arguments(tiny_gpt2(), {"per_device_train_batch_size": 8}, Tokens())
+    with pytest.raises(memfit.InvalidInputError, match="train_dataset is None"):
+        plan_training_arguments(tiny_gpt2(), training_args(Path("unused")), None)
+    with pytest.raises(memfit.InvalidInputError, match="the dataset is empty"):
+        plan_training_arguments(tiny_gpt2(), training_args(Path("unused")), [])
+    with pytest.raises(memfit.InvalidInputError, match="one-shot iterator"):
+        plan_training_arguments(tiny_gpt2(), training_args(Path("unused")), iter(Tokens()))
     with pytest.raises(memfit.InvalidInputError, match="`margin`"):
         MemoryPlannerCallback(margin=2)
     with pytest.raises(memfit.InvalidInputError, match="`on_oom` must be 'replan' or 'raise'"):
@@ -299,6 +305,28 @@ def test_text_columns_are_dropped_before_the_tokenizers_padding_collator(tmp_pat
             processing_class=tokenizer, callbacks=[callback]).train()  # fmt: skip
     # the plan traced the batch the Trainer collates: its longest examples, padded by the tokenizer
     assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes
-    with pytest.raises(memfit.InvalidInputError, match=r"data collator cannot batch 12 examples.*remove_unused_columns"):
+    with pytest.raises(
+        memfit.InvalidInputError, match=r"data collator cannot batch 12 examples.*remove_unused_columns"
+    ):
         plan_training_arguments(GPT2ForSequenceClassification(config), training_args(
             tmp_path, remove_unused_columns=False), rows, budget="1GiB", processing_class=tokenizer)  # fmt: skip
+
+
+class TokenStream(torch.utils.data.IterableDataset):
+    """A stream (no length, no index), as ``datasets`` streaming or a web dataset gives."""
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(100):
+            ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+            yield {"input_ids": ids, "labels": ids}
+
+
+def test_a_streaming_dataset_is_planned_on_its_first_examples(tmp_path: Path) -> None:
+    args = training_args(tmp_path, per_device_train_batch_size=4, max_steps=3)
+    planned = plan_training_arguments(tiny_gpt2(), args, TokenStream(), budget="1GiB")
+    callback = MemoryPlannerCallback(verbose=False)
+    Trainer(model=tiny_gpt2(), args=planned.args, train_dataset=TokenStream(), callbacks=[callback]).train()
+    assert callback.estimate is not None  # the callback predicted the streamed run
+    assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes
+    assert planned.estimate.batch_size == 4

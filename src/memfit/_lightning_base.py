@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import infer_batch_size, longest_batch
+from memfit.batch import infer_batch_size, longest_batch, preserved_rng
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.ddp import DDPConfig
@@ -341,7 +341,7 @@ class MemoryPlannerBase:
             loader = next(iter(loader.values()), None)
         if not isinstance(loader, torch.utils.data.DataLoader):
             return None
-        with _preserved_rng():
+        with preserved_rng():
             try:
                 return longest_batch(loader)
             except StopIteration:  # an empty loader: no batch to check
@@ -405,7 +405,7 @@ class MemoryPlannerBase:
             raise InvalidInputError(
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
-        with _preserved_rng():  # taking a batch must not shift the run's shuffling
+        with preserved_rng():  # taking a batch must not shift the run's shuffling
             return longest_batch(loader)
 
     def _configured_batch(self, pl_module: Any) -> int | None:
@@ -698,15 +698,6 @@ def _logging_silenced(module: Any) -> Iterator[None]:
         for name, present in had.items():
             if not present:
                 vars(module).pop(name, None)
-
-
-@contextlib.contextmanager
-def _preserved_rng() -> Iterator[None]:
-    state = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(state)
 
 
 def _all_gather_ints(strategy: Any, value: int) -> Sequence[int]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +16,16 @@ from torch.utils.data._utils.collate import default_collate
 
 from memfit.errors import InvalidInputError
 
-__all__ = ["call_model", "describe", "infer_batch_size", "longest_batch", "longest_examples", "rebatch"]
+__all__ = [
+    "batch_examples",
+    "call_model",
+    "describe",
+    "infer_batch_size",
+    "longest_batch",
+    "longest_examples",
+    "preserved_rng",
+    "rebatch",
+]
 
 Sample = Any  # a tensor, or a dict / list / tuple (possibly nested) of tensors
 
@@ -135,6 +147,40 @@ def _example_length(example: Any) -> int:
     lengths = [len(v) for v in values if isinstance(v, (list, tuple))]
     lengths += [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
     return max(lengths, default=0)
+
+
+def batch_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[Any]:
+    """``count`` examples to build the plan's batch from: the longest of a dataset read by index
+    (``longest_examples``), the first of a stream, repeated if it holds fewer."""
+    if _readable_by_index(dataset):
+        return [dataset[i] for i in longest_examples(dataset, count, length_column)]
+    if iter(dataset) is dataset:
+        raise InvalidInputError(
+            f"the dataset is a one-shot iterator ({type(dataset).__name__}); reading a batch from it would take "
+            "that batch from training. Pass a dataset that can be iterated again, or a sample batch"
+        )
+    examples = list(itertools.islice(iter(dataset), count))  # a stream: its first examples
+    if not examples:
+        raise InvalidInputError("the dataset is empty: memfit needs examples to build a batch from")
+    return [examples[i % len(examples)] for i in range(count)]
+
+
+def _readable_by_index(dataset: Any) -> bool:
+    if isinstance(dataset, IterableDataset):  # it inherits a __getitem__ that raises
+        return False
+    kind = type(dataset)
+    return hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Reading a batch (random transforms, a shuffling stream) must not shift the run's random numbers."""
+    torch_state, python_state = torch.random.get_rng_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(torch_state)
+        random.setstate(python_state)
 
 
 def longest_batch(loader: DataLoader) -> Any:

@@ -42,7 +42,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
 from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import longest_examples
+from memfit.batch import batch_examples, longest_examples, preserved_rng
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import enable_checkpointing
 from memfit.ddp import DDPConfig
@@ -540,14 +540,15 @@ def collated_sample(
 ) -> Any:
     """One batch as the Trainer would build it (unused columns dropped, the Trainer's default collator),
     of the longest examples: a collator that pads to the longest in the batch makes its peak there."""
-    if train_dataset is None or len(train_dataset) == 0:
-        raise InvalidInputError("train_dataset is empty or None: memfit needs one batch of it to plan")
+    if train_dataset is None:
+        raise InvalidInputError("train_dataset is None: memfit needs one batch of it to plan")
     if data_collator is None:
         from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
 
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
-    examples = [train_dataset[i] for i in longest_examples(train_dataset, batch_size, args.length_column_name)]
+    with preserved_rng():
+        examples = batch_examples(train_dataset, batch_size, args.length_column_name)
     if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
         kept = _signature_columns(model, args)
         examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]
@@ -800,8 +801,8 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
-        dataset = loader.dataset
-        sample = loader.collate_fn([dataset[i] for i in longest_examples(dataset, micro, args.length_column_name)])
+        with preserved_rng():
+            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name))
         device = next(model.parameters()).device
         traced = estimate(
             model,
