@@ -330,3 +330,37 @@ def test_a_streaming_dataset_is_planned_on_its_first_examples(tmp_path: Path) ->
     assert callback.estimate is not None  # the callback predicted the streamed run
     assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes
     assert planned.estimate.batch_size == 4
+
+
+def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_path: Path) -> None:
+    """The common path: ``datasets.Dataset.map(tokenizer)`` (text column kept, a length column) and the
+    language-modeling collator, which pads to the longest in the batch."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling
+
+    from memfit.batch import longest_examples
+
+    words = [f"w{i}" for i in range(40)]
+    tokenizer = word_tokenizer(words)
+    texts = [" ".join(words[: 4 + (5 * i) % 28]) for i in range(64)]
+    dataset = Dataset.from_dict({"text": texts}).map(lambda batch: tokenizer(batch["text"]), batched=True)
+    dataset = dataset.map(lambda example: {"length": len(example["input_ids"])})
+    # the length column and a scan of the examples find the same longest ones
+    assert longest_examples(dataset, 8) == longest_examples(dataset.remove_columns("length"), 8)
+    chosen = sorted(len(dataset[i]["input_ids"]) for i in longest_examples(dataset, 8))
+    assert chosen == sorted(dataset["length"])[-8:]
+
+    def model() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=len(words) + 2, n_positions=SEQ,
+                                          pad_token_id=0))  # fmt: skip
+
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    args = training_args(tmp_path, per_device_train_batch_size=8, max_steps=4)
+    planned = plan_training_arguments(model(), args, dataset, budget="1GiB", data_collator=collator,
+                                      processing_class=tokenizer)  # fmt: skip
+    callback = MemoryPlannerCallback(verbose=False)
+    Trainer(model=model(), args=planned.args, train_dataset=dataset, data_collator=collator,
+            processing_class=tokenizer, callbacks=[callback]).train()  # fmt: skip
+    # the callback sees the dataset the Trainer stripped of `text` and `length`, and finds the same batch
+    assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes

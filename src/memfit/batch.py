@@ -114,9 +114,9 @@ def longest_examples(dataset: Any, count: int, length_column: str | None = "leng
         raise InvalidInputError("the dataset is empty: memfit needs examples to build a batch from")
     columns = getattr(dataset, "column_names", None) or []
     if length_column and length_column in columns:
-        column = dataset[length_column]
         stride = max(1, -(-size // LENGTH_SCAN_LIMIT))
-        lengths = {i: int(column[i]) for i in range(0, size, stride)}
+        column = dataset[length_column][0:size:stride]  # one slice: `datasets` reads a column's items slowly
+        lengths = {i: int(value) for i, value in zip(range(0, size, stride), column, strict=True)}
     else:
         lengths = _scanned_lengths(dataset, size)
     if len(set(lengths.values())) <= 1:
