@@ -12,6 +12,8 @@ Each case runs in a fresh process so its peak RSS is its own:
   same command with ``--plot`` (the table and the PNG, through the command line's own entry point).
 * ``memfit plan --hf-config llama-3-8b --gpu h200 --optimizer sgd --seq-len 2048``: a plan that fits,
   so the chosen batch is confirmed on a trace of the whole model.
+* ``memfit.batch.longest_examples`` on a ``datasets.Dataset`` of 100,000 tokenized rows, from its
+  ``length`` column and by reading the rows.
 Results go to ``benchmarks/results/speed.json``.
 """
 
@@ -130,8 +132,32 @@ def plan_llama3_8b_fits() -> dict:
     }
 
 
+def longest_examples_100k() -> dict:
+    """Choosing the plan's batch from 100,000 tokenized rows (1 to 500 tokens) of a ``datasets.Dataset``:
+    from its ``length`` column, and by reading the rows (capped at 20,000 rows and about 2 s)."""
+    from datasets import Dataset
+
+    from memfit.batch import longest_examples
+
+    rows = Dataset.from_dict({"input_ids": [[1] * (1 + i % 500) for i in range(100_000)]})
+    with_lengths = rows.add_column("length", [1 + i % 500 for i in range(100_000)])
+    started = time.perf_counter()
+    from_column = longest_examples(with_lengths, 8)
+    column_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    from_rows = longest_examples(rows, 8)
+    return {
+        "case": "longest_examples, datasets.Dataset of 100,000 rows: length column / reading rows",
+        "cold_seconds": round(column_seconds, 3),
+        "rows_scan_seconds": round(time.perf_counter() - started, 3),
+        "same_choice": from_column == from_rows,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
 CASES = {"gpt2": gpt2_124m, "llama7b": llama_7b, "plan-llama3-8b": plan_llama3_8b,
-         "plan-llama3-8b-plot": plan_llama3_8b_plot, "plan-llama3-8b-fits": plan_llama3_8b_fits}  # fmt: skip
+         "plan-llama3-8b-plot": plan_llama3_8b_plot, "plan-llama3-8b-fits": plan_llama3_8b_fits,
+         "longest-examples": longest_examples_100k}  # fmt: skip
 
 
 def main() -> None:
@@ -144,6 +170,7 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for row in rows:
         extra = f", warm {row['warm_seconds']} s" if "warm_seconds" in row else ""
+        extra += f", reading rows {row['rows_scan_seconds']} s" if "rows_scan_seconds" in row else ""
         predicted = row.get("predicted_peak_bytes")
         peak = f"; predicted peak {memfit.format_bytes(predicted)}" if predicted else ""
         rss = memfit.format_bytes(row["max_rss_bytes"])
