@@ -7,6 +7,7 @@ their namespace's ``Callback`` and utilities; everything memory-related lives in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import warnings
@@ -254,10 +255,18 @@ class MemoryPlannerBase:
             pl_module, sample, batch_size=configured, accumulation_steps=accumulation,
             extra_batches=batches_held(accumulation, self.on_oom), **kwargs,
         )  # fmt: skip
+        sharding = self._sharding(trainer.strategy)
+        if sharding is not None:
+            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding}: {_UNSHARDED}"))
         self.estimate = traced
         world = trainer.world_size
         include_context = device.type == "cuda" and self.budget_bytes is not None
-        if self.mode == "observe":
+        if sharding is not None and self.mode == "plan":
+            self._warn(
+                f"memfit does not model the sharding of {sharding} yet: {_UNSHARDED}. It plans nothing under "
+                "this strategy and only logs measured memory; set the batch size yourself."
+            )
+        if self.mode == "observe" or sharding is not None:
             peak = traced.at(configured)
             if capacity > 0:
                 self._check_validation(trainer, pl_module, traced, kwargs, capacity, include_context)
@@ -346,6 +355,12 @@ class MemoryPlannerBase:
                 return longest_batch(loader)
             except StopIteration:  # an empty loader: no batch to check
                 return None
+
+    def _sharding(self, strategy: Any) -> str | None:
+        """The name of a strategy that shards parameters, gradients or optimizer state across ranks."""
+        names = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+        kinds = tuple(getattr(self._pl.strategies, name) for name in names if hasattr(self._pl.strategies, name))
+        return type(strategy).__name__ if isinstance(strategy, kinds) else None
 
     def _ddp_config(self, strategy: Any) -> DDPConfig | None:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
@@ -637,6 +652,9 @@ class MemoryPlannerBase:
 
     def _info(self, message: str) -> None:
         self._pl.utilities.rank_zero_info(message)
+
+
+_UNSHARDED = "predicted as if every rank held the whole model, its gradients and optimizer state (an upper bound)"
 
 
 def _summary(plan_dict: dict[str, Any]) -> str:

@@ -128,6 +128,11 @@ def plan_training_arguments(
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+    if sharding(args):
+        raise InvalidInputError(
+            f"these arguments shard the model with {sharding(args)}, which memfit does not model yet: its plan would "
+            f"be {_UNSHARDED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
+        )
     budget_bytes = parse_budget(budget)
     configured = args.per_device_train_batch_size
     device = _run_device(args)
@@ -512,10 +517,23 @@ def model_checkpointing(model: Any) -> bool:
     return any(bool(getattr(model, name, False)) for name in names)
 
 
+def sharding(args: TrainingArguments) -> str | None:
+    """``"FSDP"`` or ``"DeepSpeed"`` when the run shards the model's state across processes (from the
+    arguments, or from what ``accelerate launch --use_fsdp/--use_deepspeed`` sets), else ``None``."""
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return "FSDP"
+    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        return "DeepSpeed"
+    return None
+
+
+_UNSHARDED = "predicted as if every process held the whole model, its gradients and optimizer state (an upper bound)"
+
+
 def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
     """The ``DistributedDataParallel`` options the Trainer (through accelerate) will wrap ``model`` with,
     or ``None`` when it will not (one process, FSDP, DeepSpeed)."""
-    if args.world_size <= 1 or getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+    if args.world_size <= 1 or sharding(args):
         return None
     if args.ddp_find_unused_parameters is not None:
         find_unused = bool(args.ddp_find_unused_parameters)
@@ -815,6 +833,10 @@ class MemoryPlannerCallback(TrainerCallback):
             extra_batches=held_batches(args.gradient_accumulation_steps, device),
             ddp=ddp_config(args, model),
         )
+        if sharding(args):
+            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding(args)}: {_UNSHARDED}"))
+            self._warn("sharding", f"memfit does not model {sharding(args)} sharding yet: drift is against a "
+                       f"prediction {_UNSHARDED}")  # fmt: skip
         self.estimate = traced
         resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         self.monitor = DriftMonitor(

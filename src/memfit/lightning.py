@@ -35,7 +35,8 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     use their own switch; other modules get ``torch.utils.checkpoint`` around ``checkpoint_modules``
     or the longest list of identical blocks). In ``mode="observe"`` it changes nothing and only
     logs drift. Under DDP, the smallest free memory of all ranks is used, rank 0 decides and every
-    rank applies the same plan.
+    rank applies the same plan. Sharding (FSDP, DeepSpeed, ``ModelParallelStrategy``) is not
+    modelled yet, so under those strategies the callback warns and only observes.
 
     The trace follows the loop the step runs in: Lightning's closure zeroes gradients between
     ``training_step`` and ``backward``, so its forward carries the last step's gradients (memfit's
