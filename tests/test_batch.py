@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import memfit.batch
 from memfit import InvalidInputError
-from memfit.batch import batch_examples, longest_batch, longest_examples, preserved_rng
+from memfit.batch import batch_examples, longest_batch, longest_examples
+from memfit.model_state import preserved_rng_state
 
 
 def rows(lengths: list[int]) -> list[dict[str, list[int]]]:
@@ -128,6 +129,6 @@ def test_reading_a_batch_leaves_the_random_numbers_as_they_were() -> None:
     expected = (torch.rand(1), random.random())
     torch.manual_seed(1)
     random.seed(1)
-    with preserved_rng():
+    with preserved_rng_state():
         torch.rand(5), random.random()  # a dataset's random transform
     assert (torch.rand(1), random.random()) == expected

@@ -384,4 +384,4 @@ def test_sharded_runs_are_not_planned_and_their_prediction_says_so(tmp_path: Pat
     callback = MemoryPlannerCallback(verbose=False)
     with pytest.warns(UserWarning, match="memfit does not model FSDP sharding yet"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()
-    assert any(note.startswith("FSDP: predicted as if every process") for note in callback.estimate.notes)
+    assert any(note.startswith("FSDP: predicted as if every rank") for note in callback.estimate.notes)

@@ -298,6 +298,12 @@ def pad_to_longest(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
+def token_rows(lengths: list[int]) -> list[dict[str, list[int]]]:
+    """Tokenized examples of the given lengths (random ids, seeded) for the small GPT-2."""
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, SMALL_GPT2_VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+
+
 def hf_train_variable_lengths(
     root: Path, device: str = "cpu"
 ) -> tuple[Callable[[], None], Any, Callable[[], memfit.MemoryEstimate]]:
@@ -308,9 +314,7 @@ def hf_train_variable_lengths(
 
     from memfit.huggingface import MemoryPlannerCallback, held_batches
 
-    generator = torch.Generator().manual_seed(0)
-    lengths = [8] * 40 + [SMALL_GPT2_POSITIONS]
-    rows = [{"input_ids": torch.randint(0, SMALL_GPT2_VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+    rows = token_rows([8] * 40 + [SMALL_GPT2_POSITIONS])
     args = TrainingArguments(
         output_dir=str(root), per_device_train_batch_size=8, max_steps=6, optim="sgd", learning_rate=0.01,
         max_grad_norm=0.0, use_cpu=device == "cpu", report_to=[], save_strategy="no", logging_strategy="no",
@@ -341,9 +345,7 @@ def lightning_fit_variable_lengths(
 
     from memfit.lightning import MemoryPlanner
 
-    generator = torch.Generator().manual_seed(0)
-    lengths = [8] * 20 + [SMALL_GPT2_POSITIONS] + [8] * 20
-    rows = [{"input_ids": torch.randint(0, SMALL_GPT2_VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+    rows = token_rows([8] * 20 + [SMALL_GPT2_POSITIONS] + [8] * 20)
 
     class LanguageModel(L.LightningModule):
         def __init__(self) -> None:

@@ -20,15 +20,16 @@ import torch
 from torch import nn
 
 from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import infer_batch_size, longest_batch, preserved_rng
+from memfit.batch import infer_batch_size, longest_batch
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import CheckpointTarget, enable_checkpointing
-from memfit.ddp import DDPConfig
+from memfit.ddp import SHARDING_NOT_MODELLED, DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
 from memfit.evaluation import EvaluationPeak, evaluation_peak
 from memfit.measure import PeakSampler, current_rss_bytes
+from memfit.model_state import preserved_rng_state
 from memfit.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.recovery import (
@@ -257,14 +258,14 @@ class MemoryPlannerBase:
         )  # fmt: skip
         sharding = self._sharding(trainer.strategy)
         if sharding is not None:
-            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding}: {_UNSHARDED}"))
+            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding}: {SHARDING_NOT_MODELLED}"))
         self.estimate = traced
         world = trainer.world_size
         include_context = device.type == "cuda" and self.budget_bytes is not None
         if sharding is not None and self.mode == "plan":
             self._warn(
-                f"memfit does not model the sharding of {sharding} yet: {_UNSHARDED}. It plans nothing under "
-                "this strategy and only logs measured memory; set the batch size yourself."
+                f"memfit does not model the sharding of {sharding} yet: {SHARDING_NOT_MODELLED}. It plans nothing "
+                "under this strategy and only logs measured memory; set the batch size yourself."
             )
         if self.mode == "observe" or sharding is not None:
             peak = traced.at(configured)
@@ -350,7 +351,7 @@ class MemoryPlannerBase:
             loader = next(iter(loader.values()), None)
         if not isinstance(loader, torch.utils.data.DataLoader):
             return None
-        with preserved_rng():
+        with preserved_rng_state():
             try:
                 return longest_batch(loader)
             except StopIteration:  # an empty loader: no batch to check
@@ -420,7 +421,7 @@ class MemoryPlannerBase:
             raise InvalidInputError(
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
-        with preserved_rng():  # taking a batch must not shift the run's shuffling
+        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
             return longest_batch(loader)
 
     def _configured_batch(self, pl_module: Any) -> int | None:
@@ -652,9 +653,6 @@ class MemoryPlannerBase:
 
     def _info(self, message: str) -> None:
         self._pl.utilities.rank_zero_info(message)
-
-
-_UNSHARDED = "predicted as if every rank held the whole model, its gradients and optimizer state (an upper bound)"
 
 
 def _summary(plan_dict: dict[str, Any]) -> str:

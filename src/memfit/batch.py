@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +21,6 @@ __all__ = [
     "infer_batch_size",
     "longest_batch",
     "longest_examples",
-    "preserved_rng",
     "rebatch",
 ]
 
@@ -170,17 +167,6 @@ def _readable_by_index(dataset: Any) -> bool:
         return False
     kind = type(dataset)
     return hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Reading a batch (random transforms, a shuffling stream) must not shift the run's random numbers."""
-    torch_state, python_state = torch.random.get_rng_state(), random.getstate()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(torch_state)
-        random.setstate(python_state)
 
 
 def longest_batch(loader: DataLoader) -> Any:

@@ -42,15 +42,16 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
 from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import batch_examples, longest_examples, preserved_rng
+from memfit.batch import batch_examples, longest_examples
 from memfit.capacity import free_device_bytes, parse_budget
 from memfit.checkpointing import enable_checkpointing
-from memfit.ddp import DDPConfig
+from memfit.ddp import SHARDING_NOT_MODELLED, DDPConfig
 from memfit.drift import DriftMonitor
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.estimate import MemoryEstimate, estimate
 from memfit.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
 from memfit.measure import PeakSampler, current_rss_bytes
+from memfit.model_state import preserved_rng_state
 from memfit.planner import Plan, plan
 from memfit.recovery import (
     OPTIMIZER_STEP_OOM,
@@ -128,10 +129,10 @@ def plan_training_arguments(
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-    if sharding(args):
+    if sharded_by := sharding(args):
         raise InvalidInputError(
-            f"these arguments shard the model with {sharding(args)}, which memfit does not model yet: its plan would "
-            f"be {_UNSHARDED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
+            f"these arguments shard the model with {sharded_by}, which memfit does not model yet: its plan would "
+            f"be {SHARDING_NOT_MODELLED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
         )
     budget_bytes = parse_budget(budget)
     configured = args.per_device_train_batch_size
@@ -361,9 +362,9 @@ class _PredictionStep:
 
     def __init__(self, model: torch.nn.Module, args: TrainingArguments, *, collect_predictions: bool,
                  preprocess_logits_for_metrics: Any) -> None:  # fmt: skip
-        from transformers.utils import can_return_loss, find_labels
+        from transformers.utils import can_return_loss
 
-        self.label_names = args.label_names if args.label_names is not None else find_labels(type(model))
+        self.label_names = _label_names(model, args)
         self.returns_loss = can_return_loss(type(model))
         config = getattr(model, "config", None)
         self.ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])) if config else []
@@ -527,9 +528,6 @@ def sharding(args: TrainingArguments) -> str | None:
     return None
 
 
-_UNSHARDED = "predicted as if every process held the whole model, its gradients and optimizer state (an upper bound)"
-
-
 def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
     """The ``DistributedDataParallel`` options the Trainer (through accelerate) will wrap ``model`` with,
     or ``None`` when it will not (one process, FSDP, DeepSpeed)."""
@@ -565,28 +563,37 @@ def collated_sample(
 
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
-    with preserved_rng():
+    with preserved_rng_state():  # random transforms and collators (MLM masking) must not shift the run
         examples = batch_examples(train_dataset, batch_size, args.length_column_name)
-    if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
-        kept = _signature_columns(model, args)
-        examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]
-    try:
-        batch = data_collator(examples)
-    except Exception as error:
-        raise InvalidInputError(
-            f"the data collator cannot batch {len(examples)} examples of this dataset ({type(error).__name__}: "
-            f"{error}); the Trainer would fail the same way. Check the dataset's columns against the collator"
-            + ("" if args.remove_unused_columns else ", or leave remove_unused_columns=True")
-        ) from error
+        if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
+            kept = _signature_columns(model, args)
+            examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]
+        try:
+            batch = data_collator(examples)
+        except Exception as error:
+            raise InvalidInputError(
+                f"the data collator cannot batch {len(examples)} examples of this dataset ({type(error).__name__}: "
+                f"{error}); the Trainer would fail the same way. Check the dataset's columns against the collator"
+                + ("" if args.remove_unused_columns else ", or leave remove_unused_columns=True")
+            ) from error
     return dict(batch) if isinstance(batch, Mapping) else batch
 
 
 def _signature_columns(model: torch.nn.Module, args: TrainingArguments) -> set[str]:
     """The example keys the Trainer keeps under ``remove_unused_columns``: the forward's parameters
     (of the base model under PEFT) and the label names."""
-    inspected = model.get_base_model() if hasattr(model, "get_base_model") else model
-    labels = find_labels(type(inspected)) if args.label_names is None else args.label_names
-    return set(inspect.signature(inspected.forward).parameters) | {"label", "label_ids", *labels}
+    forward = _base_model(model).forward
+    return set(inspect.signature(forward).parameters) | {"label", "label_ids", *_label_names(model, args)}
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model the Trainer inspects: under PEFT, the base model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _label_names(model: torch.nn.Module, args: TrainingArguments) -> list[str]:
+    """``args.label_names``, else the labels the model's forward takes, as the Trainer decides them."""
+    return list(args.label_names) if args.label_names is not None else find_labels(type(_base_model(model)))
 
 
 def _trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
@@ -819,7 +826,7 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
-        with preserved_rng():
+        with preserved_rng_state():
             sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name))
         device = next(model.parameters()).device
         traced = estimate(
@@ -833,10 +840,11 @@ class MemoryPlannerCallback(TrainerCallback):
             extra_batches=held_batches(args.gradient_accumulation_steps, device),
             ddp=ddp_config(args, model),
         )
-        if sharding(args):
-            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding(args)}: {_UNSHARDED}"))
-            self._warn("sharding", f"memfit does not model {sharding(args)} sharding yet: drift is against a "
-                       f"prediction {_UNSHARDED}")  # fmt: skip
+        sharded_by = sharding(args)
+        if sharded_by:
+            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharded_by}: {SHARDING_NOT_MODELLED}"))
+            self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
+                       f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
         self.estimate = traced
         resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         self.monitor = DriftMonitor(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,13 +49,15 @@ def preserved_module_state(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def preserved_rng_state() -> Iterator[None]:
-    """Keep the user's CPU (and, if initialised, CUDA) random streams where they were."""
-    cpu_state = torch.random.get_rng_state()
+    """Keep the user's random streams where they were: torch's CPU (and, if initialised, CUDA) ones and
+    Python's, which datasets' random transforms and shuffling streams draw from."""
+    cpu_state, python_state = torch.random.get_rng_state(), random.getstate()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
         torch.random.set_rng_state(cpu_state)
+        random.setstate(python_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
 
