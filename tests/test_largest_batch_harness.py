@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import memfit
+from integrations.accuracy import readme
 from integrations.accuracy.largest_batch import in_fresh_process, largest_that_fits, main
 from integrations.accuracy.run import optimizer_spec
 from integrations.accuracy.zoo import FAMILIES
@@ -68,6 +69,14 @@ def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> No
     assert summary["hf_auto_find"] == {"families": 1, "median_share": 1.0, "lowest_share": 1.0, "above_true_max": 0,
                                        "out_of_memory_in_check": 0, "median_seconds_vs_memfit": hf_ratio}  # fmt: skip
     assert summary["memfit"]["above_true_max"] == 1 and summary["memfit"]["out_of_memory_in_check"] == 1
+    # the README's table is rendered from such a file once a GPU run is committed
+    output.rename(tmp_path / "largest_batch-gpu.json")
+    lines = readme.largest_batch(tmp_path)
+    text = "\n".join(lines)
+    memfit_share = f"{100 * row['memfit']['fraction_of_true_max']:.0f} %"
+    assert f"| gpt2 | 6 | {row['memfit']['batch_size']} ({memfit_share}), " in text
+    assert f"| 6 (100 %), {row['hf_auto_find']['seconds']:.1f} s |" in text
+    assert "| memfit | 1 | " in text and "**OOM**" in text
 
 
 def test_a_trial_runs_in_a_fresh_process_and_reports_out_of_memory() -> None:

@@ -210,6 +210,8 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
                     "reserved_error_pct": _pct(
                         estimate.peak_reserved_bytes, measured.get("measured_peak_reserved_bytes")
                     ),
+                    # the whole device: reserved plus the CUDA context and workspaces, against NVML's used memory
+                    "nvml_error_pct": _pct(estimate.peak_bytes, measured.get("measured_nvml_used_bytes")),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -313,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     size = "gpu" if args.gpu else "cpu"
     selected = [c for c in configs(size) if not args.only or args.only in c.name]
     rows = run_gpu(selected) if args.gpu else run_cpu(selected)
-    keys = ["allocated_error_pct", "reserved_error_pct"] if args.gpu else ["activation_error_pct", "peak_error_pct"]
+    if args.gpu:
+        keys = ["allocated_error_pct", "reserved_error_pct", "nvml_error_pct"]
+    else:
+        keys = ["activation_error_pct", "peak_error_pct"]
     summary: dict[str, Any] = summarize(rows, keys)
     ratios = [r["estimate_to_step_time_ratio"] for r in rows if r.get("estimate_to_step_time_ratio") is not None]
     if ratios:  # CPU mode: how many real training steps of the same configuration one estimate costs

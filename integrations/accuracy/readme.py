@@ -1,0 +1,389 @@
+"""The README's accuracy figures, rendered from the committed result files and nothing else.
+
+    python -m integrations.accuracy.readme            # print the generated blocks
+    python -m integrations.accuracy.readme --write    # rewrite them in README.md from benchmarks/results/
+    python -m integrations.accuracy.readme --check    # exit 1 if README.md differs (the test suite runs it)
+
+Each block stands in README.md between ``<!-- results: NAME -->`` and ``<!-- end results: NAME -->``
+and is replaced whole. A result file that does not exist yet (the GPU ones, until a GPU run is
+committed) renders as a line that says so and names the command that measures it; after
+``bash benchmarks/gpu_checks.sh ...`` on a GPU, ``--write`` puts its tables in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from memfit import format_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+_METHOD_NAMES = {
+    "memfit": "memfit",
+    "lightning_binsearch": "BatchSizeFinder binsearch",
+    "lightning_power": "BatchSizeFinder power",
+    "hf_auto_find": "HF auto_find_batch_size",
+}
+
+
+def _load(name: str, results: Path) -> dict[str, Any] | None:
+    path = results / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _pct(value: float | None, signed: bool = False, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    value = 0.0 if round(value, digits) == 0 else value  # no "-0.00"
+    return f"{value:+.{digits}f} %" if signed else f"{value:.{digits}f} %"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    aligns = ["---"] + ["---:"] * (len(header) - 1)
+    return ["| " + " | ".join(line) + " |" for line in [header, aligns, *rows]]
+
+
+def _source(name: str, meta: dict[str, Any]) -> str:
+    facts = [meta.get("device"), f"torch {meta['torch']}" if meta.get("torch") else None, meta.get("date")]
+    return f"`benchmarks/results/{name}`; " + ", ".join(fact for fact in facts if fact)
+
+
+# --------------------------------------------------------------------------- the zoo, predicted vs measured
+
+
+def _error_stats(rows: list[dict[str, Any]], key: str) -> tuple[str, str]:
+    errors = [abs(row[key]) for row in rows if row.get(key) is not None]
+    if not errors:
+        return "-", "-"
+    return _pct(statistics.median(errors), digits=3), _pct(max(errors), digits=3)
+
+
+def gpu_accuracy(results: Path) -> list[str]:
+    data = _load("accuracy-gpu.json", results)
+    if data is None:
+        return [
+            "**GPU: still to be measured.** `bash benchmarks/gpu_checks.sh accuracy` (that is, "
+            "`python -m integrations.accuracy.run --gpu`) runs the zoo below on a CUDA GPU: predicted vs "
+            "measured `max_memory_allocated` / `max_memory_reserved` and NVML's used memory, in a fresh "
+            "process per configuration. No GPU figure is published before its result file is committed."
+        ]
+    rows = data["rows"]
+    families = sorted({row["config"].split()[0] for row in rows}, key=[r["config"].split()[0] for r in rows].index)
+    table = []
+    for family in [*families, None]:
+        group = [row for row in rows if family is None or row["config"].split()[0] == family]
+        measured = [row for row in group if row.get("measured_peak_reserved_bytes") is not None]
+        cells = [
+            *_error_stats(measured, "allocated_error_pct"),
+            *_error_stats(measured, "reserved_error_pct"),
+            *_error_stats(measured, "nvml_error_pct"),
+        ]
+        failed = len(group) - len(measured)
+        name = "**all**" if family is None else family
+        table.append([name, f"{len(measured)}" + (f" ({failed} failed)" if failed else ""), *cells])
+    header = ["family", "runs", "allocated: median", "max", "reserved: median", "max", "NVML: median", "max"]
+    return [
+        f"**GPU** (`python -m integrations.accuracy.run --gpu`, {_source('accuracy-gpu.json', data['meta'])}): "
+        "absolute error of the predicted peak against the measured one, per model family, each "
+        "configuration in a fresh process (three real steps); NVML compares the predicted total "
+        "(reserved, CUDA context and workspaces) with the device's used memory.",
+        "",
+        *_table(header, table),
+    ]
+
+
+def _relative(predicted: int | None, measured: int | None) -> float | None:
+    return None if predicted is None or not measured else 100.0 * (predicted - measured) / measured
+
+
+def trace_zoo_gpu(results: Path) -> list[str]:
+    data = _load("trace_zoo-gpu.json", results)
+    if data is None:
+        return [
+            "**Larger single configurations, GPU: still to be measured.** `bash benchmarks/gpu_checks.sh trace_zoo` "
+            "(that is, `python benchmarks/trace_zoo.py --measure`): GPT-2 124M at sequence 1024, a 1B Llama and "
+            "others, predicted and then trained for three real steps in a fresh process."
+        ]
+    rows = []
+    for row in data["rows"]:
+        if row.get("measured_peak_reserved_bytes") is None:
+            rows.append([row["config"], format_bytes(row["predicted_peak_reserved_bytes"]), "failed", "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                row["config"],
+                format_bytes(row["predicted_peak_reserved_bytes"]),
+                format_bytes(row["measured_peak_reserved_bytes"]),
+                _pct(_relative(row["predicted_peak_allocated_bytes"], row["measured_peak_allocated_bytes"]), True),
+                _pct(_relative(row["predicted_peak_reserved_bytes"], row["measured_peak_reserved_bytes"]), True),
+                _pct(_relative(row["predicted_peak_bytes"], row.get("measured_nvml_used_bytes")), True),
+            ]
+        )
+    return [
+        f"**Larger single configurations, GPU** (`python benchmarks/trace_zoo.py --measure`, "
+        f"{_source('trace_zoo-gpu.json', data['meta'])}): predicted vs measured after three real steps in a "
+        "fresh process; error = (predicted - measured) / measured.",
+        "",
+        *_table(
+            [
+                "configuration",
+                "predicted reserved",
+                "measured reserved",
+                "allocated error",
+                "reserved error",
+                "device (NVML) error",
+            ],
+            rows,
+        ),
+    ]
+
+
+def cpu_accuracy(results: Path) -> list[str]:
+    data = _load("accuracy-cpu.json", results)
+    if data is None:
+        return ["**CPU: not measured yet.** `python -m integrations.accuracy.run`."]
+    summary = data["summary"]
+    activations, peaks = summary["activation_error_pct"], summary["peak_error_pct"]
+    ratio = summary["estimate_to_step_time_ratio"]
+    configs = len({row["config"] for row in data["rows"]})  # a configuration's name holds its first batch size
+    return [
+        f"**CPU** (`python -m integrations.accuracy.run`, {_source('accuracy-cpu.json', data['meta'])}): "
+        f"{configs} configurations, each at two batch sizes, traced for a CPU target and compared with "
+        "independent counts on real CPU tensors:",
+        "",
+        *_table(
+            ["check", "runs", "median abs. error", "max abs. error"],
+            [
+                [
+                    "activations kept for backward vs bytes autograd saves (`saved_tensors_hooks`, deduplicated by "
+                    "storage; runs without checkpointing)",
+                    str(activations["n"]),
+                    _pct(activations["median_abs"], digits=3),
+                    _pct(activations["max_abs"], digits=3),
+                ],
+                [
+                    "traced peak vs PyTorch's `MemTracker` over two real steps (not the LoRA rows: MemTracker fails "
+                    "on frozen parameters)",
+                    str(peaks["n"]),
+                    _pct(peaks["median_abs"], digits=3),
+                    _pct(peaks["max_abs"], digits=3),
+                ],
+            ],
+        ),
+        "",
+        f"One estimate (two traced steps at two batch sizes) takes as long as {ratio['median']} real CPU "
+        f"training steps of the same tiny configuration at the median ({ratio['min']} to {ratio['max']}; "
+        "`estimate_to_step_time_ratio`, timed in the same run): tracing costs per operation, not per byte, "
+        "so it is dear next to a tiny model's step and cheap next to a large one's.",
+        "",
+        "Largest peak error against `MemTracker`, per family: " + _worst_per_family(data["rows"]) + ".",
+    ]
+
+
+def _worst_per_family(rows: list[dict[str, Any]]) -> str:
+    worst: dict[str, float] = {}
+    for row in rows:
+        error = row.get("peak_error_pct")
+        family = row["config"].split()[0]
+        if error is not None and abs(error) >= abs(worst.get(family, 0.0)):
+            worst[family] = error
+    return ", ".join(f"{family} {_pct(error, True, digits=2)}" for family, error in worst.items())
+
+
+# --------------------------------------------------------------------------- the loop around the step
+
+
+def training_loops(results: Path, device: str) -> list[str]:
+    name = f"training_loop-{device}.json"
+    data = _load(name, results)
+    if data is None:
+        return [
+            f"**Training loops, {device.upper()}: still to be measured.** `bash benchmarks/gpu_checks.sh loops` "
+            "(that is, `python -m integrations.accuracy.loops --gpu`)."
+        ]
+    within = max(abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) for row in data["rows"])
+    table = [
+        [
+            row["loop"],
+            format_bytes(row["measured_peak_bytes"]),
+            f"{row['predicted_peak_bytes'] - row['measured_peak_bytes']:+d} B",
+            _pct(row["loop_blind_error_pct"], True),
+        ]
+        for row in data["rows"]
+    ]
+    meta = {"device": data.get("device"), "torch": data.get("torch"), "date": data.get("date")}
+    return [
+        f"**Training loops, {device.upper()}** (`python -m integrations.accuracy.loops"
+        f"{' --gpu' if device == 'gpu' else ''}`, {_source(name, meta)}; peaks measured by "
+        f"{data['measured_with']}): {len(data['rows'])} loops, memfit within {within} bytes of every measured peak.",
+        "",
+        *_table(["loop", "measured peak", "memfit - measured", "a trace blind to the loop"], table),
+    ]
+
+
+# --------------------------------------------------------------------------- the largest micro batch
+
+
+def largest_batch(results: Path) -> list[str]:
+    data = _load("largest_batch-gpu.json", results)
+    if data is None:
+        return [
+            '**Largest batch: still to be measured (GPU).** `FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh '
+            "largest_batch` (that is, `python -m integrations.accuracy.largest_batch --only gpt2 --only llama`) "
+            "finds, per model family, the true largest micro batch on the card by bisection with real steps "
+            "in fresh processes, and compares it with memfit's plan (goal: at least 95 % of it, never above), "
+            "with Lightning's `BatchSizeFinder` (`binsearch` and `power`) and with HF's `auto_find_batch_size`: "
+            "the batch each picks, the seconds each takes to decide, and whether the batch then survives 50 "
+            "steps (details in `integrations/accuracy/README.md`). Without a GPU, `--simulate-max-batch N` "
+            "checks the harness itself on CPU against a card that fails above N samples; the test suite runs that."
+        ]
+    meta = data["meta"]
+
+    def cell(result: dict[str, Any]) -> str:
+        if result.get("failed") or not result.get("batch_size"):
+            return "failed"
+        share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
+        verdict = "" if result.get("check_ok", True) else ", **OOM**"
+        return f"{result['batch_size']}{share}, {result['seconds']:.1f} s{verdict}"
+
+    rows = []
+    for row in data["rows"]:
+        truth = "-" if row["true_max"] is None else f"{'≥ ' if row['true_max_capped'] else ''}{row['true_max']}"
+        rows.append([row["family"], truth, *(cell(row[method]) for method in _METHOD_NAMES)])
+    summary = [_method_summary(method, figures) for method, figures in data["summary"].items()]
+    return [
+        f"**Largest batch** (`python -m integrations.accuracy.largest_batch`, "
+        f"{_source('largest_batch-gpu.json', meta)}; {_training(data['rows'])}): the batch each method picks "
+        f"(its share of the true maximum, found by bisection with {meta['steps']} real steps per probe in fresh "
+        f"processes), the seconds it takes to decide, and **OOM** where that batch then fails a "
+        f"{meta['check_steps']}-step run.",
+        "",
+        *_table(["family", "true max", *_METHOD_NAMES.values()], rows),
+        "",
+        *_table(_SUMMARY_HEADER, summary),
+    ]
+
+
+_SUMMARY_HEADER = [
+    "method",
+    "families",
+    "median share",
+    "lowest share",
+    "above the max",
+    "OOM in the check",
+    "seconds vs memfit (median)",
+]
+
+
+def _method_summary(method: str, figures: dict[str, Any]) -> list[str]:
+    def share(value: float | None) -> str:
+        return "-" if value is None else _pct(100 * value, digits=0)
+
+    ratio = figures["median_seconds_vs_memfit"]
+    return [
+        _METHOD_NAMES[method],
+        str(figures["families"]),
+        share(figures["median_share"]),
+        share(figures["lowest_share"]),
+        str(figures["above_true_max"]),
+        str(figures["out_of_memory_in_check"]),
+        "1x" if method == "memfit" else "-" if ratio is None else f"{ratio}x",
+    ]
+
+
+def _training(rows: list[dict[str, Any]]) -> str:
+    """The precision and optimizer the rows trained with, as one phrase."""
+    return ", ".join(sorted({f"{row['precision']} {row['optimizer']}" for row in rows}))
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def speed(results: Path) -> list[str]:
+    data = _load("speed.json", results)
+    if data is None:
+        return ["**Speed: not measured yet.** `python benchmarks/speed.py`."]
+    meta = data["meta"]
+    rows = []
+    for row in data["rows"]:
+        seconds = f"{row['cold_seconds']:.2f}"
+        if "warm_seconds" in row:
+            seconds += f" (then {row['warm_seconds']:.2f} in the same process)"
+        if "rows_scan_seconds" in row:
+            seconds += f" (reading the rows: {row['rows_scan_seconds']:.2f})"
+        rows.append(
+            [
+                f"`{row['case']}`" if row["case"].startswith("memfit ") else row["case"],
+                seconds,
+                format_bytes(row.get("max_rss_bytes")),
+            ]
+        )
+    return [
+        f"**Speed** (`python benchmarks/speed.py`, `benchmarks/results/speed.json`; {meta['cpu_count']}-core CPU, "
+        f"no GPU, torch {meta['torch']}, {meta['date']}; one run, and timings here vary by a few tenths of a "
+        "second between runs):",
+        "",
+        *_table(["case", "seconds", "process peak (RSS)"], rows),
+    ]
+
+
+BLOCKS: dict[str, Callable[[Path], list[str]]] = {
+    "gpu-accuracy": gpu_accuracy,
+    "trace-zoo-gpu": trace_zoo_gpu,
+    "largest-batch": largest_batch,
+    "cpu-accuracy": cpu_accuracy,
+    "training-loops-cpu": lambda results: training_loops(results, "cpu"),
+    "training-loops-gpu": lambda results: training_loops(results, "gpu"),
+    "speed": speed,
+}
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every generated block rendered anew from ``results``; a block missing from
+    ``text`` is an error, so a README edit cannot silently drop one."""
+    for name, build in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- results: {name} -->\n).*?(<!-- end results: {name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README.md has no block '<!-- results: {name} -->' ... '<!-- end results: {name} -->'")
+        body = "\n".join(build(results))
+        text = pattern.sub(lambda match, body=body: f"{match.group(1)}{body}\n{match.group(2)}", text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks in README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is not what --write makes")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the result files (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    if not args.write and not args.check:
+        for name, build in BLOCKS.items():
+            print(f"<!-- results: {name} -->\n" + "\n".join(build(args.results)) + "\n")
+        return 0
+    current = README.read_text()
+    fresh = render(current, args.results)
+    if args.write:
+        README.write_text(fresh)
+        print(f"{'rewrote' if fresh != current else 'kept'} {README}")
+        return 0
+    if fresh != current:
+        print(
+            "README.md's result blocks differ from benchmarks/results/: run "
+            "`python -m integrations.accuracy.readme --write` and commit",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
