@@ -2,9 +2,10 @@
 # Every GPU measurement the project publishes, on a machine with a CUDA GPU.
 #   bash benchmarks/gpu_checks.sh                      # every step in turn (well over an hour)
 #   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
-#   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh largest_batch
-# Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch.
-# Raw results land in benchmarks/results/ (commit them). Each step is independent: a failure is
+#   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh largest_batch readme
+# Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch, and readme, which
+# renders the README's accuracy section from the result files (no GPU work; run it last).
+# Raw results land in benchmarks/results/ (commit them with the README). Each step is independent: a failure is
 # reported and the next step still runs.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ for step in "${steps[@]}"; do
       only=()
       for family in ${FAMILIES:-}; do only+=(--only "$family"); done
       run python -m integrations.accuracy.largest_batch "${only[@]}" ;;
+    readme) run python -m integrations.accuracy.readme --write ;;
     *) echo "!! unknown step: $step"; status=1 ;;
   esac
 done
