@@ -2,7 +2,7 @@
 # Every GPU measurement the project publishes, on a machine with a CUDA GPU.
 #   bash benchmarks/gpu_checks.sh                      # every step in turn (well over an hour)
 #   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
-#   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh largest_batch readme
+#   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh accuracy largest_batch readme   # those families only
 # Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch, and readme, which
 # renders the README's accuracy section from the result files (no GPU work; run it last).
 # Raw results land in benchmarks/results/ (commit them with the README). Each step is independent: a failure is
@@ -20,7 +20,10 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests) run python -m pytest -q -m gpu tests/test_gpu.py ;;
     trace_zoo) run python benchmarks/trace_zoo.py --measure ;;
-    accuracy) run python -m integrations.accuracy.run --gpu ;;
+    accuracy)  # in parts that each fit a time limit: FAMILIES="gpt2 llama" replaces those families' rows
+      families=()
+      for family in ${FAMILIES:-}; do families+=(--family "$family"); done
+      run python -m integrations.accuracy.run --gpu "${families[@]}" ;;
     loops) run python -m integrations.accuracy.loops --gpu ;;
     quickstarts)
       run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu

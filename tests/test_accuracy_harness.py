@@ -31,3 +31,33 @@ def test_the_zoo_has_eight_families_and_24_configurations() -> None:
     assert {c.precision for c in zoo} == {"fp32", "bf16-mixed", "16-mixed"}
     assert {c.optimizer for c in zoo} == {"adamw", "adamw-fused", "sgd-momentum"}
     assert any(c.checkpointing for c in zoo) and any(not c.checkpointing for c in zoo)
+
+
+def test_a_run_of_some_families_replaces_their_rows_and_keeps_the_others(tmp_path, monkeypatch) -> None:
+    # how a GPU run is done in parts that each fit a time limit
+    import json
+    import shutil
+
+    from integrations.accuracy import run
+
+    shutil.copy(run.RESULTS / "accuracy-cpu.json", tmp_path / "accuracy-cpu.json")
+    before = json.loads((tmp_path / "accuracy-cpu.json").read_text())
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    assert run.main(["--family", "lstm"]) == 0
+    after = json.loads((tmp_path / "accuracy-cpu.json").read_text())
+    key = [(r["config"], r["batch_size"]) for r in before["rows"]]
+    assert [(r["config"], r["batch_size"]) for r in after["rows"]] == key  # same rows, zoo order
+    for old, new in zip(before["rows"], after["rows"], strict=True):
+        if old["config"].startswith("lstm "):
+            assert new["real_step_seconds"] != old["real_step_seconds"]  # measured again in this run
+        else:
+            assert new == old
+    assert after["summary"] == run.summary_of(after["rows"], gpu=False)
+    assert after["summary"]["peak_error_pct"]["n"] == before["summary"]["peak_error_pct"]["n"]
+
+    # rows of another device or torch are never mixed with this run's
+    foreign = {**after, "meta": {**after["meta"], "torch": "2.4.0"}}
+    (tmp_path / "accuracy-cpu.json").write_text(json.dumps(foreign))
+    assert run.main(["--family", "lstm"]) == 0
+    replaced = json.loads((tmp_path / "accuracy-cpu.json").read_text())
+    assert {r["config"].split()[0] for r in replaced["rows"]} == {"lstm"} and len(replaced["rows"]) == 6

@@ -2,6 +2,7 @@
 
     python -m integrations.accuracy.run             # CPU mode (any machine)
     python -m integrations.accuracy.run --gpu       # GPU mode (needs CUDA)
+    python -m integrations.accuracy.run --gpu --family gpt2 --family llama   # a part; its rows replace the same rows
 
 CPU mode traces each configuration for a CPU target and compares, on real CPU tensors,
 (a) the activations the trace keeps from forward to backward with the bytes autograd saves
@@ -34,7 +35,7 @@ from rich.table import Table
 
 import memfit
 from integrations.accuracy import reference
-from integrations.accuracy.zoo import Config, configs
+from integrations.accuracy.zoo import FAMILIES, Config, configs
 from memfit.checkpointing import enable_checkpointing
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -301,10 +302,45 @@ def _e(value: float | None) -> str:
     return "-" if value is None else f"{value:+.2f}"
 
 
+def summary_of(rows: list[dict[str, Any]], gpu: bool) -> dict[str, Any]:
+    """Median and max absolute errors; in CPU mode also how many real training steps one estimate costs."""
+    if gpu:
+        keys = ["allocated_error_pct", "reserved_error_pct", "nvml_error_pct"]
+    else:
+        keys = ["activation_error_pct", "peak_error_pct"]
+    summary: dict[str, Any] = summarize(rows, keys)
+    ratios = [r["estimate_to_step_time_ratio"] for r in rows if r.get("estimate_to_step_time_ratio") is not None]
+    if ratios:
+        summary["estimate_to_step_time_ratio"] = {"median": round(statistics.median(ratios), 2), "min": min(ratios),
+                                                  "max": max(ratios), "n": len(ratios)}  # fmt: skip
+    return summary
+
+
+def merged_rows(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    """``rows`` in place of the same configuration and batch in ``path``, the others kept, in zoo order:
+    a GPU run in parts that each fit a time limit. Rows of another device or torch are not mixed in."""
+    if not path.exists():
+        return rows
+    old = json.loads(path.read_text())
+    if (old["meta"].get("device"), old["meta"].get("torch")) != (meta["device"], meta["torch"]):
+        print(f"{path} holds rows from {old['meta'].get('device')} with torch {old['meta'].get('torch')}: "
+              "replaced by this run's rows, not merged")  # fmt: skip
+        return rows
+    new = {(r["config"], r["batch_size"]) for r in rows}
+    kept = [r for r in old["rows"] if (r["config"], r["batch_size"]) not in new]
+    return sorted(kept + rows, key=lambda r: (order.index(r["config"]), r["batch_size"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="measure on the visible CUDA GPU")
-    parser.add_argument("--only", help="run the configurations whose name contains this text")
+    parser.add_argument("--only", help="run the configurations whose name contains this text (results are not written)")
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=[f.name for f in FAMILIES],
+        help="run this model family (repeatable); its rows replace the same rows in the result file",
+    )
     parser.add_argument("--measure-one", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_one:
@@ -313,18 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA device; without one, run CPU mode (no flag)")
     size = "gpu" if args.gpu else "cpu"
-    selected = [c for c in configs(size) if not args.only or args.only in c.name]
+    zoo = configs(size)
+    selected = [
+        c for c in zoo if (not args.only or args.only in c.name) and (not args.family or c.family.name in args.family)
+    ]
     rows = run_gpu(selected) if args.gpu else run_cpu(selected)
-    if args.gpu:
-        keys = ["allocated_error_pct", "reserved_error_pct", "nvml_error_pct"]
-    else:
-        keys = ["activation_error_pct", "peak_error_pct"]
-    summary: dict[str, Any] = summarize(rows, keys)
-    ratios = [r["estimate_to_step_time_ratio"] for r in rows if r.get("estimate_to_step_time_ratio") is not None]
-    if ratios:  # CPU mode: how many real training steps of the same configuration one estimate costs
-        summary["estimate_to_step_time_ratio"] = {"median": round(statistics.median(ratios), 2), "min": min(ratios),
-                                                  "max": max(ratios), "n": len(ratios)}  # fmt: skip
-    show(rows, summary, args.gpu)
+    show(rows, summary_of(rows, args.gpu), args.gpu)
     meta = {
         "mode": size,
         "device": torch.cuda.get_device_name() if args.gpu else f"CPU ({os.cpu_count()} cores)",
@@ -336,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:
         RESULTS.mkdir(exist_ok=True)
         path = RESULTS / f"accuracy-{size}.json"
-        path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
-        print(f"wrote {path}")
+        if args.family:
+            rows = merged_rows(path, meta, rows, [c.name for c in zoo])
+        path.write_text(
+            json.dumps({"meta": meta, "summary": summary_of(rows, args.gpu), "rows": rows}, indent=2) + "\n"
+        )
+        print(f"wrote {path} ({len(rows)} rows)")
     return 0
 
 
