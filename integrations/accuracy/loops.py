@@ -516,7 +516,8 @@ def main(argv: list[str] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "device": where, "torch": torch.__version__, "python": platform.python_version(),
-        "measured_with": measured_with, "seconds": round(time.perf_counter() - started, 1), "rows": rows,
+        "date": time.strftime("%Y-%m-%d"), "measured_with": measured_with,
+        "seconds": round(time.perf_counter() - started, 1), "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {path}")
 
