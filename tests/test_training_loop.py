@@ -200,3 +200,20 @@ def test_evaluation_peak_needs_a_training_and_a_forward_only_estimate() -> None:
         memfit.evaluation_peak(training, training)
     with pytest.raises(InvalidInputError, match="has no optimizer step"):
         memfit.evaluation_peak(forward_only, forward_only)
+
+
+def test_the_reference_peak_ignores_blocks_an_earlier_measurement_saw_allocated() -> None:
+    """The CPU allocator remembers blocks across profiles: one allocated while an earlier profile ran
+    and freed in this one is reported as a free here, and must not lower this measurement's peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        left_over = [torch.empty(16384)]  # 64 KiB, alive after that profile ends
+
+    def run() -> None:
+        first = torch.empty(1 << 18)  # 1 MiB
+        left_over.clear()
+        second = torch.empty(1 << 18)
+        del first, second
+
+    assert profiled_cpu_peak(run) == 2 * 1024 * 1024

@@ -113,19 +113,32 @@ def profiled_cpu_peak(run: Callable[[], Any]) -> int:
     reports every allocation and free to ``torch.profiler`` (``profile_memory=True``).
 
     Everything ``run`` creates counts (build the model and the batch inside it for an absolute
-    peak); what was alive before it does not.
+    peak); what was alive before it does not, and neither does its free: the allocator remembers
+    the blocks of every earlier profile, so a block an earlier measurement saw allocated would
+    otherwise be subtracted here when it is freed.
     """
     import gc
 
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()  # what earlier runs left in reference cycles must not be freed inside the measurement
     with onednn_off(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         run()
-    events = profiler.profiler.kineto_results.events()
-    changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    pending = list(profiler.profiler.kineto_results.experimental_event_tree())
+    allocations = []
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+    blocks: dict[int, int] = {}
     live = peak = 0
-    for _, change in changes:
-        live += change
-        peak = max(peak, live)
+    for _, pointer, size in sorted(allocations):
+        if size > 0:
+            blocks[pointer] = size
+            live += size
+            peak = max(peak, live)
+        elif pointer in blocks:
+            live -= blocks.pop(pointer)
     return peak
