@@ -355,6 +355,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def chosen_cell(result: dict[str, Any], oom: str = " OOM") -> str:
+    """One method's answer: its batch, its share of the true maximum, its seconds, and ``oom`` if the check failed."""
+    if result.get("failed") or not result.get("batch_size"):
+        return "failed"
+    share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
+    verdict = "" if result.get("check_ok", True) else oom
+    return f"{result['batch_size']}{share}, {result['seconds']:.1f} s{verdict}"
+
+
+def true_max_cell(row: dict[str, Any]) -> str:
+    return "-" if row["true_max"] is None else f"{'≥ ' if row['true_max_capped'] else ''}{row['true_max']}"
+
+
 def show(rows: list[dict[str, Any]], device: str, simulated: bool) -> None:
     table = Table(title=f"largest micro batch on {device}: chosen batch (share of the true maximum, seconds to "
                   "decide, 'OOM' if it then fails the check run)")  # fmt: skip
@@ -362,16 +375,8 @@ def show(rows: list[dict[str, Any]], device: str, simulated: bool) -> None:
     for column in ("family", "true max", memfit_column, "BSF binsearch", "BSF power", "HF auto_find"):
         table.add_column(column, justify="left" if column == "family" else "right")
 
-    def cell(result: dict[str, Any]) -> str:
-        if result.get("failed") or not result.get("batch_size"):
-            return "failed"
-        share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
-        verdict = "" if result.get("check_ok", True) else " OOM"
-        return f"{result['batch_size']}{share}, {result['seconds']:.1f} s{verdict}"
-
     for row in rows:
-        truth = "-" if row["true_max"] is None else f"{'≥ ' if row['true_max_capped'] else ''}{row['true_max']}"
-        table.add_row(row["family"], truth, *(cell(row[m]) for m in METHODS))
+        table.add_row(row["family"], true_max_cell(row), *(chosen_cell(row[m]) for m in METHODS))
     Console(width=200).print(table)
 
 

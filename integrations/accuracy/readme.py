@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from integrations.accuracy.largest_batch import chosen_cell, true_max_cell
 from memfit import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,17 +248,10 @@ def largest_batch(results: Path) -> list[str]:
         ]
     meta = data["meta"]
 
-    def cell(result: dict[str, Any]) -> str:
-        if result.get("failed") or not result.get("batch_size"):
-            return "failed"
-        share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
-        verdict = "" if result.get("check_ok", True) else ", **OOM**"
-        return f"{result['batch_size']}{share}, {result['seconds']:.1f} s{verdict}"
-
-    rows = []
-    for row in data["rows"]:
-        truth = "-" if row["true_max"] is None else f"{'≥ ' if row['true_max_capped'] else ''}{row['true_max']}"
-        rows.append([row["family"], truth, *(cell(row[method]) for method in _METHOD_NAMES)])
+    rows = [
+        [row["family"], true_max_cell(row), *(chosen_cell(row[method], oom=", **OOM**") for method in _METHOD_NAMES)]
+        for row in data["rows"]
+    ]
     summary = [_method_summary(method, figures) for method, figures in data["summary"].items()]
     return [
         f"**Largest batch** (`python -m integrations.accuracy.largest_batch`, "
