@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -282,3 +284,35 @@ def test_pictures_reach_tensorboard_mlflow_and_the_csv_folder(tmp_path: Path) ->
         a.path for a in mlflow.tracking.MlflowClient(tracking_uri=uri).list_artifacts(mlflow_logger.run_id, "memfit")
     }
     assert artifacts == {"memfit/timeline.png", "memfit/drift.png"}
+
+
+def test_pytorch_lightning_alone_fits_with_the_callback(tmp_path: Path) -> None:
+    """Where only ``pytorch-lightning`` is installed, ``memfit.pytorch_lightning`` must not need ``lightning``."""
+    script = """
+import sys
+sys.modules["lightning"] = None  # importing lightning now fails, as without the package
+import pytorch_lightning as pl
+import torch
+from memfit.pytorch_lightning import MemoryPlanner
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.batch_size = torch.nn.Linear(8, 1), 16
+    def training_step(self, batch, index):
+        return self.net(batch[0]).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+planner = MemoryPlanner(budget="1GiB")
+trainer = pl.Trainer(max_steps=2, callbacks=[planner], logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+trainer.fit(Module())
+print(planner.plan.micro_batch_size, trainer.global_step)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["16", "2"]

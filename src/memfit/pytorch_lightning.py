@@ -8,8 +8,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.pytorch_lightning needs pytorch-lightning: pip install pytorch-lightning") from error
 
-from memfit._lightning_base import MemoryPlannerBase
-from memfit.lightning import _DOC
+from memfit._lightning_base import _DOC, MemoryPlannerBase
 
 __all__ = ["MemoryPlanner"]
 
