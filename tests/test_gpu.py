@@ -45,9 +45,11 @@ def test_native_fake_cuda_trace_is_within_ten_percent_of_measured() -> None:
 
 
 def test_measured_context_is_close_to_the_default() -> None:
-    pynvml = pytest.importorskip("pynvml")
+    pytest.importorskip("pynvml")
+    from memfit.measure import nvml_device_used_bytes
+
     torch.zeros(1, device="cuda")
-    pynvml.nvmlInit()
-    used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())).used
+    used = nvml_device_used_bytes(torch.cuda.current_device())
+    assert used is not None
     context = used - torch.cuda.memory_reserved()
     assert 100 * 2**20 < context < 2 * memfit.CudaRuntime().cuda_context_bytes

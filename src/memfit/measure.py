@@ -13,6 +13,7 @@ import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,5 +101,15 @@ def nvml_device_used_bytes(index: int) -> int | None:
     with contextlib.suppress(Exception):
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return int(_memory_info(pynvml, handle).used)
     return None
+
+
+def _memory_info(pynvml: Any, handle: Any) -> Any:
+    """NVML's memory info, version 2 where the driver has it: version 1 counts the memory the driver
+    reserves for itself (hundreds of MiB on a data-centre GPU) as used, though no process can have it."""
+    version = getattr(pynvml, "nvmlMemory_v2", None)
+    if version is not None:
+        with contextlib.suppress(Exception):
+            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+    return pynvml.nvmlDeviceGetMemoryInfo(handle)
