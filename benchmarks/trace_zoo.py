@@ -240,11 +240,11 @@ def main() -> None:
                 text=True,
                 check=False,
             )
-            row.update(
-                json.loads(out.stdout.strip().splitlines()[-1])
-                if out.returncode == 0
-                else {"error": out.stderr[-2000:]}
-            )
+            try:  # one failed configuration is one row, not the run
+                row.update(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else
+                           {"error": out.stderr[-2000:]})  # fmt: skip
+            except (IndexError, json.JSONDecodeError):
+                row["error"] = f"no answer: {(out.stdout + out.stderr)[-2000:]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = torch.cuda.get_device_name() if args.measure else "cpu-only (predictions for a CUDA target)"

@@ -56,9 +56,9 @@ def test_a_gpu_run_replaces_the_pending_lines(tmp_path: Path) -> None:
     assert "NVIDIA H100 80GB HBM3, torch 2.11.0+cu128, 2026-12-01" in lines[0]
     table = {line.split(" | ")[0].removeprefix("| "): line for line in lines if line.startswith("| ")}
     # per family: runs that measured (and those that failed), median and max of the absolute errors
-    assert table["gpt2"] == "| gpt2 | 2 (1 failed) | 1.000 % | 1.500 % | 2.000 % | 3.000 % | - | - |"
+    assert table["gpt2"] == "| gpt2 | 2 (1 not measured) | 1.000 % | 1.500 % | 2.000 % | 3.000 % | - | - |"
     assert table["vit"] == "| vit | 1 | 0.250 % | 0.250 % | 0.500 % | 0.500 % | - | - |"
-    assert table["**all**"] == "| **all** | 3 (1 failed) | 0.500 % | 1.500 % | 1.000 % | 3.000 % | - | - |"
+    assert table["**all**"] == "| **all** | 3 (1 not measured) | 0.500 % | 1.500 % | 1.000 % | 3.000 % | - | - |"
     written = readme.render(readme.README.read_text(), results)
     assert "**GPU: still to be measured.**" not in written and table["gpt2"] in written
 

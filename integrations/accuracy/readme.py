@@ -89,7 +89,7 @@ def gpu_accuracy(results: Path) -> list[str]:
         ]
         failed = len(group) - len(measured)
         name = "**all**" if family is None else family
-        table.append([name, f"{len(measured)}" + (f" ({failed} failed)" if failed else ""), *cells])
+        table.append([name, f"{len(measured)}" + (f" ({failed} not measured)" if failed else ""), *cells])
     header = ["family", "runs", "allocated: median", "max", "reserved: median", "max", "NVML: median", "max"]
     return [
         f"**GPU** (`python -m integrations.accuracy.run --gpu`, {_source('accuracy-gpu.json', data['meta'])}): "

@@ -187,15 +187,14 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
     for config in selected:
         for batch in (config.batch_size, 2 * config.batch_size):
             estimate, seconds = predict(config, batch, "gpu", "cuda")
-            out = subprocess.run(
-                [sys.executable, "-m", "integrations.accuracy.run", "--measure-one", config.name, str(batch)],
-                capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[2],
-            )  # fmt: skip
-            measured = (
-                json.loads(out.stdout.strip().splitlines()[-1])
-                if out.returncode == 0
-                else {"error": out.stderr[-2000:]}
-            )
+            total = _device_total_bytes()
+            if total is not None and estimate.peak_bytes > total:  # it would only run out of memory
+                measured = {"error": f"not run: predicted {memfit.format_bytes(estimate.peak_bytes)}, above the "
+                                     f"card's {memfit.format_bytes(total)}"}  # fmt: skip
+            else:
+                measured = _child_answer(
+                    [sys.executable, "-m", "integrations.accuracy.run", "--measure-one", config.name, str(batch)]
+                )
             rows.append(
                 {
                     "config": config.name,
@@ -217,6 +216,27 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
             )
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _device_total_bytes() -> int | None:
+    """The card's memory from NVML, which (unlike ``torch.cuda``) starts no CUDA context in this process:
+    the measuring child must have the device to itself."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:
+        return None
+
+
+def _child_answer(command: list[str]) -> dict[str, Any]:
+    """The JSON a child process prints last, or its error: one failed configuration is one row, not the run."""
+    out = subprocess.run(command, capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[2])
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"no answer: {(out.stdout + out.stderr)[-2000:]}"}
 
 
 def summarize(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[str, float]]:
@@ -353,8 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     selected = [
         c for c in zoo if (not args.only or args.only in c.name) and (not args.family or c.family.name in args.family)
     ]
-    rows = run_gpu(selected) if args.gpu else run_cpu(selected)
-    show(rows, summary_of(rows, args.gpu), args.gpu)
     meta = {
         "mode": size,
         "device": torch.cuda.get_device_name() if args.gpu else f"CPU ({os.cpu_count()} cores)",
@@ -363,15 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    path = RESULTS / f"accuracy-{size}.json"
+    rows: list[dict[str, Any]] = []
+    for config in selected:  # written after each configuration: a run cut short keeps what it measured
+        rows += run_gpu([config]) if args.gpu else run_cpu([config])
+        if not args.only:
+            written = merged_rows(path, meta, rows, [c.name for c in zoo]) if args.family else rows
+            RESULTS.mkdir(exist_ok=True)
+            document = {"meta": meta, "summary": summary_of(written, args.gpu), "rows": written}
+            path.write_text(json.dumps(document, indent=2) + "\n")
+    show(rows, summary_of(rows, args.gpu), args.gpu)
     if not args.only:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"accuracy-{size}.json"
-        if args.family:
-            rows = merged_rows(path, meta, rows, [c.name for c in zoo])
-        path.write_text(
-            json.dumps({"meta": meta, "summary": summary_of(rows, args.gpu), "rows": rows}, indent=2) + "\n"
-        )
-        print(f"wrote {path} ({len(rows)} rows)")
+        print(f"wrote {path}")
     return 0
 
 
