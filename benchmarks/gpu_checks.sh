@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_checks.sh                      # every step in turn (well over an hour)
 #   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
 #   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh accuracy largest_batch readme   # those families only
+#   COPY_RESULTS_TO=/some/dir bash benchmarks/gpu_checks.sh loops   # results also copied there, even if a step dies
 # Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch, and readme, which
 # renders the README's accuracy section from the result files (no GPU work; run it last).
 # Raw results land in benchmarks/results/ (commit them with the README). Each step is independent: a failure is
@@ -12,6 +13,18 @@ cd "$(dirname "$0")/.."
 # Works from a checkout without installing memfit (the GPU machine keeps its own torch).
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
+# Say at once what is missing, before any step spends its time: lightning (the finders, loops and
+# quickstarts; pytorch-lightning alone is not enough for them), transformers with accelerate (HF rows),
+# nvidia-ml-py (NVML figures), rich (every table), matplotlib (the quickstarts' pictures).
+python - <<'EOF'
+import importlib.util
+missing = [n for n in ("lightning", "transformers", "accelerate", "pynvml", "rich", "matplotlib")
+           if importlib.util.find_spec(n) is None]
+if missing:
+    print(f"!! missing Python packages: {' '.join(missing)} (install them, or the steps that need them fail)")
+EOF
+# COPY_RESULTS_TO=DIR: copy benchmarks/results/ there when the script ends, whatever ended it.
+trap '[ -n "${COPY_RESULTS_TO:-}" ] && mkdir -p "$COPY_RESULTS_TO" && cp -r benchmarks/results/. "$COPY_RESULTS_TO"/' EXIT
 status=0
 run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 steps=("$@")
@@ -23,7 +36,7 @@ for step in "${steps[@]}"; do
     accuracy)  # in parts that each fit a time limit: FAMILIES="gpt2 llama" replaces those families' rows
       families=()
       for family in ${FAMILIES:-}; do families+=(--family "$family"); done
-      run python -m integrations.accuracy.run --gpu "${families[@]}" ;;
+      run python -m integrations.accuracy.run --gpu ${families[@]+"${families[@]}"} ;;
     loops) run python -m integrations.accuracy.loops --gpu ;;
     quickstarts)
       run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
@@ -32,7 +45,7 @@ for step in "${steps[@]}"; do
     largest_batch)
       only=()
       for family in ${FAMILIES:-}; do only+=(--only "$family"); done
-      run python -m integrations.accuracy.largest_batch "${only[@]}" ;;
+      run python -m integrations.accuracy.largest_batch ${only[@]+"${only[@]}"} ;;
     readme) run python -m integrations.accuracy.readme --write ;;
     *) echo "!! unknown step: $step"; status=1 ;;
   esac
