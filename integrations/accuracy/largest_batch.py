@@ -408,12 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in families:
         config_of(name, args.precision, args.optimizer)
     run = run_worker if args.in_process else in_fresh_process
-    rows = []
-    for name in families:
-        rows.append(compare_family(name, args, run))
-        print(json.dumps(rows[-1]), flush=True)
     device = f"CPU, simulated card of {args.simulate_max_batch} samples" if simulated else torch.cuda.get_device_name()
-    show(rows, device, simulated)
     path = args.output or RESULTS / f"largest_batch-{'simulated' if simulated else 'gpu'}.json"
     kept = []
     if path.exists() and args.only:
@@ -422,10 +417,15 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
             "check_steps": args.check_steps, "max_batch": args.max_batch, "hf_start": args.hf_start}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    summary = summarize(kept + rows)
+    rows: list[dict[str, Any]] = []
+    for name in families:  # written after each family: a run cut short keeps the families it finished
+        rows.append(compare_family(name, args, run))
+        print(json.dumps(rows[-1]), flush=True)
+        summary = summarize(kept + rows)
+        path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": kept + rows}, indent=2) + "\n")
+    show(rows, device, simulated)
     for method, figures in summary.items():
         print(f"{method}: {figures}")
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": kept + rows}, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
 
