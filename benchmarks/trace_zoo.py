@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo
 from integrations.accuracy import reference
+from integrations.accuracy.run import child_answer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -234,17 +234,7 @@ def main() -> None:
     for config in configs:
         row = predict(config)
         if args.measure:
-            out = subprocess.run(
-                [sys.executable, __file__, "--measure-one", config.name],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            try:  # one failed configuration is one row, not the run
-                row.update(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else
-                           {"error": out.stderr[-2000:]})  # fmt: skip
-            except (IndexError, json.JSONDecodeError):
-                row["error"] = f"no answer: {(out.stdout + out.stderr)[-2000:]}"
+            row.update(child_answer([sys.executable, __file__, "--measure-one", config.name]))
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = torch.cuda.get_device_name() if args.measure else "cpu-only (predictions for a CUDA target)"

@@ -61,3 +61,14 @@ def test_a_run_of_some_families_replaces_their_rows_and_keeps_the_others(tmp_pat
     assert run.main(["--family", "lstm"]) == 0
     replaced = json.loads((tmp_path / "accuracy-cpu.json").read_text())
     assert {r["config"].split()[0] for r in replaced["rows"]} == {"lstm"} and len(replaced["rows"]) == 6
+
+
+def test_a_child_that_fails_or_says_nothing_is_one_error_row() -> None:
+    import sys
+
+    from integrations.accuracy.run import child_answer
+
+    assert child_answer([sys.executable, "-c", "print('log line'); print('{\"peak\": 7}')"]) == {"peak": 7}
+    assert "no answer" in child_answer([sys.executable, "-c", "pass"])["error"]
+    assert "no answer" in child_answer([sys.executable, "-c", "print('not json')"])["error"]
+    assert "boom" in child_answer([sys.executable, "-c", "raise SystemExit('boom')"])["error"]

@@ -192,7 +192,7 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
                 measured = {"error": f"not run: predicted {memfit.format_bytes(estimate.peak_bytes)}, above the "
                                      f"card's {memfit.format_bytes(total)}"}  # fmt: skip
             else:
-                measured = _child_answer(
+                measured = child_answer(
                     [sys.executable, "-m", "integrations.accuracy.run", "--measure-one", config.name, str(batch)]
                 )
             rows.append(
@@ -230,7 +230,7 @@ def _device_total_bytes() -> int | None:
         return None
 
 
-def _child_answer(command: list[str]) -> dict[str, Any]:
+def child_answer(command: list[str]) -> dict[str, Any]:
     """The JSON a child process prints last, or its error: one failed configuration is one row, not the run."""
     out = subprocess.run(command, capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[2])
     try:
