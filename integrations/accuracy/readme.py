@@ -77,7 +77,7 @@ def gpu_accuracy(results: Path) -> list[str]:
             "process per configuration. No GPU figure is published before its result file is committed."
         ]
     rows = data["rows"]
-    families = sorted({row["config"].split()[0] for row in rows}, key=[r["config"].split()[0] for r in rows].index)
+    families = list(dict.fromkeys(row["config"].split()[0] for row in rows))  # in the zoo's order
     table = []
     for family in [*families, None]:
         group = [row for row in rows if family is None or row["config"].split()[0] == family]
