@@ -20,10 +20,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.estimate import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
-from memfit.planning_report import EXTRAPOLATION_DEPTHS, model_depth
+from memfit.planning.gpu_report import EXTRAPOLATION_DEPTHS, model_depth
+from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.presets import from_hf_config
-from memfit.runtime import CudaRuntime
+from memfit.simulation.runtime import CudaRuntime
 from memfit.units import format_bytes
 
 PRESETS = ["gpt2", "bert-base", "t5-base", "vit-base", "qwen2.5-7b", "llama-3-8b"]

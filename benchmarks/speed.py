@@ -77,7 +77,7 @@ def llama_7b() -> dict:
 
 
 def plan_llama3_8b() -> dict:
-    from memfit.planning_report import plan_for_gpus
+    from memfit.planning.gpu_report import plan_for_gpus
 
     started = time.perf_counter()
     report = plan_for_gpus(hf_config="llama-3-8b", model=None, gpus=["h100", "rtx4090"], budget=None, seq_len=2048)
@@ -94,7 +94,7 @@ def plan_llama3_8b_plot() -> dict:
     import io
     import tempfile
 
-    from memfit.cli import main as memfit_main
+    from memfit.cli.main import main as memfit_main
 
     with tempfile.TemporaryDirectory() as folder:
         picture = Path(folder) / "plan.png"
@@ -116,7 +116,7 @@ def plan_llama3_8b_plot() -> dict:
 
 def plan_llama3_8b_fits() -> dict:
     """A plan that fits: the search runs on the shallow traces, the chosen batch is confirmed on a full trace."""
-    from memfit.planning_report import plan_for_gpus
+    from memfit.planning.gpu_report import plan_for_gpus
 
     started = time.perf_counter()
     report = plan_for_gpus(hf_config="llama-3-8b", model=None, gpus=["h200"], budget=None, seq_len=2048,
@@ -137,7 +137,7 @@ def longest_examples_100k() -> dict:
     from its ``length`` column, and by reading the rows (capped at 20,000 rows and about 2 s)."""
     from datasets import Dataset
 
-    from memfit.batch import longest_examples
+    from memfit.tracing.batch import longest_examples
 
     rows = Dataset.from_dict({"input_ids": [[1] * (1 + i % 500) for i in range(100_000)]})
     with_lengths = rows.add_column("length", [1 + i % 500 for i in range(100_000)])

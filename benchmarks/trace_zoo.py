@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
-from memfit.checkpointing import enable_checkpointing
-from memfit.measure import nvml_device_used_bytes
+from memfit.monitoring.measure import nvml_device_used_bytes
+from memfit.tracing.checkpointing import enable_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -12,7 +12,7 @@ from rich.console import Console
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import memfit
-from memfit.report import estimate_table, phases_table
+from memfit.reporting.tables import estimate_table, phases_table
 
 CAPACITY = memfit.parse_bytes("80GiB")  # an H100 80GB
 MARGIN = 0.05  # keep 5 % free

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.allocator import (
+from memfit.errors import InvalidInputError
+from memfit.simulation.allocator import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     SMALL_BUFFER,
@@ -16,7 +17,6 @@ from memfit.allocator import (
     round_size,
     segment_size,
 )
-from memfit.errors import InvalidInputError
 
 MiB = 1024**2
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-import memfit.batch
+import memfit.tracing.batch
 from memfit import InvalidInputError
-from memfit.batch import batch_examples, longest_batch, longest_examples
-from memfit.model_state import preserved_rng_state
+from memfit.tracing.batch import batch_examples, longest_batch, longest_examples
+from memfit.tracing.model_state import preserved_rng_state
 
 
 def rows(lengths: list[int]) -> list[dict[str, list[int]]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.cli import main
+from memfit.cli.main import main
 from memfit.units import format_bytes
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -12,12 +12,12 @@ import pytest
 from rich.console import Console
 
 from memfit import Category, Phase, Precision
-from memfit.cli import main
-from memfit.estimate import MemoryEstimate, PhaseModel
-from memfit.planner import Plan
-from memfit.planning_report import GpuPlan, PlanReport
+from memfit.cli.main import main
+from memfit.planning.gpu_report import GpuPlan, PlanReport
+from memfit.planning.planner import Plan
+from memfit.prediction.estimator import MemoryEstimate, PhaseModel
 from memfit.presets import PRESETS, from_hf_config
-from memfit.report import plan_table
+from memfit.reporting.tables import plan_table
 from memfit.units import GiB, MiB
 
 GOLDEN = Path(__file__).parent / "golden" / "plan_table.txt"
@@ -140,7 +140,7 @@ def test_plan_plot_draws_timeline_and_batch_curve(tmp_path: Path, capsys: pytest
 def test_plot_functions_without_a_timeline_or_matplotlib_say_why(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from memfit import InvalidInputError
-    from memfit.plot import plot_drift, plot_timeline
+    from memfit.reporting.plots import plot_drift, plot_timeline
 
     with pytest.raises(InvalidInputError, match="no timeline"):
         plot_timeline(_synthetic_row("H100", 80 * GiB, 4).estimate)
@@ -178,7 +178,7 @@ def test_inference_plan_has_no_training_state_and_keeps_the_outputs(capsys: pyte
 
 
 def test_host_estimate_rules() -> None:
-    from memfit.host import estimate_host
+    from memfit.prediction.host import estimate_host
 
     host = estimate_host(weights_bytes=10 * GiB, batch_bytes=100 * MiB, num_workers=4, prefetch_factor=2,
                          pin_memory=True, offload_bytes=3 * GiB)  # fmt: skip
@@ -190,8 +190,8 @@ def test_host_estimate_rules() -> None:
 
 
 def test_depth_extrapolation_follows_the_full_trace() -> None:
-    from memfit.estimate import estimate_for_runtimes, extrapolate_depth
-    from memfit.runtime import CudaRuntime
+    from memfit.prediction.estimator import estimate_for_runtimes, extrapolate_depth
+    from memfit.simulation.runtime import CudaRuntime
 
     def traced(layers: int) -> MemoryEstimate:
         spec = from_hf_config("llama-3-8b", seq_len=128, layers=layers)
@@ -234,7 +234,7 @@ def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, caps
 
 def _ramp(levels: list[tuple[Phase, list[int]]]) -> list[Any]:
     """A synthetic timeline: per phase, activations at each event (parameters fixed at 100 bytes)."""
-    from memfit.replay import TimelinePoint
+    from memfit.simulation.replay import TimelinePoint
 
     points, event = [], 0
     for phase, values in levels:
@@ -248,7 +248,7 @@ def _ramp(levels: list[tuple[Phase, list[int]]]) -> list[Any]:
 
 @pytest.mark.parametrize("where", ["start", "end"])
 def test_timeline_extrapolation_keeps_peaks_at_the_phase_edges(where: str) -> None:
-    from memfit.replay import extrapolate_timeline
+    from memfit.simulation.replay import extrapolate_timeline
 
     def phase(blocks: int) -> list[int]:  # each block adds 10 bytes; the peak is the first or last event
         up = [10 * i for i in range(1, blocks + 1)]

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from memfit.drift import CPU_MIN_EXCESS_BYTES, DriftMonitor
-from memfit.measure import MemorySample, PeakSampler
+from memfit.monitoring.drift import CPU_MIN_EXCESS_BYTES, DriftMonitor
+from memfit.monitoring.measure import MemorySample, PeakSampler
 from memfit.units import GiB, MiB
 
 

@@ -12,9 +12,9 @@ from torch import nn
 import memfit
 import zoo
 from memfit import Category, Phase
-from memfit.allocator import round_size
-from memfit.huggingface import model_checkpointing
-from memfit.runtime import cublas_workspace_bytes
+from memfit.integrations.huggingface.trainer import model_checkpointing
+from memfit.simulation.allocator import round_size
+from memfit.simulation.runtime import cublas_workspace_bytes
 
 
 def _param_bytes(model: nn.Module, element_size: int | None = None) -> int:
@@ -255,7 +255,7 @@ def test_at_the_traced_batch_is_never_below_the_traced_peaks(batch: int) -> None
 
 
 def test_one_trace_with_the_fit_of_another_gives_the_same_peaks() -> None:
-    from memfit.estimate import estimate_for_runtimes
+    from memfit.prediction.estimator import estimate_for_runtimes
     from memfit.presets import from_hf_config
 
     spec = from_hf_config("bert-base", seq_len=256, layers=1)

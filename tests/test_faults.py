@@ -18,11 +18,11 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from fault_models import Regression
 from lightning_models import TinyGPT
-from memfit import measure
-from memfit.capacity import free_device_bytes
-from memfit.drift import DriftMonitor
 from memfit.lightning import MemoryPlanner
-from memfit.measure import PeakSampler, nvml_device_used_bytes
+from memfit.monitoring import measure
+from memfit.monitoring.drift import DriftMonitor
+from memfit.monitoring.measure import PeakSampler, nvml_device_used_bytes
+from memfit.planning.capacity import free_device_bytes
 
 GiB = 1024**3
 

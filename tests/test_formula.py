@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from memfit.errors import InvalidInputError
-from memfit.formula import OPTIMIZERS, FormulaEstimate, estimate_from_counts, normalize_optimizer
 from memfit.precision import Precision
+from memfit.prediction.formula import OPTIMIZERS, FormulaEstimate, estimate_from_counts, normalize_optimizer
 from memfit.units import MiB, format_bytes
 
 COMPONENT_KEYS = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from memfit import InvalidInputError
-from memfit.capacity import parse_budget
-from memfit.gpus import gpu_by_name, known_gpus
+from memfit.planning.capacity import parse_budget
+from memfit.planning.gpus import gpu_by_name, known_gpus
 from memfit.units import MiB
 
 REQUIRED = ["T4", "V100-16GB", "V100-32GB", "A10G", "L4", "RTX3090", "RTX4090", "RTX5090", "A100-40GB",

@@ -21,7 +21,7 @@ import memfit.huggingface as hf
 from integrations.accuracy.loops import EVAL_BATCH, WIDTH, _Classifier, hf_predict, hf_train_with_evaluation
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import InvalidInputError
-from memfit.evaluation import CollectedOutputs, evaluation_peak, largest_flush_every
+from memfit.prediction.evaluation import CollectedOutputs, evaluation_peak, largest_flush_every
 
 # The labels the Trainer collects are views of each batch's own inputs, which the model counts once
 # more for the batch being concatenated: a few KiB high at most.

@@ -338,7 +338,7 @@ def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_p
     from datasets import Dataset
     from transformers import DataCollatorForLanguageModeling
 
-    from memfit.batch import longest_examples
+    from memfit.tracing.batch import longest_examples
 
     words = [f"w{i}" for i in range(40)]
     tokenizer = word_tokenizer(words)
@@ -368,19 +368,19 @@ def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_p
 
 def test_sharded_runs_are_not_planned_and_their_prediction_says_so(tmp_path: Path, monkeypatch) -> None:
     """FSDP/DeepSpeed sharding is not modelled: no plan from an unsharded prediction, a note on the drift."""
-    import memfit.huggingface as hf
+    import memfit.integrations.huggingface.trainer as hf_trainer
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored after the test: transformers 4.x sets it for fsdp
     with pytest.raises(memfit.InvalidInputError, match="shard the model with FSDP, which memfit does not model"):
         plan_training_arguments(tiny_gpt2(), training_args(tmp_path, fsdp=True), Tokens(), budget="1GiB")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     args = training_args(tmp_path)
-    assert hf.sharding(args) is None
+    assert hf_trainer.sharding(args) is None
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets
-    assert hf.sharding(args) == "DeepSpeed"
+    assert hf_trainer.sharding(args) == "DeepSpeed"
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     # FSDP needs several processes: a one-process CPU run is reported as sharded, the rest is real
-    monkeypatch.setattr(hf, "sharding", lambda args: "FSDP")
+    monkeypatch.setattr(hf_trainer, "sharding", lambda args: "FSDP")
     callback = MemoryPlannerCallback(verbose=False)
     with pytest.warns(UserWarning, match="memfit does not model FSDP sharding yet"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()

@@ -33,7 +33,13 @@ from fault_models import (
 )
 from memfit import UnrecoverableOutOfMemoryError
 from memfit.lightning import MemoryPlanner
-from memfit.recovery import OOMRecovery, OutOfMemoryFigures, is_out_of_memory, out_of_memory_figures, split_batch
+from memfit.monitoring.recovery import (
+    OOMRecovery,
+    OutOfMemoryFigures,
+    is_out_of_memory,
+    out_of_memory_figures,
+    split_batch,
+)
 from memfit.units import GiB, KiB, MiB
 
 # ---------------------------------------------------------------------------------------------- core

@@ -265,7 +265,7 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
 def test_checkpointing_is_not_traced_when_the_optimizer_step_alone_is_over_budget() -> None:
     import dataclasses
 
-    from memfit.replay import PhasePeak
+    from memfit.simulation.replay import PhasePeak
 
     optimizer_step = PhasePeak(1, Phase.OPTIMIZER, 20 * GiB, 20 * GiB, {})
     estimate = dataclasses.replace(linear_estimate(30 * GiB, 1 * GiB), phases=(optimizer_step,))

@@ -29,7 +29,7 @@ from integrations.accuracy.loops import (
 )
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import Category, DDPConfig, InvalidInputError
-from memfit.ddp import bucket_bytes
+from memfit.tracing.ddp import bucket_bytes
 
 MiB = 1024 * 1024
 EXACT = 1024  # bytes: CPU tensors are allocated at their size, so a right model is off by a few scalars at most

@@ -106,7 +106,7 @@ def probe(config: Config, batch_size: int, steps: int, size: str, device: str, c
 def memfit_plan(config: Config, size: str, device: str, budget: str | None, max_batch: int) -> dict[str, Any]:
     """What the callbacks do at setup: estimate the real model, then plan for the memory free now."""
     import memfit
-    from memfit.capacity import free_device_bytes, parse_budget
+    from memfit.planning.capacity import free_device_bytes, parse_budget
 
     model = build(config, size)
     if device == "cuda":

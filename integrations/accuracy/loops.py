@@ -37,8 +37,8 @@ from torch import nn
 
 import memfit
 from integrations.accuracy.reference import profiled_cpu_peak
-from memfit.ddp import DDPConfig
-from memfit.evaluation import EvaluationPeak
+from memfit.prediction.evaluation import EvaluationPeak
+from memfit.tracing.ddp import DDPConfig
 
 WIDTH, BATCH, DEPTH = 1024, 512, 6  # 24 MiB of weights, activations of the same order
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -312,7 +312,8 @@ def hf_train_variable_lengths(
     Also returns the estimate of the first batch, which a plan from the first examples would trace."""
     from transformers import Trainer, TrainingArguments
 
-    from memfit.huggingface import MemoryPlannerCallback, held_batches
+    from memfit.huggingface import MemoryPlannerCallback
+    from memfit.integrations.huggingface.trainer import held_batches
 
     rows = token_rows([8] * 40 + [SMALL_GPT2_POSITIONS])
     args = TrainingArguments(

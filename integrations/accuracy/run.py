@@ -36,7 +36,7 @@ from rich.table import Table
 import memfit
 from integrations.accuracy import reference
 from integrations.accuracy.zoo import FAMILIES, Config, configs
-from memfit.checkpointing import enable_checkpointing
+from memfit.tracing.checkpointing import enable_checkpointing
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -138,7 +138,7 @@ def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, 
     reference.run_steps(model, optimizer, batch, functools.partial(_loss, config), steps=steps,
                         autocast=autocast_for(config, "cuda"))  # fmt: skip
     torch.cuda.synchronize()
-    from memfit.measure import nvml_device_used_bytes
+    from memfit.monitoring.measure import nvml_device_used_bytes
 
     return {
         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from memfit.categories import Category, Phase
-from memfit.ddp import DDPConfig
 from memfit.errors import (
     EstimationError,
     InsufficientMemoryError,
@@ -15,13 +14,14 @@ from memfit.errors import (
     UnrecoverableOutOfMemoryError,
     ValueDependentError,
 )
-from memfit.estimate import BatchPeak, MemoryEstimate, PhaseModel, estimate
-from memfit.evaluation import EvaluationPeak, evaluation_peak
-from memfit.formula import FormulaEstimate, estimate_from_counts
-from memfit.planner import Plan, plan
+from memfit.planning.planner import Plan, plan
 from memfit.precision import Precision
-from memfit.replay import PhasePeak
-from memfit.runtime import CudaRuntime
+from memfit.prediction.estimator import BatchPeak, MemoryEstimate, PhaseModel, estimate
+from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
+from memfit.prediction.formula import FormulaEstimate, estimate_from_counts
+from memfit.simulation.replay import PhasePeak
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.ddp import DDPConfig
 from memfit.units import format_bytes, parse_bytes
 
 try:

@@ -8,7 +8,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.pytorch_lightning needs pytorch-lightning: pip install pytorch-lightning") from error
 
-from memfit._lightning_base import _DOC, MemoryPlannerBase
+from memfit.integrations.lightning.callback import _DOC, MemoryPlannerBase
 
 __all__ = ["MemoryPlanner"]
 

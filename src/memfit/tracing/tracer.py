@@ -29,23 +29,23 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from memfit.batch import Sample, call_model, describe, rebatch
 from memfit.categories import Category, Phase
-from memfit.checkpointing import CheckpointTarget, enable_checkpointing
-from memfit.cuda_semantics import CudaSemantics
-from memfit.ddp import DDPConfig
 from memfit.errors import InvalidInputError, MemfitError, TraceError, ValueDependentError
-from memfit.model_state import (
+from memfit.precision import Precision
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.batch import Sample, call_model, describe, rebatch
+from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.tracing.cuda_semantics import CudaSemantics
+from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.model_state import (
     module_path_tracker,
     onednn_disabled,
     preserved_module_state,
     preserved_rng_state,
     swap_tensors_in,
 )
-from memfit.optimizers import OptimizerSpec, build_optimizer
-from memfit.precision import Precision
-from memfit.recorder import StorageRecorder
-from memfit.runtime import CudaRuntime
+from memfit.tracing.optimizers import OptimizerSpec, build_optimizer
+from memfit.tracing.recorder import StorageRecorder
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.table import Table
 
 from memfit.categories import Category
-from memfit.estimate import MemoryEstimate
-from memfit.formula import FormulaEstimate
-from memfit.planning_report import PlanReport
+from memfit.planning.gpu_report import PlanReport
+from memfit.prediction.estimator import MemoryEstimate
+from memfit.prediction.formula import FormulaEstimate
 from memfit.units import format_bytes
 
 __all__ = ["estimate_table", "formula_table", "phases_table", "plan_table"]

@@ -6,17 +6,17 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.capacity import parse_budget
-from memfit.ddp import DDPConfig
 from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
-from memfit.estimate import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
-from memfit.gpus import GPU, gpu_by_name
-from memfit.host import HostEstimate, estimate_host
-from memfit.planner import Plan, plan
+from memfit.planning.capacity import parse_budget
+from memfit.planning.gpus import GPU, gpu_by_name
+from memfit.planning.planner import Plan, plan
 from memfit.precision import Precision
+from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
+from memfit.prediction.host import HostEstimate, estimate_host
 from memfit.presets import ModelSpec, from_factory, from_hf_config
-from memfit.runtime import CudaRuntime
-from memfit.tracer import ZeroGrad
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.tracer import ZeroGrad
 
 __all__ = ["EXTRAPOLATION_DEPTHS", "GpuPlan", "PlanReport", "plan_for_gpus"]
 
@@ -70,7 +70,7 @@ class PlanReport:
 
         A plan is confirmed on a trace of the whole model, so its timeline is that trace's; with no
         plan, the timeline at batch 1 is the one extrapolated in depth when the search was."""
-        from memfit.plot import plot_plan
+        from memfit.reporting.plots import plot_plan
 
         base = next(row.base for row in self.rows if row.base is not None)
         capacities = {row.gpu: row.capacity_bytes for row in self.rows}

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 
 from memfit.errors import InvalidInputError, MemfitError
-from memfit.formula import OPTIMIZERS, estimate_from_counts
+from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
 
 __all__ = ["main"]
 
@@ -75,7 +75,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from memfit.report import formula_table
+        from memfit.reporting.tables import formula_table
 
         Console().print(formula_table(estimate))
     return 0
@@ -83,7 +83,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
-    from memfit.planning_report import plan_for_gpus
+    from memfit.planning.gpu_report import plan_for_gpus
 
     report = plan_for_gpus(
         hf_config=args.hf_config,
@@ -115,7 +115,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from memfit.report import plan_table
+        from memfit.reporting.tables import plan_table
 
         console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(plan_table(report))

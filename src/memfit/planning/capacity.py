@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import InvalidInputError
-from memfit.gpus import gpu_by_name
+from memfit.planning.gpus import gpu_by_name
 from memfit.units import parse_bytes
 
 __all__ = ["available_ram_bytes", "free_device_bytes", "parse_budget"]

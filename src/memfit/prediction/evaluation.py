@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
-from memfit.estimate import MemoryEstimate
+from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import format_bytes
 
 __all__ = ["CollectedOutputs", "EvaluationPeak", "evaluation_peak", "largest_flush_every"]

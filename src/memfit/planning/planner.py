@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from memfit.allocator import SMALL_BUFFER
 from memfit.categories import Phase
 from memfit.errors import InsufficientMemoryError, InvalidInputError
-from memfit.estimate import BatchPeak, MemoryEstimate
+from memfit.prediction.estimator import BatchPeak, MemoryEstimate
+from memfit.simulation.allocator import SMALL_BUFFER
 from memfit.units import format_bytes
 
 __all__ = ["CHECKPOINTING_MIN_GAIN", "SMALL_MICRO_BATCH", "Plan", "plan"]

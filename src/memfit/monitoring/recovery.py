@@ -37,9 +37,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from memfit.batch import infer_batch_size
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
-from memfit.estimate import MemoryEstimate
+from memfit.prediction.estimator import MemoryEstimate
+from memfit.tracing.batch import infer_batch_size
 from memfit.units import parse_bytes
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.capacity import available_ram_bytes
+from memfit.planning.capacity import available_ram_bytes
 from memfit.units import format_bytes
 
 __all__ = ["HostEstimate", "estimate_host"]

@@ -37,7 +37,7 @@ class GPU:
     @property
     def cublas_workspace_bytes(self) -> int:
         """cuBLAS workspace per handle on this architecture (32 MiB on Hopper and newer, else 8 MiB + 128 KiB)."""
-        from memfit.runtime import cublas_workspace_bytes
+        from memfit.simulation.runtime import cublas_workspace_bytes
 
         return cublas_workspace_bytes(self.compute_capability or (9, 0))
 

@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memfit.allocator import CachingAllocatorSimulator, round_size
 from memfit.categories import Category, Phase
-from memfit.recorder import PhaseMark, StorageRecorder
+from memfit.simulation.allocator import CachingAllocatorSimulator, round_size
+from memfit.tracing.recorder import PhaseMark, StorageRecorder
 
 __all__ = ["PhasePeak", "TimelinePoint", "extrapolate_timeline", "replay"]
 

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.batch import Sample, infer_batch_size
 from memfit.categories import Category, Phase
-from memfit.checkpointing import CheckpointTarget
-from memfit.ddp import DDPConfig
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
-from memfit.optimizers import OptimizerSpec, optimizer_name
 from memfit.precision import Precision
-from memfit.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
-from memfit.runtime import CudaRuntime
-from memfit.tracer import (
+from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.batch import Sample, infer_batch_size
+from memfit.tracing.checkpointing import CheckpointTarget
+from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
+from memfit.tracing.tracer import (
     ZERO_GRAD_ORDERS,
     ForwardFn,
     LossFn,
@@ -549,7 +549,7 @@ def extrapolate_depth(
     activations per block, so every phase's peak is affine in the depth, and so is each term of its
     fit in the batch: each is extended along the line through the two traces. The peak phase is
     chosen again at the new depth, since two affine peaks can cross. Allocator ratios are the deeper
-    trace's; the timeline is stretched to the new depth (``memfit.replay.extrapolate_timeline``).
+    trace's; the timeline is stretched to the new depth (``memfit.simulation.replay.extrapolate_timeline``).
     """
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")

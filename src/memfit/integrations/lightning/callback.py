@@ -19,20 +19,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from memfit._figures import log_figure, matplotlib_available
-from memfit.batch import infer_batch_size, longest_batch
-from memfit.capacity import free_device_bytes, parse_budget
-from memfit.checkpointing import CheckpointTarget, enable_checkpointing
-from memfit.ddp import SHARDING_NOT_MODELLED, DDPConfig
-from memfit.drift import DriftMonitor
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
-from memfit.estimate import MemoryEstimate, estimate
-from memfit.evaluation import EvaluationPeak, evaluation_peak
-from memfit.measure import PeakSampler, current_rss_bytes
-from memfit.model_state import preserved_rng_state
-from memfit.planner import Plan, plan
-from memfit.precision import Precision
-from memfit.recovery import (
+from memfit.monitoring.drift import DriftMonitor
+from memfit.monitoring.measure import PeakSampler, current_rss_bytes
+from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
@@ -43,6 +33,16 @@ from memfit.recovery import (
     check_on_oom,
     is_out_of_memory,
 )
+from memfit.planning.capacity import free_device_bytes, parse_budget
+from memfit.planning.planner import Plan, plan
+from memfit.precision import Precision
+from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
+from memfit.reporting.figures import log_figure, matplotlib_available
+from memfit.tracing.batch import infer_batch_size, longest_batch
+from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.tracing.ddp import SHARDING_NOT_MODELLED, DDPConfig
+from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
 
 # The callback's docstring, shared by memfit.lightning and memfit.pytorch_lightning (neither imports the other)
@@ -128,13 +128,13 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
 
 
 def plot_timeline(*args: Any, **kwargs: Any) -> Any:
-    from memfit.plot import plot_timeline as draw
+    from memfit.reporting.plots import plot_timeline as draw
 
     return draw(*args, **kwargs)
 
 
 def plot_drift(*args: Any, **kwargs: Any) -> Any:
-    from memfit.plot import plot_drift as draw
+    from memfit.reporting.plots import plot_drift as draw
 
     return draw(*args, **kwargs)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from memfit.estimate import MemoryEstimate
-from memfit.measure import MemorySample
+from memfit.monitoring.measure import MemorySample
+from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import format_bytes
 
 __all__ = ["Drift", "DriftMonitor"]

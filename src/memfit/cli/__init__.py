@@ -1,0 +1,5 @@
+"""The memfit command."""
+
+from memfit.cli.main import main
+
+__all__ = ["main"]

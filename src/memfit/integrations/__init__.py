@@ -1,0 +1,1 @@
+"""Framework adapters: translate Lightning / Hugging Face state in, apply the plan out."""

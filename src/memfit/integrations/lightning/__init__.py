@@ -1,0 +1,1 @@
+"""The Lightning callback (lightning and pytorch_lightning share it)."""

@@ -1,0 +1,1 @@
+"""From the replayed trace to a MemoryEstimate (and the formula tier, evaluation and host RAM)."""

@@ -1,0 +1,1 @@
+"""Tables and pictures of estimates and plans (leaves: nothing in the core imports them)."""

@@ -1,0 +1,1 @@
+"""Replay the traced storage log through a model of the CUDA caching allocator."""
