@@ -14,13 +14,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import memfit
-from memfit.huggingface import (
-    PLAN_FILE,
-    MemoryPlannerCallback,
-    checkpointing_switch,
-    model_checkpointing,
-    plan_training_arguments,
-)
+from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, plan_training_arguments
+from memfit.integrations.huggingface.trainer import checkpointing_switch, model_checkpointing
 
 SEQ = 32
 VOCAB = 500
@@ -231,7 +226,7 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
     import types
 
     from memfit import DDPConfig
-    from memfit.huggingface import ddp_config
+    from memfit.integrations.huggingface.trainer import ddp_config
 
     def args(**overrides: Any) -> Any:
         fields = {"world_size": 2, "fsdp": None, "deepspeed": None, "ddp_find_unused_parameters": None,
