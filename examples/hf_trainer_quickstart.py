@@ -4,8 +4,9 @@
 
 ``plan_training_arguments`` picks per_device_train_batch_size, gradient_accumulation_steps and
 activation_checkpointing for the budget while keeping the effective batch (32); the Trainer is
-built from the planned arguments; ``MemoryPlannerCallback`` logs predicted vs measured memory to
-every ``report_to`` tracker. On a GPU, drop --budget to plan for the device's free memory.
+built from the planned arguments; ``attach`` puts memfit's callback first, so it logs predicted vs
+measured memory to every ``report_to`` tracker, and lets it recover from out-of-memory errors. On a
+GPU, drop --budget to plan for the device's free memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from memfit.huggingface import MemoryPlannerCallback, plan_training_arguments
+from memfit.huggingface import attach, plan_training_arguments
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -59,8 +60,8 @@ def main() -> None:
     print(f"memfit plan: {planned.plan.summary()}")
     for reason in planned.plan.reasons:
         print(f"  - {reason}")
-    callback = MemoryPlannerCallback(plan=planned.plan)
-    trainer = Trainer(model=model, args=planned.args, train_dataset=data, callbacks=[callback])
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+    callback = attach(trainer, plan=planned.plan)
     trainer.train()
     last = callback.monitor.history[-1] if callback.monitor and callback.monitor.history else None
     if last is not None:

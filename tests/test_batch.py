@@ -67,7 +67,8 @@ def test_large_datasets_are_read_evenly_spaced_up_to_the_limit(monkeypatch: pyte
     monkeypatch.setattr(memfit.batch, "LENGTH_SCAN_SECONDS", 600.0)  # only the count limits here
     dataset = CountingReads(100_000)
     longest = longest_examples(dataset, 1)
-    assert memfit.tracing.batch.LENGTH_SCAN_LIMIT <= dataset.reads <= memfit.tracing.batch.LENGTH_SCAN_LIMIT + 64  # and the probe
+    limit = memfit.tracing.batch.LENGTH_SCAN_LIMIT
+    assert limit <= dataset.reads <= limit + 64  # and the probe
     assert longest[0] % 1000 >= 995  # one of the longest of the read examples (lengths cycle to 1000)
 
 

@@ -9,7 +9,7 @@ from torch import nn
 import memfit
 import zoo
 from memfit import InvalidInputError, TraceError, ValueDependentError
-from memfit.integrations.huggingface.trainer import model_checkpointing
+from memfit.integrations.huggingface.arguments import model_checkpointing
 
 
 class ReadsValues(nn.Module):

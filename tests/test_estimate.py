@@ -12,7 +12,7 @@ from torch import nn
 import memfit
 import zoo
 from memfit import Category, Phase
-from memfit.integrations.huggingface.trainer import model_checkpointing
+from memfit.integrations.huggingface.arguments import model_checkpointing
 from memfit.simulation.allocator import round_size
 from memfit.simulation.runtime import cublas_workspace_bytes
 

@@ -159,7 +159,8 @@ def test_callback_warns_at_train_begin_and_a_failed_check_does_not_stop_training
                                        + fits.evaluation.reserved_bytes) // 2, margin=0.0)  # fmt: skip
     callback = hf.MemoryPlannerCallback(plan=tight.plan, verbose=False)
     trainer = Trainer(model=model, args=tight.args, train_dataset=train, eval_dataset=evaluation,
-                      compute_metrics=accuracy, callbacks=[callback])  # fmt: skip
+                      compute_metrics=accuracy)  # fmt: skip
+    hf.attach(trainer, callback)
     with pytest.warns(UserWarning, match="evaluation may run out of memory where training fits"):
         trainer.train()
     assert callback.evaluation is not None and callback.evaluation.reserved_bytes > tight.plan.budget_bytes
@@ -170,7 +171,8 @@ def test_callback_warns_at_train_begin_and_a_failed_check_does_not_stop_training
 
     quiet = hf.MemoryPlannerCallback(verbose=False)
     trainer = Trainer(model=model, args=tight.args, train_dataset=train, eval_dataset=NoLength(),
-                      compute_metrics=accuracy, callbacks=[quiet])  # fmt: skip
+                      compute_metrics=accuracy)  # fmt: skip
+    hf.attach(trainer, quiet)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # neither a warning nor an error: the check is skipped
         trainer.train()

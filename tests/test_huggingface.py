@@ -14,8 +14,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import memfit
-from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, plan_training_arguments
-from memfit.integrations.huggingface.trainer import checkpointing_switch, model_checkpointing
+from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, attach, plan_training_arguments
+from memfit.integrations.huggingface.arguments import checkpointing_switch, model_checkpointing
 
 SEQ = 32
 VOCAB = 500
@@ -92,9 +92,8 @@ def test_planned_arguments_take_effect_in_a_real_trainer(tmp_path: Path) -> None
     assert planned.plan.effective_batch_size == 12
 
     sizes = BatchSizes(model)
-    trainer = Trainer(
-        model=model, args=planned.args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=planned.plan)]
-    )
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+    attach(trainer, plan=planned.plan)
     trainer.train()
     assert trainer.state.train_batch_size == 3
     assert trainer.state.global_step == 6
@@ -145,9 +144,9 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     older = {"logging_dir": str(tmp_path / "tb")} if "logging_dir" in TrainingArguments.__dataclass_fields__ else {}
     args = training_args(tmp_path, report_to=["tensorboard", "mlflow"], **older)
     planned = plan_training_arguments(model, args, data, budget="1GiB")
-    callback = MemoryPlannerCallback(plan=planned.plan)
-    trainer = Trainer(model=model, args=planned.args, train_dataset=data, callbacks=[callback])
-    assert trainer.callback_handler.callbacks[0] is callback  # moved before the trackers
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+    callback = attach(trainer, plan=planned.plan)
+    assert trainer.callback_handler.callbacks[0] is callback  # before the trackers
     trainer.train()
 
     event_files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
@@ -181,9 +180,9 @@ def test_resume_keeps_the_plan_saved_in_the_checkpoint(tmp_path: Path) -> None:
     args = training_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=2)
     budget = budget_between(accumulating_estimate(model, args, data), 3)  # the plan will be 3 x 4
     first = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
-    Trainer(
-        model=model, args=first.args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=first.plan)]
-    ).train()
+    trainer = Trainer(model=model, args=first.args, train_dataset=data)
+    attach(trainer, plan=first.plan)
+    trainer.train()
     saved = Path(args.output_dir) / "checkpoint-2" / PLAN_FILE
     assert json.loads(saved.read_text())["micro_batch_size"] == 3
 
@@ -226,7 +225,7 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
     import types
 
     from memfit import DDPConfig
-    from memfit.integrations.huggingface.trainer import ddp_config
+    from memfit.integrations.huggingface.arguments import ddp_config
 
     def args(**overrides: Any) -> Any:
         fields = {"world_size": 2, "fsdp": None, "deepspeed": None, "ddp_find_unused_parameters": None,
@@ -363,19 +362,20 @@ def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_p
 
 def test_sharded_runs_are_not_planned_and_their_prediction_says_so(tmp_path: Path, monkeypatch) -> None:
     """FSDP/DeepSpeed sharding is not modelled: no plan from an unsharded prediction, a note on the drift."""
-    import memfit.integrations.huggingface.trainer as hf_trainer
+    import memfit.integrations.huggingface.arguments as hf_arguments
+    import memfit.integrations.huggingface.callback as hf_callback
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored after the test: transformers 4.x sets it for fsdp
     with pytest.raises(memfit.InvalidInputError, match="shard the model with FSDP, which memfit does not model"):
         plan_training_arguments(tiny_gpt2(), training_args(tmp_path, fsdp=True), Tokens(), budget="1GiB")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     args = training_args(tmp_path)
-    assert hf_trainer.sharding(args) is None
+    assert hf_arguments.sharding(args) is None
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets
-    assert hf_trainer.sharding(args) == "DeepSpeed"
+    assert hf_arguments.sharding(args) == "DeepSpeed"
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     # FSDP needs several processes: a one-process CPU run is reported as sharded, the rest is real
-    monkeypatch.setattr(hf_trainer, "sharding", lambda args: "FSDP")
+    monkeypatch.setattr(hf_callback, "sharding", lambda args: "FSDP")
     callback = MemoryPlannerCallback(verbose=False)
     with pytest.warns(UserWarning, match="memfit does not model FSDP sharding yet"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()

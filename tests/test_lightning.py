@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 
 import memfit
 from lightning_models import SEQ, ModuleForDataModule, NoBatchAttribute, ReadsValues, TinyGPT, TokenData
-from memfit.integrations.huggingface.trainer import model_checkpointing
+from memfit.integrations.huggingface.arguments import model_checkpointing
 from memfit.lightning import MemoryPlanner
 
 MARGIN = 0.05

@@ -290,7 +290,11 @@ def hf_train(tmp_path: Path, model: DictRegression, callbacks: list) -> object:
         seed=0,
         disable_tqdm=True,
     )
+    from memfit.huggingface import MemoryPlannerCallback, attach
+
     trainer = Trainer(model=model, args=args, train_dataset=DictData(), callbacks=callbacks)
+    if any(isinstance(callback, MemoryPlannerCallback) for callback in callbacks):
+        attach(trainer)  # the callback the Trainer was given goes first and may wrap the step
     trainer.train()
     return trainer
 
@@ -362,15 +366,16 @@ def test_hf_optimizer_step_oom_says_why_it_cannot_be_recovered_and_a_second_run_
 ) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from memfit.huggingface import MemoryPlannerCallback
+    from memfit.huggingface import MemoryPlannerCallback, attach
 
     model = DictRegression()
     optimizer = FailingSGD(model.parameters(), lr=0.05)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=12, max_steps=3, report_to="none",
                              save_strategy="no", use_cpu=True, disable_tqdm=True, max_grad_norm=0.0)  # fmt: skip
     callback = MemoryPlannerCallback()
-    trainer = Trainer(model=model, args=args, train_dataset=DictData(), callbacks=[callback],
+    trainer = Trainer(model=model, args=args, train_dataset=DictData(),
                       optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))  # fmt: skip
+    attach(trainer, callback)
     with (
         pytest.warns(UserWarning, match="out of memory in the optimizer step"),
         pytest.raises(torch.OutOfMemoryError, match="injected in the optimizer step"),

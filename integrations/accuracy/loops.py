@@ -162,7 +162,7 @@ def hf_train(
     """A real ``transformers.Trainer.train`` of the MLP with ``MemoryPlannerCallback`` observing."""
     from transformers import Trainer, TrainingArguments
 
-    from memfit.huggingface import MemoryPlannerCallback
+    from memfit.huggingface import MemoryPlannerCallback, attach
 
     callback = MemoryPlannerCallback(on_oom=on_oom, verbose=False)
     data = [{"x": row} for row in torch.randn(BATCH * 8, WIDTH)]
@@ -174,7 +174,9 @@ def hf_train(
 
     def train() -> None:
         torch.manual_seed(0)
-        Trainer(model=_LossOfMLP(), args=args, train_dataset=data, callbacks=[callback]).train()
+        trainer = Trainer(model=_LossOfMLP(), args=args, train_dataset=data)
+        attach(trainer, callback)
+        trainer.train()
 
     return train, callback
 
@@ -219,7 +221,7 @@ def hf_train_with_evaluation(
     evaluation batch's logits and labels are collected on the device until the pass ends."""
     from transformers import Trainer, TrainingArguments
 
-    from memfit.huggingface import MemoryPlannerCallback
+    from memfit.huggingface import MemoryPlannerCallback, attach
 
     callback = MemoryPlannerCallback(verbose=False)
     generator = torch.Generator().manual_seed(0)
@@ -236,10 +238,12 @@ def hf_train_with_evaluation(
 
     def train_and_evaluate() -> None:
         torch.manual_seed(0)
-        Trainer(
-            model=_Classifier(), args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[callback],
+        trainer = Trainer(
+            model=_Classifier(), args=args, train_dataset=train, eval_dataset=evaluation,
             compute_metrics=_accuracy, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        ).train()  # fmt: skip
+        )  # fmt: skip
+        attach(trainer, callback)
+        trainer.train()
 
     return train_and_evaluate, callback
 
@@ -313,7 +317,7 @@ def hf_train_variable_lengths(
     from transformers import Trainer, TrainingArguments
 
     from memfit.huggingface import MemoryPlannerCallback
-    from memfit.integrations.huggingface.trainer import held_batches
+    from memfit.integrations.huggingface.arguments import held_batches
 
     rows = token_rows([8] * 40 + [SMALL_GPT2_POSITIONS])
     args = TrainingArguments(

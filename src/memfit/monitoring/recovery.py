@@ -169,6 +169,9 @@ class Recovery:
         )
 
 
+_NO_CHUNK = 2**62  # what a rank that runs whole batches contributes to the all-reduce
+
+
 class OOMRecovery:
     """Runs micro batches in chunks and shrinks the chunk after an out-of-memory error.
 
@@ -233,6 +236,17 @@ class OOMRecovery:
             return False
         self.chunk_size = chunk_size
         return True
+
+    def agree_across_ranks(self) -> int | None:
+        """Take the smallest chunk any rank had to fall back to (one small all-reduce); the new chunk
+        size if this rank had to shrink, else ``None``. A no-op outside a process group."""
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return None
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        mine = torch.tensor([self.chunk_size or _NO_CHUNK], device=device)
+        torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
+        smallest = int(mine.item())
+        return smallest if smallest < _NO_CHUNK and self.adopt(smallest) else None
 
     def run_batch(self, batch: Any, run_chunk: ChunkRunner, *, step: int, sync: bool = True) -> list[R]:
         """Run one micro batch as chunks through ``run_chunk(chunk, weight, last)`` and return their results.

@@ -1,7 +1,10 @@
 """The Lightning callback's logic, shared by the ``lightning`` and ``pytorch_lightning`` namespaces.
 
 The two public modules (``memfit.lightning``, ``memfit.pytorch_lightning``) subclass this with
-their namespace's ``Callback`` and utilities; everything memory-related lives in the core.
+their namespace's ``Callback``. This module only translates: it reads the trainer's loop, batch,
+optimizer, precision and strategy into a ``PlanningSession`` (``memfit.planning.session``), applies
+the decision, and forwards what the ``RunMonitor`` (``memfit.monitoring.run_monitor``) measures to
+``trainer.loggers``. Lightning privates are reached through ``internals.LightningInternals`` only.
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,8 +22,7 @@ import torch
 from torch import nn
 
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
-from memfit.monitoring.drift import DriftMonitor
-from memfit.monitoring.measure import PeakSampler, current_rss_bytes
+from memfit.integrations.lightning.internals import LightningInternals
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
@@ -33,8 +34,10 @@ from memfit.monitoring.recovery import (
     check_on_oom,
     is_out_of_memory,
 )
+from memfit.monitoring.run_monitor import RunMonitor, resident_bytes
 from memfit.planning.capacity import free_device_bytes, parse_budget
-from memfit.planning.planner import Plan, plan
+from memfit.planning.planner import Plan
+from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
@@ -50,7 +53,7 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
 
     At ``setup`` (stage ``"fit"``) the callback takes one batch from the train dataloader (or
     ``sample``): where the dataloader's ``collate_fn`` pads batches of a map-style dataset, the
-    batch of its longest examples, since the longest batch makes the peak (``memfit.batch.longest_batch``).
+    batch of its longest examples, since the longest batch makes the peak (``memfit.tracing.batch.longest_batch``).
     It traces two training steps of the real LightningModule (its ``training_step``, the
     first optimizer from ``configure_optimizers``, the trainer's precision) on fake tensors, and
     plans with ``memfit.plan``: the largest micro batch whose predicted peak fits the budget minus
@@ -68,7 +71,7 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     ``training_step`` and ``backward``, so its forward carries the last step's gradients (memfit's
     recovering closure, ``on_oom="replan"``, zeroes them first instead and keeps an accumulation
     window's earlier batches to replay them); accumulation keeps gradients through a window; a
-    ``DDPStrategy`` adds DDP's gradient buckets (see ``memfit.ddp``).
+    ``DDPStrategy`` adds DDP's gradient buckets (see ``memfit.tracing.ddp``).
 
     The trace calls ``training_step`` on fake tensors (``torch._subclasses.fake_tensor.is_fake``
     tells them apart), with ``self.log`` silenced; Python side effects of ``training_step``
@@ -77,7 +80,7 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     An out-of-memory error in a training step (``on_oom="replan"``, the default, also in observe
     mode) does not end the run: the failed batch is retried in chunks whose losses are weighted by
     their share of the batch, and later batches run in the same chunks, so the effective batch,
-    the samples seen and the optimizer steps stay as configured (see ``memfit.recovery``). Each
+    the samples seen and the optimizer steps stay as configured (see ``memfit.monitoring.recovery``). Each
     recovery is one warning with the old and new plan and the metrics ``memfit/oom_recoveries`` and
     ``memfit/micro_batch_size``; under DDP every rank takes the smallest chunk any rank needed.
 
@@ -117,6 +120,10 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     * ``memfit/measured_tensor_bytes_from_rss``, ``memfit/drift_rss_pct`` (CPU): RSS growth since training
       started plus the model's bytes, against the predicted tensor bytes (coarse)
 
+    Lightning privates (the loop's closure, the dataloader source) are used through
+    ``memfit.integrations.lightning.internals`` only; on a Lightning release it was not tested on,
+    the callback warns once and leaves the out-of-memory recovery off.
+
     The plan is logged once as hyperparameters ``memfit/micro_batch_size``,
     ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing``, ``memfit/effective_batch_size``,
     ``memfit/target_batch_size``, ``memfit/predicted_peak_bytes``, ``memfit/budget_bytes``, ... Warnings
@@ -125,19 +132,6 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is saved in checkpoints and
     restored on resume.
     """
-
-
-def plot_timeline(*args: Any, **kwargs: Any) -> Any:
-    from memfit.reporting.plots import plot_timeline as draw
-
-    return draw(*args, **kwargs)
-
-
-def plot_drift(*args: Any, **kwargs: Any) -> Any:
-    from memfit.reporting.plots import plot_drift as draw
-
-    return draw(*args, **kwargs)
-
 
 __all__ = ["MemoryPlannerBase"]
 
@@ -152,6 +146,7 @@ class _Decision:
     predicted_allocated_bytes: int | None
     predicted_reserved_bytes: int | None
     error: str | None = None
+    insufficient_memory: bool = False  # the error is the verdict that nothing fits: it stops the fit
 
 
 class MemoryPlannerBase:
@@ -207,40 +202,36 @@ class MemoryPlannerBase:
         self.plan: Plan | None = None
         self.estimate: MemoryEstimate | None = None
         self.validation: EvaluationPeak | None = None
-        self._steps_seen = 0
+        self.monitor: RunMonitor | None = None
+        self.recovery: OOMRecovery | None = None
+        self._internals = LightningInternals(self._pl)
         self._decision: _Decision | None = None
         self._restored_plan: dict[str, Any] | None = None
-        self._sampler: PeakSampler | None = None
-        self._monitor: DriftMonitor | None = None
-        self._last_logged_step = -1
-        self._baseline_rss = 0
+        self._trainer_module: tuple[Any, Any] | None = None
         self._resident_bytes = 0
+        self._steps_seen = 0
+        self._last_logged_step = -1
         self._hparams_logged = False
-        self.recovery: OOMRecovery | None = None
         self._closure_finished = False
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            self._decide_and_apply(trainer, pl_module)
+            self._plan_and_apply(trainer, pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._steps_seen = trainer.global_step  # a resumed run starts counting where it left off
         self._start_measuring(trainer, pl_module)
-        try:
-            self._install_recovery(trainer, pl_module)
-        except Exception as error:  # never let memfit end the run
-            self.recovery = None
-            self._warn(f"memfit cannot recover from out-of-memory errors in this run ({type(error).__name__}: "
-                       f"{error}); an out-of-memory error will end it as usual.")  # fmt: skip
+        self._install_recovery(trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.recovery is not None and trainer.world_size > 1:
-            self._agree_on_chunk(trainer)
+        if self.recovery is not None and trainer.world_size > 1 and (chunk := self.recovery.agree_across_ranks()):
+            self._info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
-            self._warn(OPTIMIZER_STEP_OOM)
+            self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
         self.teardown(trainer, pl_module, "fit")  # Lightning skips callbacks' teardown after an exception
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -253,7 +244,7 @@ class MemoryPlannerBase:
         self._log_final_drift(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        vars(trainer.fit_loop.epoch_loop.automatic_optimization).pop("_make_closure", None)  # the loop's own again
+        self._internals.uninstall_step(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan else None}
@@ -264,37 +255,28 @@ class MemoryPlannerBase:
             self._reapply_restored(*self._trainer_module)
 
     # --------------------------------------------------------------- planning
-    _trainer_module: tuple[Any, Any] | None = None
-
-    def _decide_and_apply(self, trainer: Any, pl_module: Any) -> None:
+    def _plan_and_apply(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0 decides on the smallest capacity of all ranks; every rank applies the same plan."""
         self._trainer_module = (trainer, pl_module)
-        strategy = trainer.strategy
-        capacity = self._capacity_on_this_rank(trainer)
-        capacities = _all_gather_ints(strategy, capacity)
-        decision = None
-        if trainer.is_global_zero:
-            decision = self._decide_on_rank_zero(trainer, pl_module, min(capacities))
-        decision = strategy.broadcast(decision, src=0)
+        capacity = self.budget_bytes if self.budget_bytes is not None else free_device_bytes(
+            trainer.strategy.root_device
+        )  # fmt: skip
+        smallest = min(_all_gather_ints(trainer.strategy, capacity))
+        decision = self._decide_on_rank_zero(trainer, pl_module, smallest) if trainer.is_global_zero else None
+        decision = trainer.strategy.broadcast(decision, src=0)
         self._decision = decision
+        if decision.insufficient_memory:
+            raise InsufficientMemoryError(decision.error)
         if decision.error is not None:
-            if decision.error.startswith("InsufficientMemoryError: "):
-                raise InsufficientMemoryError(decision.error.removeprefix("InsufficientMemoryError: "))
-            self._warn(f"memfit could not plan this run ({decision.error}); training continues as configured.")
-            return
-        if decision.plan is not None and self.mode == "plan":
+            self._warn("plan", f"memfit could not plan this run ({decision.error}); training continues as configured.")
+        elif decision.plan is not None and self.mode == "plan":
             self._apply(trainer, pl_module, decision.plan)
-
-    def _capacity_on_this_rank(self, trainer: Any) -> int:
-        """Bytes this rank may use: the explicit budget, or the device's free memory now (0 if unknown)."""
-        if self.budget_bytes is not None:
-            return self.budget_bytes
-        return free_device_bytes(trainer.strategy.root_device)
 
     def _decide_on_rank_zero(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         try:
             return self._decide(trainer, pl_module, capacity)
         except InsufficientMemoryError as error:
-            return _Decision(None, None, None, error=f"InsufficientMemoryError: {error}")
+            return _Decision(None, None, None, error=str(error), insufficient_memory=True)
         except MemfitError as error:
             return _Decision(None, None, None, error=str(error))
         except Exception as error:  # never let memfit end the run
@@ -306,95 +288,75 @@ class MemoryPlannerBase:
             raise InvalidInputError(f"memfit plans CUDA and CPU runs; this one runs on {device.type}")
         if not getattr(pl_module, "automatic_optimization", True):
             raise InvalidInputError("manual optimization is not traced yet; use mode='observe' or plan by hand")
-        precision = Precision.parse(str(trainer.precision))
-        sample = self._sample_batch(trainer)
-        sample_batch = infer_batch_size(sample) if not callable(sample) else None
-        configured = self._configured_batch(pl_module) or sample_batch
+        sample = self.sample if self.sample is not None else self._sample_batch(trainer)
+        configured = self._configured_batch(pl_module) or (infer_batch_size(sample) if not callable(sample) else None)
         if configured is None:
             raise InvalidInputError(
                 f"cannot tell the batch size: the module has no `{self.batch_arg_name}` attribute and the sample "
                 "is a callable; set batch_arg_name"
             )
-        optimizer = self._first_optimizer(pl_module)
-        kwargs: dict[str, Any] = {
-            "optimizer": optimizer,
-            "precision": precision,
-            "device": device.type,
-            "forward_fn": functools.partial(_training_step, device=device),
-            "loss_fn": _loss_of_training_step,
-            "checkpoint_modules": self.checkpoint_modules,
-            # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
-            # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
-            "zero_grad": "after_step" if self.on_oom == "replan" else "before_backward",
-            "ddp": self._ddp_config(trainer.strategy),
-        }
-        accumulation = trainer.accumulate_grad_batches
-
-        self._resident_bytes = sum(
-            t.numel() * t.element_size() for t in [*pl_module.parameters(), *pl_module.buffers()]
+        self._resident_bytes = resident_bytes(pl_module)
+        session = PlanningSession(
+            self._step_tracer(trainer, pl_module, sample),
+            batch_size=configured,
+            accumulation_steps=trainer.accumulate_grad_batches,
         )
-        traced = estimate(
-            pl_module, sample, batch_size=configured, accumulation_steps=accumulation,
-            extra_batches=batches_held(accumulation, self.on_oom), **kwargs,
-        )  # fmt: skip
+        self.estimate = session.baseline
         sharding = self._sharding(trainer.strategy)
         if sharding is not None:
-            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharding}: {SHARDING_NOT_MODELLED}"))
-        self.estimate = traced
-        world = trainer.world_size
-        include_context = device.type == "cuda" and self.budget_bytes is not None
-        if sharding is not None and self.mode == "plan":
-            self._warn(
-                f"memfit does not model the sharding of {sharding} yet: {SHARDING_NOT_MODELLED}. It plans nothing "
-                "under this strategy and only logs measured memory; set the batch size yourself."
+            self.estimate = dataclasses.replace(
+                self.estimate, notes=(*self.estimate.notes, f"{sharding}: {SHARDING_NOT_MODELLED}")
             )
+            if self.mode == "plan":
+                message = (
+                    f"memfit does not model the sharding of {sharding} yet: {SHARDING_NOT_MODELLED}. It plans "
+                    "nothing under this strategy and only logs measured memory; set the batch size yourself."
+                )
+                self._warn("sharding", message)
+        include_context = device.type == "cuda" and self.budget_bytes is not None
         if self.mode == "observe" or sharding is not None:
-            peak = traced.at(configured)
             if capacity > 0:
-                self._check_validation(trainer, pl_module, traced, kwargs, capacity, include_context)
+                self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
+            peak = self.estimate.at(configured)
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
         if capacity <= 0:
             raise InvalidInputError(
                 f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
             )
-        target = self.target_batch_size
-        if target is None:
-            target = configured * accumulation * world
+        target = self.target_batch_size or configured * trainer.accumulate_grad_batches * trainer.world_size
+        decision = session.decide(PlanRequest(
+            capacity_bytes=capacity, margin=self.margin, target_batch_size=target, world_size=trainer.world_size,
+            min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
+            allow_checkpointing=self.allow_checkpointing, include_context=include_context,
+        ))  # fmt: skip
+        self.plan, self.estimate = decision.plan, decision.estimate
+        self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
+        return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
 
-        @functools.cache  # the planner and the confirmation may ask for the same trace
-        def traced_at(micro: int, checkpointing: bool, accumulation_steps: int = accumulation) -> MemoryEstimate:
-            if (micro, checkpointing, accumulation_steps) == (configured, False, accumulation):
-                return traced
+    def _step_tracer(self, trainer: Any, pl_module: Any, sample: Any) -> Any:
+        """``trace_at(micro, checkpointing, accumulation)``: the module's ``training_step`` in Lightning's loop."""
+        device = trainer.strategy.root_device
+        optimizer = self._first_optimizer(pl_module)
+        precision = Precision.parse(str(trainer.precision))
+        ddp = self._ddp_config(trainer.strategy)
+        forward = functools.partial(_training_step, device=device, internals=self._internals)
+        # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
+        # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
+        zero_grad = "after_step" if self.on_oom == "replan" else "before_backward"
+
+        def trace_at(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
             return estimate(
-                pl_module, sample, batch_size=micro, gradient_checkpointing=checkpointing,
-                accumulation_steps=accumulation_steps, extra_batches=batches_held(accumulation_steps, self.on_oom),
-                **kwargs,
+                pl_module, sample, optimizer=optimizer, precision=precision, device=device.type, batch_size=micro,
+                gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
+                forward_fn=forward, loss_fn=_loss_of_training_step, zero_grad=zero_grad, ddp=ddp,
+                accumulation_steps=accumulation, extra_batches=batches_held(accumulation, self.on_oom),
             )  # fmt: skip
 
-        chosen = plan(
-            traced,
-            capacity,
-            margin=self.margin,
-            target_batch_size=target,
-            world_size=world,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-            allow_checkpointing=self.allow_checkpointing,
-            checkpointed=lambda: traced_at(configured, True),
-            include_context=include_context,
-            confirm=traced_at,
-        )
-        self.plan = chosen
-        self.estimate = traced_at(
-            chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches
-        )
-        self._check_validation(trainer, pl_module, self.estimate, kwargs, capacity, include_context)
-        return _Decision(chosen.to_dict(), chosen.predicted_allocated_bytes, chosen.predicted_reserved_bytes)
+        return trace_at
 
     def _check_validation(
-        self, trainer: Any, pl_module: Any, training: MemoryEstimate, kwargs: dict[str, Any], capacity: int,
-        include_context: bool,
-    ) -> None:  # fmt: skip
+        self, trainer: Any, pl_module: Any, training: MemoryEstimate, capacity: int, include_context: bool
+    ) -> None:
         """Warn when the validation pass, beside the optimizer state, would not fit where training does."""
         self.validation = None
         try:
@@ -402,9 +364,9 @@ class MemoryPlannerBase:
             if sample is None:
                 return
             device = trainer.strategy.root_device
-            forward = functools.partial(_validation_step, device=device)
-            evaluation = estimate(pl_module, sample, inference=True, precision=kwargs["precision"],
-                                  device=kwargs["device"], forward_fn=forward)  # fmt: skip
+            forward = functools.partial(_validation_step, device=device, internals=self._internals)
+            evaluation = estimate(pl_module, sample, inference=True, precision=Precision.parse(str(trainer.precision)),
+                                  device=device.type, forward_fn=forward)  # fmt: skip
             self.validation = evaluation_peak(training, evaluation)
         except Exception as error:  # the plan stands; only this check is lost
             self._info(f"memfit could not check the validation pass ({type(error).__name__}: {error})")
@@ -412,21 +374,17 @@ class MemoryPlannerBase:
         budget = int(capacity * (1 - self.margin))
         needed = self.validation.device_bytes if include_context else self.validation.reserved_bytes
         if needed > budget:
-            self._warn(
+            self._warn("validation",
                 f"memfit: validation may run out of memory where training fits: {self.validation.summary()}, over "
                 f"the {format_bytes(budget)} budget ({format_bytes(capacity)} with a {self.margin:.0%} margin). "
-                "Lower the validation batch size."
-            )
+                "Lower the validation batch size.")  # fmt: skip
 
     def _validation_sample(self, trainer: Any, pl_module: Any) -> Any:
         """One batch of the first validation dataloader, or ``None`` when the fit runs no validation."""
         overridden = self._pl.utilities.model_helpers.is_overridden("validation_step", pl_module)
         if not trainer.limit_val_batches or not overridden:
             return None
-        source = trainer.fit_loop.epoch_loop.val_loop._data_source
-        if not source.is_defined():
-            return None
-        loaders = source.dataloader()
+        loaders = self._internals.val_dataloaders(trainer)
         loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
         if isinstance(loader, dict):
             loader = next(iter(loader.values()), None)
@@ -448,18 +406,19 @@ class MemoryPlannerBase:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
         if not isinstance(strategy, self._pl.strategies.DDPStrategy):
             return None
-        return DDPConfig.from_kwargs(getattr(strategy, "_ddp_kwargs", None))
+        return DDPConfig.from_kwargs(self._internals.ddp_kwargs(strategy))
 
     def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
         """Set micro batch, accumulation and checkpointing, all or nothing."""
         micro = plan_dict["micro_batch_size"]
         parsing = self._pl.utilities.parsing
         if not parsing.lightning_hasattr(pl_module, self.batch_arg_name):
-            self._warn(
+            message = (
                 f"memfit planned micro batch {micro} x {plan_dict['accumulate_grad_batches']} accumulation steps but "
                 f"found no `{self.batch_arg_name}` on the module, its hparams or the datamodule to set it; nothing "
                 "was changed. Expose the batch size there (or set batch_arg_name) to let memfit apply its plan."
             )
+            self._warn("no-batch-attribute", message)
             return
         previous_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
         previous_accumulation = trainer.accumulate_grad_batches
@@ -471,12 +430,13 @@ class MemoryPlannerBase:
         except Exception as error:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, previous_batch)
             trainer.accumulate_grad_batches = previous_accumulation
-            self._warn(f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was changed.")
+            self._warn("apply", f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was "
+                       "changed.")  # fmt: skip
             return
-        if getattr(trainer.fit_loop, "_combined_loader", None) is not None:
-            trainer.fit_loop._combined_loader = None  # built early (e.g. by estimated_stepping_batches): rebuild
+        self._internals.forget_train_loader(trainer)
         if self.verbose:
-            self._info("memfit plan: " + _summary(plan_dict) + "".join(f"\n  - {r}" for r in plan_dict["reasons"]))
+            plan = Plan.from_dict(plan_dict)
+            self._info("memfit plan: " + plan.summary() + "".join(f"\n  - {r}" for r in plan.reasons))
 
     def _reapply_restored(self, trainer: Any, pl_module: Any) -> None:
         """On resume, keep the plan the run started with instead of whatever a fresh plan says."""
@@ -488,16 +448,16 @@ class MemoryPlannerBase:
         if current is not None and all(current[k] == saved[k] for k in keys):
             return
         if current is not None and current["gradient_checkpointing"] and not saved["gradient_checkpointing"]:
-            self._warn("memfit: resuming without checkpointing as the run started, though a fresh plan would use it")
+            self._warn("resume", "memfit: resuming without checkpointing as the run started, though a fresh plan "
+                       "would use it")  # fmt: skip
         self._apply(trainer, pl_module, saved)
-        self.plan = Plan(**{**saved, "reasons": (*saved["reasons"], "restored from the checkpoint")})
+        restored = Plan.from_dict(saved)
+        self.plan = dataclasses.replace(restored, reasons=(*restored.reasons, "restored from the checkpoint"))
         if self._decision is not None:
             self._decision.plan = saved
 
     def _sample_batch(self, trainer: Any) -> Any:
-        if self.sample is not None:
-            return self.sample
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = self._internals.train_dataloader(trainer)
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise InvalidInputError(
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
@@ -513,31 +473,25 @@ class MemoryPlannerBase:
         return None
 
     def _first_optimizer(self, pl_module: Any) -> Any:
-        from_module = self._pl.core.optimizer._init_optimizers_and_lr_schedulers
-        optimizers, _schedulers = from_module(pl_module)
-        if not optimizers:
-            return None
+        optimizers = self._internals.optimizers(pl_module)
         if len(optimizers) > 1:
-            self._warn("memfit plans with the first of several optimizers")
-        optimizer = optimizers[0]
-        return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the torch one
+            self._warn("optimizers", "memfit plans with the first of several optimizers")
+        return optimizers[0] if optimizers else None
 
     # --------------------------------------------------------- OOM recovery
     def _install_recovery(self, trainer: Any, pl_module: Any) -> None:
-        """Route each training step through ``OOMRecovery``: Lightning's loop builds its closure with
-        ``_make_closure``, so memfit supplies one whose step function runs the batch in chunks."""
+        """Route each training step through ``OOMRecovery``: the loop's closure runs the batch in chunks."""
         if self.on_oom != "replan":
             return
         if not getattr(pl_module, "automatic_optimization", True):
-            self._warn("memfit recovers from out-of-memory errors under automatic optimization only; with manual "
-                       "optimization an out-of-memory error ends the run as usual.")  # fmt: skip
+            self._warn("manual", "memfit recovers from out-of-memory errors under automatic optimization only; "
+                       "with manual optimization an out-of-memory error ends the run as usual.")  # fmt: skip
             return
-        loop = trainer.fit_loop.epoch_loop.automatic_optimization
-        automatic = importlib.import_module(f"{self._pl.__name__}.loops.optimization.automatic")
-        for needed in ("_make_closure", "_make_backward_fn", "_make_zero_grad_fn", "_training_step"):
-            if not hasattr(loop, needed):
-                raise InvalidInputError(f"this Lightning version's training loop has no {needed}")
-        planned_checkpointing = bool(self.mode == "plan" and self.plan and self.plan.gradient_checkpointing)
+        unsupported = self._internals.recovery_supported(trainer)
+        if unsupported is not None:
+            self._warn("recovery", f"{unsupported}: memfit leaves its out-of-memory recovery off in this run; an "
+                       "out-of-memory error will end it as usual.")  # fmt: skip
+            return
         self.recovery = OOMRecovery(
             reset_gradients=lambda: pl_module.zero_grad(set_to_none=True),
             estimate=self.estimate,
@@ -547,31 +501,22 @@ class MemoryPlannerBase:
                 if self.allow_checkpointing
                 else None
             ),
-            checkpointing_on=planned_checkpointing,
+            checkpointing_on=bool(self.mode == "plan" and self.plan and self.plan.gradient_checkpointing),
             loss_reduction=self.loss_reduction,
             distributed=trainer.world_size > 1,
             on_recovery=functools.partial(self._on_recovery, trainer),
         )
+        self._internals.install_step(trainer, functools.partial(self._recovering_step, trainer, pl_module))
 
-        def make_closure(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
-            step = functools.partial(self._recovering_step, trainer, pl_module, loop, automatic, kwargs, optimizer,
-                                     batch_idx)  # fmt: skip
-            return automatic.Closure(step_fn=step)
-
-        loop._make_closure = make_closure
-
-    def _recovering_step(
-        self, trainer: Any, pl_module: Any, loop: Any, automatic: Any, kwargs: Any, optimizer: Any, batch_idx: int
-    ) -> Any:
+    def _recovering_step(self, trainer: Any, pl_module: Any, kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
         """Zero grad (first micro batch of a window), then forward and backward of each chunk."""
-        recovery = self.recovery
+        internals, recovery = self._internals, self.recovery
         self._closure_finished = False
         if batch_idx % trainer.accumulate_grad_batches == 0:
             recovery.start_window()
-        zero_grad = loop._make_zero_grad_fn(batch_idx, optimizer)
+        zero_grad, backward = internals.zero_grad_and_backward(trainer, batch_idx, optimizer)
         if zero_grad is not None:
             zero_grad()
-        backward = loop._make_backward_fn(optimizer)
         strategy = trainer.strategy
         wrapper = strategy.model if strategy.model is not pl_module else None
         forwarded_through_wrapper = False
@@ -584,15 +529,9 @@ class MemoryPlannerBase:
                 if forwarded_through_wrapper and hasattr(wrapper, "require_forward_param_sync"):
                     wrapper.require_forward_param_sync = False  # buffers were broadcast by the failed attempt
                 forwarded_through_wrapper = True
-                result = loop._training_step(step_kwargs)
+                result = internals.loop_training_step(trainer, step_kwargs)
             else:  # the bare module: no extra collective on this rank
-                previous, pl_module._current_fx_name = pl_module._current_fx_name, "training_step"  # self.log works
-                try:
-                    with strategy.precision_plugin.train_step_context():
-                        output = pl_module.training_step(*step_kwargs.values())
-                finally:
-                    pl_module._current_fx_name = previous
-                result = automatic.ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
+                result = internals.bare_training_step(trainer, pl_module, step_kwargs)
             if result.closure_loss is None:
                 return None
             loss = result.closure_loss * weight if weight != 1.0 else result.closure_loss
@@ -601,36 +540,21 @@ class MemoryPlannerBase:
                 backward(loss)
             return loss.detach(), result.extra
 
-        sync = not trainer.fit_loop._should_accumulate()
+        sync = not internals.should_accumulate(trainer)
         done = [r for r in recovery.run_batch(kwargs["batch"], run_chunk, step=trainer.global_step, sync=sync) if r]
         self._closure_finished = True
         if not done:
-            return automatic.ClosureResult(None)
-        return automatic.ClosureResult(sum(loss for loss, _ in done), extra=done[-1][1])
+            return internals.closure_result()
+        return internals.closure_result(sum(loss for loss, _ in done), extra=done[-1][1])
 
     def _on_recovery(self, trainer: Any, record: Recovery) -> None:
-        """One warning with the old and new plan, the recovery metrics, and the prediction for the new chunk."""
+        """One warning with the old and new plan; the recovery metrics; drift against the new chunk."""
         message = record.warning(
             accumulation=trainer.accumulate_grad_batches, world_size=trainer.world_size, rank=trainer.global_rank
         )
         warnings.warn(message, UserWarning, stacklevel=2)
-        if self._monitor is not None and self.estimate is not None:
-            self._monitor.repredict(self.estimate, record.chunk_after)
-        metrics = {
-            "memfit/oom_recoveries": float(len(self.recovery.recoveries) if self.recovery else 1),
-            "memfit/micro_batch_size": float(record.chunk_after),
-            "memfit/gradient_checkpointing": float(bool(self.recovery and self.recovery.checkpointing_on)),
-        }
-        for logger in trainer.loggers:
-            with contextlib.suppress(Exception):
-                logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _agree_on_chunk(self, trainer: Any) -> None:
-        """Every rank takes the smallest chunk any rank had to fall back to (one small all-gather a step)."""
-        mine = self.recovery.chunk_size or 0
-        chunks = [c for c in _all_gather_ints(trainer.strategy, mine) if c > 0]
-        if chunks and self.recovery.adopt(min(chunks)):
-            self._info(f"memfit: every rank now runs chunks of at most {min(chunks)} samples, as another rank had to")
+        if self.monitor is not None:
+            self._log_metrics(trainer, self.monitor.recovered(record, self.recovery), quiet=True)
 
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
@@ -638,23 +562,26 @@ class MemoryPlannerBase:
         if decision is None or decision.predicted_allocated_bytes is None:
             return
         try:
-            self._baseline_rss = current_rss_bytes()
-            self._sampler = PeakSampler(trainer.strategy.root_device)
-            self._monitor = DriftMonitor(
+            self.monitor = RunMonitor.start(
+                trainer.strategy.root_device,
                 predicted_allocated_bytes=decision.predicted_allocated_bytes,
-                predicted_reserved_bytes=decision.predicted_reserved_bytes or decision.predicted_allocated_bytes,
+                predicted_reserved_bytes=decision.predicted_reserved_bytes,
+                estimate=self.estimate,
                 margin=self.margin,
-                baseline_rss_bytes=self._baseline_rss,
                 resident_bytes=self._resident_bytes,
+                warn=self._warn,
             )
         except Exception as error:
-            self._sampler = None
-            self._warn(f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift is logged.")
+            self._warn("measure", f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift "
+                       "is logged.")  # fmt: skip
             return
-        if trainer.is_global_zero and self.estimate is not None and matplotlib_available():
-            self._log_figure(trainer, "memfit/timeline", lambda: plot_timeline(self.estimate, capacity_bytes=(
-                decision.plan or {}).get("budget_bytes")))  # fmt: skip
-        if trainer.is_global_zero and decision.plan is not None and not self._hparams_logged:
+        if not trainer.is_global_zero:
+            return
+        if self.estimate is not None and matplotlib_available():
+            capacity = (decision.plan or {}).get("budget_bytes")
+            self._log_figure(trainer, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate,
+                                                                       capacity_bytes=capacity))  # fmt: skip
+        if decision.plan is not None and not self._hparams_logged:
             self._hparams_logged = True
             params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
             params["memfit/mode"] = self.mode
@@ -663,61 +590,43 @@ class MemoryPlannerBase:
                     logger.log_hyperparams(params)
 
     def _maybe_log_drift(self, trainer: Any) -> None:
-        if self._sampler is None or self._monitor is None:
-            return
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
-        if step == self._last_logged_step or step == 0 or step % every:
+        if self.monitor is None or step == self._last_logged_step or step == 0 or step % every:
             return
         self._last_logged_step = step
-        self._record(trainer, step)
+        self._log_metrics(trainer, self.monitor.observe(step))
 
     def _log_final_drift(self, trainer: Any) -> None:
-        if self._monitor is None or self._sampler is None:
+        if self.monitor is None:
             return
         if trainer.global_step != self._last_logged_step:
-            self._record(trainer, trainer.global_step)
-        if trainer.is_global_zero and self._monitor.history and matplotlib_available():
-            records = self._monitor.history
-            predicted = records[0].predicted_reserved_bytes if records[0].sample.reserved_bytes is not None else (
-                records[0].predicted_allocated_bytes
-            )  # fmt: skip
-            self._log_figure(trainer, "memfit/drift", lambda: plot_drift(
-                [d.step for d in records], predicted, [d.compared_bytes for d in records]))  # fmt: skip
-        history = [d for d in self._monitor.history if d.drift_pct is not None]
-        if history and self.verbose:
-            worst = max(history, key=lambda d: d.drift_pct)
-            cuda = worst.sample.reserved_bytes is not None
-            predicted = worst.predicted_reserved_bytes if cuda else worst.predicted_allocated_bytes
-            self._info(
-                f"memfit drift: predicted peak {format_bytes(predicted)}, measured up to "
-                f"{format_bytes(worst.compared_bytes)} ({worst.drift_pct:+.1f}%) over {len(history)} window(s)"
-            )
+            self._log_metrics(trainer, self.monitor.observe(trainer.global_step))
+        series = self.monitor.drift_series()
+        if trainer.is_global_zero and series is not None and matplotlib_available():
+            self._log_figure(trainer, "memfit/drift", lambda: _plot("plot_drift", *series))
+        line = self.monitor.final_line()
+        if line is not None and self.verbose:
+            self._info(line)
 
-    def _record(self, trainer: Any, step: int) -> None:
-        try:
-            drift = self._monitor.observe(step, self._sampler.sample())
-        except Exception as error:
-            self._sampler = None
-            self._warn(f"memfit stopped measuring ({type(error).__name__}: {error}); training goes on.")
+    def _log_metrics(self, trainer: Any, metrics: dict[str, float] | None, quiet: bool = False) -> None:
+        """Send memfit's metrics to every logger (rank 0); a logger that fails costs one warning."""
+        if not metrics or not trainer.is_global_zero:
             return
-        if not trainer.is_global_zero:
-            return
-        for alarm in drift.alarms:
-            self._warn("memfit: " + alarm)
-        metrics = drift.metrics()
         for logger in trainer.loggers:
             try:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics(metrics, step=trainer.global_step)
             except Exception as error:
-                self._warn(f"memfit could not log to {type(logger).__name__} ({error})")
+                if not quiet:
+                    self._warn(f"logger-{type(logger).__name__}",
+                               f"memfit could not log to {type(logger).__name__} ({error})")  # fmt: skip
 
     def _log_figure(self, trainer: Any, name: str, make: Any) -> None:
         """Draw once and send to every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
         try:
             figure = make()
         except Exception as error:
-            self._warn(f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            self._warn(f"figure-{name}", f"memfit could not draw {name} ({type(error).__name__}: {error})")
             return
         loggers = self._pl.loggers
         for logger in trainer.loggers:
@@ -729,48 +638,31 @@ class MemoryPlannerBase:
                 log_figure(figure, name, folder=logger.log_dir)
 
     # ------------------------------------------------------------------ utils
-    def _warn(self, message: str) -> None:
-        self._pl.utilities.rank_zero_warn(message)
+    def _warn(self, key: str, message: str) -> None:
+        """One rank-zero warning per kind of event and callback."""
+        if key not in self._warned:
+            self._warned.add(key)
+            self._pl.utilities.rank_zero_warn(message)
 
     def _info(self, message: str) -> None:
         self._pl.utilities.rank_zero_info(message)
 
 
-def _summary(plan_dict: dict[str, Any]) -> str:
-    target = plan_dict["target_batch_size"]
-    return (
-        f"micro batch {plan_dict['micro_batch_size']} x accumulation {plan_dict['accumulate_grad_batches']} x "
-        f"{plan_dict['world_size']} device(s) = {plan_dict['effective_batch_size']}"
-        + (f" (target {target})" if target else "")
-        + (", checkpointing on" if plan_dict["gradient_checkpointing"] else "")
-        + f"; predicted peak {format_bytes(plan_dict['predicted_peak_bytes'])} within "
-        f"{format_bytes(plan_dict['budget_bytes'])}"
-    )
+def _plot(function: str, *args: Any, **kwargs: Any) -> Any:
+    from memfit.reporting import plots
+
+    return getattr(plots, function)(*args, **kwargs)
 
 
-def _training_step(module: nn.Module, batch: Any, *, device: torch.device) -> Any:
+def _training_step(module: nn.Module, batch: Any, *, device: torch.device, internals: LightningInternals) -> Any:
     """Call ``training_step`` as the loop would: ``self.log`` silenced (no loop to log to yet) and
     ``self.device`` already the training device (the strategy moves the module only after setup)."""
-    with _logging_silenced(module), _device_reported_as(module, device):
+    with _logging_silenced(module), internals.device_reported_as(module, device):
         return module.training_step(batch, 0)
 
 
-@contextlib.contextmanager
-def _device_reported_as(module: Any, device: torch.device) -> Iterator[None]:
-    previous = vars(module).get("_device", None)
-    had = "_device" in vars(module)
-    module._device = device
-    try:
-        yield
-    finally:
-        if had:
-            module._device = previous
-        else:
-            vars(module).pop("_device", None)
-
-
-def _validation_step(module: nn.Module, batch: Any, *, device: torch.device) -> Any:
-    with _logging_silenced(module), _device_reported_as(module, device):
+def _validation_step(module: nn.Module, batch: Any, *, device: torch.device, internals: LightningInternals) -> Any:
+    with _logging_silenced(module), internals.device_reported_as(module, device):
         return module.validation_step(batch, 0)
 
 

@@ -1,0 +1,466 @@
+"""``attach`` and ``MemoryPlannerCallback``: measure the run against its prediction, recover from OOM.
+
+Callbacks are never handed the ``Trainer``, and HF calls its ``report_to`` trackers before user
+callbacks, so a callback alone can neither reach the trackers with its metrics nor wrap the
+training step. ``attach(trainer, plan=...)`` is the explicit entry that may: it puts the callback
+first in ``trainer.callback_handler.callbacks`` and hands it the Trainer. This module only
+translates: the prediction comes from ``memfit.estimate``, the measuring from ``RunMonitor``, the
+chunked step from ``OOMRecovery``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from transformers import TrainerCallback, TrainingArguments
+    from transformers.trainer import Trainer
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
+
+from memfit.errors import InvalidInputError, MemfitError
+from memfit.integrations.huggingface.arguments import (
+    checkpointing_switch,
+    ddp_config,
+    held_batches,
+    run_precision,
+    running_optimizer,
+    sharding,
+)
+from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
+from memfit.integrations.huggingface.planning import PLAN_FILE
+from memfit.monitoring.recovery import (
+    OPTIMIZER_STEP_OOM,
+    LossReduction,
+    OnOOM,
+    OOMRecovery,
+    Recovery,
+    check_loss_reduction,
+    check_on_oom,
+    is_out_of_memory,
+)
+from memfit.monitoring.run_monitor import RunMonitor, resident_bytes
+from memfit.planning.capacity import free_device_bytes
+from memfit.planning.planner import Plan
+from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.evaluation import EvaluationPeak
+from memfit.reporting.figures import log_figure, matplotlib_available
+from memfit.tracing.batch import batch_examples
+from memfit.tracing.checkpointing import enable_checkpointing
+from memfit.tracing.ddp import SHARDING_NOT_MODELLED
+from memfit.tracing.model_state import preserved_rng_state
+from memfit.units import format_bytes
+
+__all__ = ["MemoryPlannerCallback", "attach"]
+
+logger = logging.getLogger("memfit")
+
+NOT_ATTACHED = (
+    "MemoryPlannerCallback was passed to the Trainer but not attached: its metrics reach only the callbacks after it "
+    "(not the report_to trackers), and out-of-memory recovery and the evaluation check are off. Use "
+    "memfit.huggingface.attach(trainer, plan=...) before train()."
+)
+
+
+def attach(trainer: Trainer, callback: MemoryPlannerCallback | None = None, **options: Any) -> MemoryPlannerCallback:
+    """Attach memfit to a ``Trainer``: its callback runs first and may wrap the training step.
+
+        planned = plan_training_arguments(model, args, train_dataset, budget="h100")
+        trainer = Trainer(model=model, args=planned.args, train_dataset=train_dataset)
+        attach(trainer, plan=planned.plan)
+        trainer.train()
+
+    First in the callback list, the callback adds its ``memfit/*`` keys to the training logs before
+    the ``report_to`` trackers read them; holding the Trainer, it recovers from out-of-memory
+    errors in a step (``on_oom="replan"``) and checks the evaluation pass. A
+    ``MemoryPlannerCallback`` the Trainer already has is used (and moved first) when no
+    ``callback`` is given.
+
+    Args:
+        trainer: the ``transformers.Trainer`` about to train.
+        callback: the callback to attach; default: the one the Trainer has, else a new one.
+        options: ``MemoryPlannerCallback`` arguments (``plan``, ``margin``, ``on_oom``, ...) for a new one.
+
+    Returns:
+        The attached callback (its ``estimate``, ``monitor`` and ``recovery`` are filled in by ``train()``).
+    """
+    if not isinstance(trainer, Trainer):
+        raise InvalidInputError(f"attach() takes a transformers.Trainer, got {type(trainer).__name__}")
+    callbacks = trainer.callback_handler.callbacks
+    present = [c for c in callbacks if isinstance(c, MemoryPlannerCallback)]
+    if callback is None and present:
+        if options:
+            raise InvalidInputError(
+                f"the Trainer already has a MemoryPlannerCallback; give it {sorted(options)} where you built it, "
+                "or do not pass it to the Trainer"
+            )
+        callback = present[0]
+    elif callback is None:
+        callback = MemoryPlannerCallback(**options)
+    elif options:
+        raise InvalidInputError(f"pass {sorted(options)} to the MemoryPlannerCallback, not to attach()")
+    for other in present:
+        callbacks.remove(other)
+    callbacks.insert(0, callback)
+    callback._trainer = trainer
+    return callback
+
+
+class MemoryPlannerCallback(TrainerCallback):
+    """Measure peak memory while the Trainer trains and log it against memfit's prediction.
+
+    Attach it with ``memfit.huggingface.attach(trainer, plan=...)``. At ``on_train_begin`` it traces
+    the model with the batch size, accumulation, precision, optimizer and checkpointing that are
+    about to run (one batch built from the train dataloader's dataset and collator), in the
+    Trainer's loop: gradients freed after the optimizer step, kept through an accumulation window,
+    DDP's gradient buckets when the Trainer wraps the model in ``DistributedDataParallel``, the
+    window's batches the recovery keeps. Every ``logging_steps`` it reads the peaks of the window
+    and adds the metrics below to the Trainer's logs before the ``report_to`` trackers see them, so
+    TensorBoard, MLflow, W&B and the rest all receive them. The plan from
+    ``plan_training_arguments`` is saved into each checkpoint (``memfit_plan.json``) so a resumed
+    run keeps it.
+
+    Passed only in ``Trainer(callbacks=[...])``, without ``attach``, it still predicts and measures,
+    but its metrics reach only callbacks that run after it, there is no out-of-memory recovery and
+    no evaluation check; it warns once saying so.
+
+    Logged keys (only those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
+    ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,
+    ``memfit/measured_peak_reserved_bytes``, ``memfit/drift_allocated_pct``,
+    ``memfit/drift_reserved_pct``, ``memfit/measured_device_used_bytes`` (CUDA; NVML with
+    ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes``, ``memfit/measured_tensor_bytes_from_rss``,
+    ``memfit/drift_rss_pct`` (CPU); ``memfit/alarm_over_margin``, ``memfit/alarm_leak`` (1 in the
+    window an alarm is raised). With a plan, the first log also carries ``memfit/micro_batch_size``,
+    ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing`` and
+    ``memfit/effective_batch_size``.
+
+    Out-of-memory errors in a training step (``on_oom="replan"``, the default, when attached): the
+    failed batch is retried in chunks whose losses are weighted by their share of the batch, and
+    later batches run in the same chunks, so the effective batch, the samples seen and the
+    optimizer steps stay as configured (see ``memfit.monitoring.recovery``). Each recovery is one
+    warning and the metrics ``memfit/oom_recoveries``, ``memfit/micro_batch_size`` (the chunk) and
+    ``memfit/gradient_checkpointing`` in the next log. An out-of-memory error in the optimizer step
+    is not recoverable this way and ends the run, with a warning that says why and what helps.
+
+    Any failure inside memfit becomes one warning and training goes on untouched.
+
+    Args:
+        plan: the ``Plan`` returned by ``plan_training_arguments`` (optional; logged and checkpointed).
+        margin: drift above this fraction of the prediction raises a warning (once).
+        on_oom: ``"replan"`` to recover from out-of-memory errors in a step, ``"raise"`` to let them end the run.
+        loss_reduction: how the model's loss reduces a batch (``"mean"``, what HF models return, or
+            ``"sum"``); it decides how chunk losses are weighted.
+        allow_checkpointing: whether a recovery may turn on gradient checkpointing once chunks of
+            one sample still run out of memory.
+        verbose: log the prediction and the final drift line.
+    """
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        margin: float = 0.05,
+        on_oom: OnOOM = "replan",
+        loss_reduction: LossReduction = "mean",
+        allow_checkpointing: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        if plan is not None and not isinstance(plan, Plan):
+            raise InvalidInputError(f"`plan` must be a memfit.Plan or None, got {type(plan).__name__}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
+        self.plan = plan
+        self.margin = float(margin)
+        self.on_oom = check_on_oom(on_oom)
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        self.allow_checkpointing = bool(allow_checkpointing)
+        self.verbose = verbose
+        self.estimate: MemoryEstimate | None = None
+        self.evaluation: EvaluationPeak | None = None
+        self.monitor: RunMonitor | None = None
+        self.recovery: OOMRecovery | None = None
+        self._trainer: Trainer | None = None  # set by attach()
+        self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before; _UNSET: nothing)
+        self._pending: dict[str, float] = {}
+        self._first_log = True
+        self._timeline_logged = False
+        self._warned: set[str] = set()
+
+    # ---------------------------------------------------------------- events
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.plan is not None and args.per_device_train_batch_size != self.plan.micro_batch_size:
+            runs, planned = args.per_device_train_batch_size, self.plan.micro_batch_size
+            self._warn("mismatch", f"the Trainer runs per_device_train_batch_size={runs}, not the planned {planned}: "
+                       "pass the args returned by plan_training_arguments to Trainer")  # fmt: skip
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if self._trainer is None:
+            self._warn("not-attached", NOT_ATTACHED)
+        try:
+            self._predict(args, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
+        except MemfitError as error:
+            self._warn("predict", f"memfit could not predict this run ({error}); no drift is logged")
+        except Exception as error:  # never let memfit end the run
+            self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
+        if self._trainer is None:
+            return
+        if self.estimate is not None:
+            try:
+                self._check_evaluation(args, model)
+            except Exception as error:  # never let memfit end the run
+                self._warn("evaluation", f"memfit could not check evaluation ({type(error).__name__}: {error})")
+        if self.on_oom == "replan":
+            try:
+                self._install_recovery(args, model)
+            except Exception as error:  # never let memfit end the run
+                self._uninstall_recovery()
+                why = f"{type(error).__name__}: {error}"
+                self._warn("recovery", f"memfit cannot recover from out-of-memory errors in this run ({why}); an "
+                           "out-of-memory error will end it as usual")  # fmt: skip
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.recovery is not None:
+            self.recovery.end_window()  # after the optimizer step: the window's batches are done with
+            if args.world_size > 1 and (chunk := self.recovery.agree_across_ranks()):
+                self._info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
+        every = max(1, int(state.logging_steps or args.logging_steps))
+        if self.monitor is not None and state.global_step and not state.global_step % every:
+            self._pending.update(self.monitor.observe(state.global_step) or {})
+
+    def on_log(
+        self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or not self._pending or "loss" not in logs:
+            return  # only training logs carry memory metrics
+        logs.update(self._pending)
+        if not self._timeline_logged and self.estimate is not None and state.is_world_process_zero:
+            self._timeline_logged = True  # the trackers are set up by now (their on_train_begin ran after ours)
+            self._figure(args, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate), state.global_step)
+        if self._first_log and self.plan is not None:
+            for key in ("micro_batch_size", "accumulate_grad_batches", "effective_batch_size"):
+                logs[f"memfit/{key}"] = getattr(self.plan, key)
+            logs["memfit/gradient_checkpointing"] = int(self.plan.gradient_checkpointing)
+        self._first_log = False
+        self._pending = {}
+
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.plan is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            (folder / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2))
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._uninstall_recovery()
+        if self.monitor is None or not state.is_world_process_zero:
+            return
+        series = self.monitor.drift_series()
+        if series is not None:
+            self._figure(args, "memfit/drift", lambda: _plot("plot_drift", *series), state.global_step)
+        line = self.monitor.final_line()
+        if line is not None and self.verbose:
+            self._info(line)
+
+    # --------------------------------------------------------------- helpers
+    def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
+        if model is None or loader is None:
+            raise InvalidInputError("the Trainer passed no model or train dataloader")
+        micro = args.per_device_train_batch_size
+        with preserved_rng_state():
+            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name))
+        device = next(model.parameters()).device
+        traced = estimate(
+            model,
+            dict(sample) if isinstance(sample, dict) else sample,
+            batch_size=micro,
+            optimizer=running_optimizer(args, model, optimizer),
+            precision=run_precision(args),
+            device="cuda" if device.type == "cuda" else "cpu",
+            accumulation_steps=args.gradient_accumulation_steps,
+            extra_batches=held_batches(args.gradient_accumulation_steps, device),
+            ddp=ddp_config(args, model),
+        )
+        if sharded_by := sharding(args):
+            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharded_by}: {SHARDING_NOT_MODELLED}"))
+            self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
+                       f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
+        self.estimate = traced
+        self.monitor = RunMonitor.start(
+            device,
+            predicted_allocated_bytes=traced.peak_allocated_bytes,
+            predicted_reserved_bytes=traced.peak_reserved_bytes,
+            estimate=traced,
+            margin=self.margin,
+            resident_bytes=resident_bytes(model),
+            warn=self._warn,
+        )
+        if self.verbose:
+            self._info(
+                f"memfit: predicted peak {format_bytes(traced.peak_reserved_bytes)} reserved, "
+                f"{format_bytes(traced.peak_allocated_bytes)} allocated at micro batch {micro}"
+                + (f" (plan: {self.plan.summary()})" if self.plan else "")
+            )
+
+    def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
+        """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""
+        self.evaluation = None
+        trainer = self._trainer
+        if model is None or trainer.eval_dataset is None:
+            return
+        device = next(model.parameters()).device
+        try:
+            self.evaluation = predict_evaluation(
+                trainer.accelerator.unwrap_model(model), args, trainer.eval_dataset, self.estimate, device=device,
+                data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
+                preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
+            )  # fmt: skip
+        except Exception as error:  # the run goes on; only this check is lost
+            if self.verbose:
+                self._info(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})")
+            return
+        free = free_device_bytes(device) if self.plan is None else 0
+        budget = self.plan.budget_bytes if self.plan is not None else int(free * (1 - self.margin))
+        if budget > 0 and self.evaluation.reserved_bytes > budget:
+            steps = fitting_flush(self.evaluation, self.estimate, device, budget, include_context=False)
+            self._warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
+
+    def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
+        """Wrap the Trainer's ``training_step`` (run the batch in chunks through ``OOMRecovery``) and its
+        ``compute_loss`` (weight each chunk's loss; mark where the backward begins)."""
+        self._uninstall_recovery()  # a run that ended in an error left its wrappers: never wrap them twice
+        trainer = self._trainer
+        if model is None:
+            raise InvalidInputError("the Trainer passed no model")
+        original_step, original_loss = trainer.training_step, trainer.compute_loss
+        inner = trainer.accelerator.unwrap_model(model)
+        recovery = OOMRecovery(
+            reset_gradients=lambda: model.zero_grad(set_to_none=True),
+            estimate=self.estimate,
+            margin=self.margin,
+            enable_checkpointing=functools.partial(enable_checkpointing, inner) if self.allow_checkpointing else None,
+            checkpointing_on=bool(getattr(args, checkpointing_switch(args), False)),
+            loss_reduction=self.loss_reduction,
+            distributed=args.world_size > 1,
+            on_recovery=functools.partial(self._on_recovery, args),
+        )
+        chunk_state = {"weight": 1.0, "in_step": False, "window_done": True}
+
+        def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+            output = original_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+            if not chunk_state["in_step"]:
+                return output  # evaluation
+            recovery.backward_started()
+            weight = chunk_state["weight"]
+            if weight == 1.0:
+                return output
+            return (output[0] * weight, *output[1:]) if return_outputs else output * weight
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+            if chunk_state["window_done"]:
+                recovery.start_window()
+            sync = bool(trainer.accelerator.gradient_state.sync_gradients)
+            # a loss divided by the window's item count already adds up over chunks
+            additive = (num_items_in_batch is not None and trainer.model_accepts_loss_kwargs) or (
+                trainer.compute_loss_func is not None
+            )
+            through_wrapper = False
+
+            def run_chunk(chunk: Any, weight: float, last: bool) -> torch.Tensor:
+                nonlocal through_wrapper
+                chunk_state["weight"], chunk_state["in_step"] = (1.0 if additive else weight), True
+                try:
+                    if last:  # through the DDP wrapper, once per batch on every rank
+                        if through_wrapper and hasattr(model, "require_forward_param_sync"):
+                            model.require_forward_param_sync = False  # the failed attempt broadcast buffers
+                        through_wrapper = True
+                        return original_step(model, chunk, num_items_in_batch)
+                    return original_step(inner, chunk, num_items_in_batch)  # bare module: no collective
+                finally:
+                    chunk_state["in_step"] = False
+
+            losses = recovery.run_batch(inputs, run_chunk, step=trainer.state.global_step, sync=sync)
+            chunk_state["window_done"] = sync
+            return sum(losses[1:], losses[0])
+
+        optimizer = trainer.optimizer
+        original_optimizer_step = getattr(optimizer, "step", None)
+
+        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original_optimizer_step(*args, **kwargs)
+            except Exception as error:  # the Trainer has no exception hook: say why memfit cannot help, re-raise
+                if is_out_of_memory(error):
+                    self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
+                raise
+
+        self._patch(trainer, "training_step", training_step)
+        self._patch(trainer, "compute_loss", compute_loss)
+        if original_optimizer_step is not None:
+            if hasattr(original_optimizer_step, "_wrapped_by_lr_sched"):
+                # torch's LR scheduler marks the step it wraps; the mark keeps it from warning that step was replaced
+                optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            self._patch(optimizer, "step", optimizer_step)
+        self.recovery = recovery
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._restore.append((owner, name, vars(owner).get(name, _UNSET)))
+        setattr(owner, name, value)
+
+    def _uninstall_recovery(self) -> None:
+        for owner, name, before in reversed(self._restore):
+            if before is _UNSET:
+                vars(owner).pop(name, None)  # the class's own method shows through again
+            else:
+                setattr(owner, name, before)
+        self._restore = []
+
+    def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
+        message = record.warning(
+            accumulation=args.gradient_accumulation_steps, world_size=args.world_size, rank=args.process_index
+        )
+        warnings.warn(message, UserWarning, stacklevel=2)
+        if self.monitor is not None:
+            self._pending.update(self.monitor.recovered(record, self.recovery))
+
+    def _figure(self, args: TrainingArguments, name: str, make: Any, step: int) -> None:
+        """Draw and send to the TensorBoard writer of HF's TensorBoard callback, the active MLflow run and
+        ``output_dir``; skipped without matplotlib."""
+        if not matplotlib_available():
+            return
+        try:
+            figure = make()
+        except Exception as error:
+            self._warn("figure", f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            return
+        callbacks = self._trainer.callback_handler.callbacks if self._trainer is not None else []
+        writer = next((getattr(cb, "tb_writer", None) for cb in callbacks if hasattr(cb, "tb_writer")), None)
+        mlflow_module = None
+        if any(type(cb).__name__ == "MLflowCallback" for cb in callbacks):
+            import mlflow as mlflow_module
+        log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=args.output_dir, step=step)
+
+    def _warn(self, key: str, message: str) -> None:
+        """One warning per kind of event and callback."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _info(self, message: str) -> None:
+        logger.info(message)
+
+
+_UNSET = object()
+
+
+def _plot(function: str, *args: Any) -> Any:
+    from memfit.reporting import plots
+
+    return getattr(plots, function)(*args)

@@ -1,0 +1,157 @@
+"""``plan_training_arguments``: plan the batch before the ``Trainer`` exists, which copies it in ``__init__``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+try:
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
+
+from memfit.errors import InvalidInputError
+from memfit.integrations.huggingface.arguments import (
+    checkpointing_switch,
+    collated_sample,
+    ddp_config,
+    held_batches,
+    run_device,
+    run_precision,
+    sharding,
+    trainer_optimizer,
+)
+from memfit.integrations.huggingface.evaluation import planned_evaluation
+from memfit.planning.capacity import free_device_bytes, parse_budget
+from memfit.planning.planner import Plan
+from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.evaluation import EvaluationPeak
+from memfit.tracing.ddp import SHARDING_NOT_MODELLED
+
+PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
+
+
+class PlannedArguments(NamedTuple):
+    """``TrainingArguments`` with the plan applied, the plan, the estimate behind it, and the predicted
+    evaluation pass (``None`` without an ``eval_dataset``)."""
+
+    args: TrainingArguments
+    plan: Plan
+    estimate: MemoryEstimate
+    evaluation: EvaluationPeak | None = None
+
+
+def plan_training_arguments(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    train_dataset: Any,
+    *,
+    data_collator: Any = None,
+    processing_class: Any = None,
+    budget: int | str | None = None,
+    margin: float = 0.05,
+    target_batch_size: int | Literal["max"] | None = None,
+    allow_checkpointing: bool = True,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    resume_from_checkpoint: str | bool | None = None,
+    eval_dataset: Any = None,
+    compute_metrics: Any = None,
+    preprocess_logits_for_metrics: Any = None,
+) -> PlannedArguments:
+    """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
+
+    With an ``eval_dataset`` the evaluation pass is predicted too, beside the optimizer state
+    training leaves, with the outputs the Trainer collects for ``compute_metrics``. When it would
+    not fit, ``eval_accumulation_steps`` (if you left it unset) is set to the most batches whose
+    outputs fit on the GPU before they move to the CPU; otherwise a warning says what to change.
+
+    Args:
+        model, args, train_dataset, data_collator, processing_class, eval_dataset, compute_metrics,
+            preprocess_logits_for_metrics: what you will pass to ``Trainer``.
+        budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the
+            device the run will use (the CUDA GPU if there is one, else the available RAM).
+        margin: fraction of the budget kept free.
+        target_batch_size: effective batch to keep; default ``per_device_train_batch_size x
+            gradient_accumulation_steps x world_size``; ``"max"`` for the largest micro batch.
+        resume_from_checkpoint: as for ``Trainer.train``: when the checkpoint holds a memfit plan,
+            that plan is returned unchanged so a resumed run keeps its batch.
+
+    Returns:
+        ``PlannedArguments(args, plan, estimate)``; ``args`` is a copy, the input is not changed.
+    """
+    if not isinstance(args, TrainingArguments):
+        raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+    if sharded_by := sharding(args):
+        raise InvalidInputError(
+            f"these arguments shard the model with {sharded_by}, which memfit does not model yet: its plan would "
+            f"be {SHARDING_NOT_MODELLED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
+        )
+    budget_bytes = parse_budget(budget)
+    configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    device = run_device(args)
+    sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class)
+    optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
+
+    def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+        return estimate(
+            model, sample, optimizer=optimizer, precision=precision, device=device.type, ddp=ddp, batch_size=micro,
+            gradient_checkpointing=checkpointing, accumulation_steps=accumulation_steps,
+            extra_batches=held_batches(accumulation_steps, device),
+        )  # fmt: skip
+
+    session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
+    include_context = device.type == "cuda" and budget_bytes is not None
+    restored = _saved_plan(args, resume_from_checkpoint)
+    if restored is not None:
+        chosen = Plan.from_dict(restored)
+        chosen = dataclasses.replace(chosen, reasons=(*chosen.reasons, "restored from the checkpoint"))
+        planned = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
+                                   chosen.accumulate_grad_batches)  # fmt: skip
+    else:
+        capacity = budget_bytes or free_device_bytes(device)
+        if capacity <= 0:
+            raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
+        decision = session.decide(PlanRequest(
+            capacity_bytes=capacity, margin=margin,
+            target_batch_size=target_batch_size or configured * accumulation * args.world_size,
+            world_size=args.world_size, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            allow_checkpointing=allow_checkpointing, include_context=include_context,
+        ))  # fmt: skip
+        chosen, planned = decision.plan, decision.estimate
+    switch = checkpointing_switch(args)
+    changes: dict[str, Any] = {
+        "per_device_train_batch_size": chosen.micro_batch_size,
+        "gradient_accumulation_steps": chosen.accumulate_grad_batches,
+        switch: chosen.gradient_checkpointing or bool(getattr(args, switch)),
+    }
+    evaluation = None
+    if eval_dataset is not None:
+        evaluation, flush_every = planned_evaluation(
+            model, args, eval_dataset, planned, device, chosen.budget_bytes, include_context=include_context,
+            data_collator=data_collator, processing_class=processing_class, compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )  # fmt: skip
+        if flush_every is not None:
+            changes["eval_accumulation_steps"] = flush_every
+            chosen = dataclasses.replace(chosen, reasons=(
+                *chosen.reasons, f"eval_accumulation_steps={flush_every}: the outputs collected for compute_metrics "
+                "move to the CPU before they fill the GPU",
+            ))  # fmt: skip
+    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation)
+
+
+def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:
+    if not resume_from_checkpoint:
+        return None
+    folder = get_last_checkpoint(args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+    if folder is None:
+        return None
+    path = Path(folder) / PLAN_FILE
+    return json.loads(path.read_text()) if path.exists() else None

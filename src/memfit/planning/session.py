@@ -1,0 +1,121 @@
+"""One planning session: trace the step at the sizes the planner asks for, plan, confirm, decide.
+
+The Lightning callback, the Hugging Face integration and ``memfit plan`` all plan the same way:
+trace the step as configured, let ``memfit.plan`` search micro batch, accumulation and
+checkpointing, confirm the choice on a trace of exactly that configuration, and keep that trace as
+the prediction the run is measured against. They differ only in how they trace (the framework's
+step, a preset on ``meta``) and where the answer goes, so this module takes the tracing as a
+function and returns a ``Decision``:
+
+    session = PlanningSession(trace_at, batch_size=8, accumulation_steps=2)
+    decision = session.decide(PlanRequest(capacity_bytes=..., target_batch_size=16))
+    decision.plan, decision.estimate  # the plan, and the trace of the step it will run
+
+Traces are cached per ``(micro batch, checkpointing, accumulation)``: the search and the
+confirmation often ask for the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from memfit.planning.planner import Plan, plan
+from memfit.prediction.estimator import MemoryEstimate
+
+__all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
+
+# trace_at(micro_batch, checkpointing, accumulation_steps) -> the step traced at that configuration
+TraceAt = Callable[[int, bool, int], MemoryEstimate]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the plan must satisfy, as the user configured it."""
+
+    capacity_bytes: int
+    margin: float = 0.05
+    target_batch_size: int | Literal["max"] | None = None  # None: the configured batch x world size
+    world_size: int = 1
+    min_batch_size: int = 1
+    max_batch_size: int | None = None
+    allow_checkpointing: bool = True
+    always_checkpoint: bool = False  # the user already turned checkpointing on: plan with it
+    include_context: bool = True  # False when the capacity was measured with the CUDA context already in it
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan and the trace of exactly the step it runs (micro batch, checkpointing, accumulation)."""
+
+    plan: Plan
+    estimate: MemoryEstimate
+
+
+class PlanningSession:
+    """Plan one training step from traces, each taken once.
+
+    Args:
+        trace_at: traces the whole step at ``(micro_batch, checkpointing, accumulation_steps)``.
+        batch_size, accumulation_steps: the configuration the run was given; its trace is the
+            ``baseline`` (what ``observe`` mode measures against).
+        search_at: a cheaper stand-in for ``trace_at`` while searching (e.g. an extrapolation in
+            depth); the chosen plan is always confirmed on ``trace_at``. Default: ``trace_at``.
+    """
+
+    def __init__(
+        self,
+        trace_at: TraceAt,
+        *,
+        batch_size: int,
+        accumulation_steps: int = 1,
+        search_at: TraceAt | None = None,
+    ) -> None:
+        self.batch_size = batch_size
+        self.accumulation_steps = accumulation_steps
+        self._trace_at = functools.cache(trace_at)
+        self._search_at = functools.cache(search_at) if search_at is not None else self._trace_at
+
+    @property
+    def baseline(self) -> MemoryEstimate:
+        """The step as configured (no checkpointing unless the trace itself turns it on)."""
+        return self._trace_at(self.batch_size, False, self.accumulation_steps)
+
+    def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+        """The whole step traced at that configuration (cached)."""
+        return self._trace_at(micro_batch, checkpointing, accumulation_steps)
+
+    def search_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+        """The estimate the search uses at that configuration (cached; ``trace_at`` unless extrapolated)."""
+        return self._search_at(micro_batch, checkpointing, accumulation_steps)
+
+    def decide(self, request: PlanRequest) -> Decision:
+        """Search, confirm on whole traces, and return the plan with the trace of the step it runs.
+
+        Raises:
+            InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
+        """
+        always = request.always_checkpoint
+        start = self.search_at(self.batch_size, always, self.accumulation_steps)
+        chosen = plan(
+            start,
+            request.capacity_bytes,
+            margin=request.margin,
+            target_batch_size=request.target_batch_size,
+            world_size=request.world_size,
+            min_batch_size=request.min_batch_size,
+            max_batch_size=request.max_batch_size,
+            allow_checkpointing=request.allow_checkpointing and not always,
+            checkpointed=lambda: self.search_at(self.batch_size, True, self.accumulation_steps),
+            include_context=request.include_context,
+            confirm=lambda micro, checkpointing, accumulation: self.trace_at(
+                micro, checkpointing or always, accumulation
+            ),
+        )
+        if always and not chosen.gradient_checkpointing:
+            chosen = dataclasses.replace(chosen, gradient_checkpointing=True)
+        exact = self.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
+        return Decision(chosen, exact)
