@@ -97,6 +97,7 @@ def test_capacity_is_the_free_memory_not_the_card_size(monkeypatch: pytest.Monke
     assert free_device_bytes(torch.device("cuda", 0)) == 4 * GiB
 
 
+@pytest.mark.usefixtures("lenient")
 def test_a_sample_the_model_rejects_warns_and_the_run_goes_on(tmp_path: Path) -> None:
     module = TinyGPT(batch_size=6)
     wrong = (torch.zeros(6, 32),)  # float ids: the embedding refuses them
@@ -130,6 +131,7 @@ class RefusesMemfitKeys(Logger):
         self.user_metrics.append(metrics)
 
 
+@pytest.mark.usefixtures("lenient")
 def test_a_tracker_that_fails_on_memfit_metrics_does_not_stop_training(tmp_path: Path) -> None:
     logger = RefusesMemfitKeys()
     module = Regression()
@@ -138,6 +140,7 @@ def test_a_tracker_that_fails_on_memfit_metrics_does_not_stop_training(tmp_path:
     assert trainer.global_step == 4 and logger.user_metrics  # the user's own metrics still arrive
 
 
+@pytest.mark.usefixtures("lenient")
 def test_measurement_failing_mid_run_stops_measuring_not_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

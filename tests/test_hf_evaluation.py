@@ -150,6 +150,7 @@ def test_on_a_gpu_the_plan_moves_the_collection_off_the_device_in_time(
     assert kept.args.eval_accumulation_steps == 120  # the user's setting is theirs; the warning says what fits
 
 
+@pytest.mark.usefixtures("lenient")
 def test_callback_warns_at_train_begin_and_a_failed_check_does_not_stop_training(tmp_path: Path) -> None:
     model, train, evaluation = _Classifier(), classifier_rows(256), classifier_rows(EVAL_BATCH * 32)
     args = classifier_args(tmp_path, max_steps=1, save_strategy="no", eval_strategy="no")

@@ -205,6 +205,7 @@ def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> No
     assert fit.accumulate_grad_batches == 1 and set(module.seen_batch_sizes) == {12}
 
 
+@pytest.mark.usefixtures("lenient")
 def test_a_model_memfit_cannot_trace_still_trains(tmp_path: Path) -> None:
     module = ReadsValues(batch_size=12)
     fit = trainer(tmp_path, MemoryPlanner(budget="1GiB"), max_steps=2)

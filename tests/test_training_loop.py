@@ -162,6 +162,7 @@ def test_lightning_validation_beside_the_optimizer_state_is_predicted_and_warned
     assert callback.validation.allocated_bytes == validation.allocated_bytes
 
 
+@pytest.mark.usefixtures("lenient")
 def test_a_validation_step_memfit_cannot_trace_costs_only_the_check(tmp_path: Path) -> None:
     import lightning as L
 

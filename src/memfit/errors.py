@@ -9,6 +9,7 @@ __all__ = [
     "InsufficientMemoryError",
     "InvalidInputError",
     "MemfitError",
+    "StrictModeError",
     "TraceError",
     "UnrecoverableOutOfMemoryError",
     "ValueDependentError",
@@ -43,4 +44,12 @@ class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):
     """Out of memory in a training step that memfit could not recover from (it says why and what to do).
 
     Also a ``torch.OutOfMemoryError``, so code that handles PyTorch's error handles this one too.
+    """
+
+
+class StrictModeError(Exception):
+    """A failure memfit would have turned into a warning, raised because ``MEMFIT_STRICT=1``.
+
+    Chained to the original exception. Deliberately not a :class:`MemfitError`, so that the handlers
+    that turn memfit's own errors into a decision or a warning cannot swallow it again.
     """

@@ -98,11 +98,12 @@ def nvml_device_used_bytes(index: int) -> int | None:
         import pynvml
     except ImportError:
         return None
-    with contextlib.suppress(Exception):
+    try:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         return int(_memory_info(pynvml, handle).used)
-    return None
+    except pynvml.NVMLError:  # no driver, no such device, a lost GPU: no NVML figure
+        return None
 
 
 def _memory_info(pynvml: Any, handle: Any) -> Any:
@@ -110,6 +111,6 @@ def _memory_info(pynvml: Any, handle: Any) -> Any:
     reserves for itself (hundreds of MiB on a data-centre GPU) as used, though no process can have it."""
     version = getattr(pynvml, "nvmlMemory_v2", None)
     if version is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(pynvml.NVMLError):  # a driver without version 2
             return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
     return pynvml.nvmlDeviceGetMemoryInfo(handle)

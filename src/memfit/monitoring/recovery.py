@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import gc
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.tracing.batch import infer_batch_size
@@ -123,7 +123,7 @@ def _slice(obj: Any, size: int, start: int, stop: int) -> Any:
         items = {key: _slice(value, size, start, stop) for key, value in obj.items()}
         try:
             return type(obj)(items)
-        except Exception:
+        except (TypeError, ValueError):  # a mapping type that cannot be built from a dict: a plain dict
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_slice(v, size, start, stop) for v in obj))
@@ -213,6 +213,7 @@ class OOMRecovery:
         self.on_recovery = on_recovery
         self.chunk_size: int | None = None  # None: batches run whole
         self.recoveries: list[Recovery] = []
+        self._warned: set[str] = set()  # keys this recovery has warned about
         self.window: list[tuple[Any, int, ChunkRunner]] = []
         self._in_backward = False
 
@@ -335,7 +336,8 @@ class OOMRecovery:
             try:
                 self.on_recovery(record)
             except Exception as error:  # reporting a recovery must not undo it
-                warnings.warn(f"memfit could not report a recovery ({type(error).__name__}: {error})", stacklevel=2)
+                degrade(f"memfit could not report a recovery ({type(error).__name__}: {error})", error,
+                        key="report-recovery", seen=self._warned, all_ranks=True)  # fmt: skip
 
     def _smaller_chunk(self, before: int, figures: OutOfMemoryFigures | None = None) -> int:
         """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards; smaller still
@@ -356,7 +358,9 @@ class OOMRecovery:
                 scale = max(1.0, figures.needed_bytes / max(1, estimate.at(before).allocated_bytes))
                 room = figures.room_bytes * (1 - self.margin)
                 after = largest(min(after, before - 1), lambda b: scale * estimate.at(b).reserved_bytes <= room, 0)
-        except Exception:  # an estimate that cannot answer falls back to halving
+        except Exception as error:  # an estimate that cannot answer falls back to halving
+            degrade(f"memfit's estimate could not size the next chunk ({type(error).__name__}: {error}); halving it",
+                    error, key="estimate-chunk", seen=self._warned, all_ranks=True)  # fmt: skip
             return before // 2
         return after
 

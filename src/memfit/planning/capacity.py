@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.planning.gpus import gpu_by_name
 from memfit.units import parse_bytes
@@ -37,7 +38,9 @@ def free_device_bytes(device: torch.device) -> int:
             return int(free) + int(torch.cuda.memory_reserved(device))
         if device.type == "cpu":
             return available_ram_bytes()
-    except Exception:
+    except Exception as error:  # a CUDA runtime that cannot answer: the capacity is unknown
+        degrade(f"memfit could not read the free memory of {device} ({type(error).__name__}: {error})", error,
+                key="free-memory")  # fmt: skip
         return 0
     return 0
 

@@ -1,10 +1,12 @@
-"""Hand figures to whatever tracker an adapter has: TensorBoard, MLflow, or a folder. Best effort."""
+"""Hand figures to whatever tracker an adapter has: TensorBoard, MLflow, or a folder. Best effort: a
+destination that fails is skipped with one warning (an error under ``MEMFIT_STRICT=1``)."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
+
+from memfit.diagnostics import degrade
 
 __all__ = ["log_figure", "matplotlib_available"]
 
@@ -31,22 +33,36 @@ def log_figure(
     """Send ``figure`` to each destination given; return where it went (failures are skipped)."""
     sent = []
     if tensorboard is not None:
-        with contextlib.suppress(Exception):
+        try:
             tensorboard.add_figure(name, figure, global_step=step)
             sent.append("tensorboard")
+        except Exception as error:
+            _skipped("TensorBoard", name, error)
     if mlflow_client is not None and mlflow_run_id:
-        with contextlib.suppress(Exception):
+        try:
             mlflow_client.log_figure(mlflow_run_id, figure, f"{name}.png")
             sent.append("mlflow")
+        except Exception as error:
+            _skipped("MLflow", name, error)
     if mlflow_module is not None:
-        with contextlib.suppress(Exception):
+        try:
             if mlflow_module.active_run() is not None:
                 mlflow_module.log_figure(figure, f"{name}.png")
                 sent.append("mlflow")
+        except Exception as error:
+            _skipped("MLflow", name, error)
     if folder is not None:
-        with contextlib.suppress(Exception):
+        try:
             path = Path(folder) / f"{name.replace('/', '_')}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             figure.savefig(path, dpi=110)
             sent.append(str(path))
+        except Exception as error:
+            _skipped(f"the folder {folder}", name, error)
     return sent
+
+
+def _skipped(destination: str, name: str, error: Exception) -> None:
+    """A tracker that refuses a figure loses only the figure: the run and the other trackers go on."""
+    degrade(f"memfit could not send {name} to {destination} ({type(error).__name__}: {error})", error,
+            key=f"figure:{destination}", stacklevel=3)  # fmt: skip

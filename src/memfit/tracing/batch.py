@@ -60,7 +60,7 @@ def rebatch(sample: Sample, old_batch: int, new_batch: int, make: Callable[[torc
         items = {key: rebatch(value, old_batch, new_batch, make) for key, value in sample.items()}
         try:
             return type(sample)(items)
-        except Exception:
+        except (TypeError, ValueError):  # a mapping type that cannot be built from a dict: a plain dict
             return items
     if isinstance(sample, tuple) and hasattr(sample, "_fields"):  # namedtuple
         return type(sample)(*(rebatch(v, old_batch, new_batch, make) for v in sample))
@@ -180,7 +180,7 @@ def longest_batch(loader: DataLoader) -> Any:
     if not (isinstance(dataset, IterableDataset) or batch_size is None or loader.collate_fn is default_collate):
         try:
             examples = [dataset[i] for i in longest_examples(dataset, batch_size, length_column=None)]
-        except Exception:  # not readable by position: its first batch
+        except (LookupError, TypeError, ValueError, NotImplementedError):  # not readable by position: its first batch
             pass
         else:
             return loader.collate_fn(examples)
