@@ -380,3 +380,33 @@ def test_sharded_runs_are_not_planned_and_their_prediction_says_so(tmp_path: Pat
     with pytest.warns(UserWarning, match="memfit does not model FSDP sharding yet"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()
     assert any(note.startswith("FSDP: predicted as if every rank") for note in callback.estimate.notes)
+
+
+def test_attach_puts_the_trainers_callback_first_and_holds_the_trainer(tmp_path: Path) -> None:
+    """``attach`` is the public way to reach the Trainer: no callback can see it on its own."""
+    model, data = tiny_gpt2(), Tokens()
+    callback = MemoryPlannerCallback(verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, report_to=["tensorboard"]), train_dataset=data,
+                      callbacks=[callback])  # fmt: skip
+    assert trainer.callback_handler.callbacks[0] is not callback  # HF puts report_to trackers first
+    assert attach(trainer) is callback
+    assert trainer.callback_handler.callbacks[0] is callback
+    assert sum(isinstance(c, MemoryPlannerCallback) for c in trainer.callback_handler.callbacks) == 1
+    with pytest.raises(memfit.InvalidInputError, match="already has a MemoryPlannerCallback"):
+        attach(trainer, margin=0.1)
+    with pytest.raises(memfit.InvalidInputError, match=r"takes a transformers\.Trainer"):
+        attach(model)
+    trainer.train()
+    assert callback.recovery is not None and callback.monitor is not None
+    assert "training_step" not in vars(trainer)  # the wrapped step is undone when training ends
+
+
+def test_a_callback_that_is_not_attached_measures_but_says_what_it_cannot_do(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), Tokens()
+    callback = MemoryPlannerCallback(verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=data, callbacks=[callback])
+    with pytest.warns(UserWarning, match="not attached.*attach\\(trainer") as caught:
+        trainer.train()
+    assert sum("not attached" in str(w.message) for w in caught) == 1
+    assert callback.estimate is not None and [d.step for d in callback.monitor.history] == [2]
+    assert callback.recovery is None and "training_step" not in vars(trainer)

@@ -42,12 +42,12 @@ def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12, **
     return math.ceil((low + high) / 2 / (1 - MARGIN))
 
 
-def trainer(tmp_path: Path, callback: MemoryPlanner, loggers: list | None = None, **kwargs) -> L.Trainer:
+def trainer(tmp_path: Path, callback: MemoryPlanner | None, loggers: list | None = None, **kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=kwargs.pop("max_steps", 6),
-        callbacks=[callback],
+        callbacks=[callback] if callback is not None else [],
         logger=loggers if loggers is not None else CSVLogger(tmp_path),
         log_every_n_steps=kwargs.pop("log_every_n_steps", 2),
         enable_progress_bar=False,
@@ -317,3 +317,31 @@ print(planner.plan.micro_batch_size, trainer.global_step)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["16", "2"]
+
+
+def test_an_untested_lightning_release_turns_recovery_off_and_leaves_the_run_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop privates the recovering closure needs are only used on the Lightning releases they were tested on."""
+    import lightning.pytorch
+
+    from memfit.integrations.lightning.internals import TESTED_VERSIONS
+
+    module, reference = TinyGPT(batch_size=4), TinyGPT(batch_size=4)
+    L.seed_everything(0)
+    trainer(tmp_path / "reference", None, max_steps=3).fit(reference)
+    L.seed_everything(0)
+    monkeypatch.setattr(lightning.pytorch, "__version__", "9.1.0")
+    callback = MemoryPlanner(mode="observe")
+    fit = trainer(tmp_path / "observed", callback, max_steps=3)
+    with pytest.warns(UserWarning, match=r"tested on Lightning .*not 9\.1\.0.*recovery off"):
+        fit.fit(module)
+    assert callback.recovery is None and callback.estimate is not None  # it still predicts and measures
+    assert "_make_closure" not in vars(fit.fit_loop.epoch_loop.automatic_optimization)
+    assert fit.global_step == 3
+    for mine, theirs in zip(module.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs)  # the same run as without memfit
+    monkeypatch.undo()
+    assert (int(lightning.pytorch.__version__.split(".")[0]), int(lightning.pytorch.__version__.split(".")[1])) in (
+        TESTED_VERSIONS
+    )

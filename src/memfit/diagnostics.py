@@ -11,8 +11,9 @@ also hide a bug in memfit, so the environment variable
 
 Info lines go to the ``logging.getLogger("memfit")`` logger on rank 0 only (the rank from
 ``torch.distributed`` once it is initialised, else the ``RANK`` then ``LOCAL_RANK`` environment
-variables, else 0). The logger has no handler of its own, as a library's should:
-``logging.basicConfig(level=logging.INFO)`` shows them. Warnings are ``UserWarning`` (one per key),
+variables, else 0). As Lightning does for its own logger, memfit's prints its INFO lines to stderr
+when the application has configured no logging at all (the root logger has no handler); once it
+has, they propagate to it like any library's. Warnings are ``UserWarning`` (one per key),
 so the usual ``warnings`` filters apply.
 """
 
@@ -42,7 +43,10 @@ STRICT_ENV = "MEMFIT_STRICT"
 _TRUE = ("1", "true", "yes", "on")
 
 logger = logging.getLogger("memfit")
-logger.addHandler(logging.NullHandler())
+if not logging.getLogger().hasHandlers():  # an application without logging set up still sees the plan
+    logger.addHandler(logging.StreamHandler())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 _warned: set[str] = set()  # keys warned in this process, for callers that hold no set of their own
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from memfit.diagnostics import degrade
 from memfit.monitoring.drift import Drift, DriftMonitor
 from memfit.monitoring.measure import PeakSampler, current_rss_bytes
 from memfit.monitoring.recovery import OOMRecovery, Recovery
@@ -54,6 +55,7 @@ class RunMonitor:
         self.drift = drift
         self.estimate = estimate
         self._warn = warn
+        self._seen: set[str] = set()
 
     @classmethod
     def start(
@@ -93,7 +95,8 @@ class RunMonitor:
             record = self.drift.observe(step, self.sampler.sample())
         except Exception as error:  # measuring must never end the run
             self.sampler = None
-            self._warn("measure", f"memfit stopped measuring ({type(error).__name__}: {error}); training goes on.")
+            degrade(f"memfit stopped measuring ({type(error).__name__}: {error}); training goes on.", error,
+                    key="measure", seen=self._seen)  # fmt: skip
             return None
         for kind, alarm in zip(record.alarm_kinds, record.alarms, strict=True):
             self._warn(kind, "memfit: " + alarm)

@@ -76,6 +76,11 @@ class Plan:
             "reasons": list(self.reasons),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The inverse of ``to_dict`` (a plan read back from a checkpoint or JSON)."""
+        return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
+
     def summary(self) -> str:
         """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``."""
         target = f" (target {self.target_batch_size})" if self.target_batch_size else ""

@@ -16,6 +16,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.tracing.batch import batch_examples
 from memfit.tracing.ddp import DDPConfig
@@ -161,8 +162,9 @@ def trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
                 ],
                 **optimizer_kwargs,
             )
-        except Exception:  # the class over all parameters, as before; only the grouping is lost
-            pass
+        except Exception as error:  # the class over all parameters, as before; only the grouping is lost
+            degrade(f"memfit traces {args.optim!r} over all parameters in one group ({type(error).__name__}: {error})",
+                    error, quiet=True)  # fmt: skip
 
     def build(params: Any) -> torch.optim.Optimizer:
         return optimizer_cls(params, **optimizer_kwargs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit.diagnostics import degrade, info, warn_once
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
@@ -60,8 +60,6 @@ from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
 
 __all__ = ["MemoryPlannerCallback", "attach"]
-
-logger = logging.getLogger("memfit")
 
 NOT_ATTACHED = (
     "MemoryPlannerCallback was passed to the Trainer but not attached: its metrics reach only the callbacks after it "
@@ -206,25 +204,26 @@ class MemoryPlannerCallback(TrainerCallback):
             self._warn("not-attached", NOT_ATTACHED)
         try:
             self._predict(args, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
-        except MemfitError as error:
-            self._warn("predict", f"memfit could not predict this run ({error}); no drift is logged")
         except Exception as error:  # never let memfit end the run
-            self._warn("predict", f"memfit could not predict this run ({type(error).__name__}: {error})")
+            reason = str(error) if isinstance(error, MemfitError) else f"{type(error).__name__}: {error}"
+            degrade(f"memfit could not predict this run ({reason}); no drift is logged", error, key="predict",
+                    seen=self._warned)  # fmt: skip
         if self._trainer is None:
             return
         if self.estimate is not None:
             try:
                 self._check_evaluation(args, model)
             except Exception as error:  # never let memfit end the run
-                self._warn("evaluation", f"memfit could not check evaluation ({type(error).__name__}: {error})")
+                degrade(f"memfit could not check evaluation ({type(error).__name__}: {error})", error,
+                        key="evaluation", seen=self._warned)  # fmt: skip
         if self.on_oom == "replan":
             try:
                 self._install_recovery(args, model)
             except Exception as error:  # never let memfit end the run
                 self._uninstall_recovery()
                 why = f"{type(error).__name__}: {error}"
-                self._warn("recovery", f"memfit cannot recover from out-of-memory errors in this run ({why}); an "
-                           "out-of-memory error will end it as usual")  # fmt: skip
+                degrade(f"memfit cannot recover from out-of-memory errors in this run ({why}); an out-of-memory "
+                        "error will end it as usual", error, key="recovery", seen=self._warned)  # fmt: skip
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recovery is not None:
@@ -323,8 +322,7 @@ class MemoryPlannerCallback(TrainerCallback):
                 preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
             )  # fmt: skip
         except Exception as error:  # the run goes on; only this check is lost
-            if self.verbose:
-                self._info(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})")
+            degrade(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})", error, quiet=True)
             return
         free = free_device_bytes(device) if self.plan is None else 0
         budget = self.plan.budget_bytes if self.plan is not None else int(free * (1 - self.margin))
@@ -438,7 +436,8 @@ class MemoryPlannerCallback(TrainerCallback):
         try:
             figure = make()
         except Exception as error:
-            self._warn("figure", f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            degrade(f"memfit could not draw {name} ({type(error).__name__}: {error})", error, key=f"figure-{name}",
+                    seen=self._warned)  # fmt: skip
             return
         callbacks = self._trainer.callback_handler.callbacks if self._trainer is not None else []
         writer = next((getattr(cb, "tb_writer", None) for cb in callbacks if hasattr(cb, "tb_writer")), None)
@@ -448,13 +447,11 @@ class MemoryPlannerCallback(TrainerCallback):
         log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=args.output_dir, step=step)
 
     def _warn(self, key: str, message: str) -> None:
-        """One warning per kind of event and callback."""
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
+        """One warning per kind of event and callback, on rank zero."""
+        warn_once(key, message, seen=self._warned, stacklevel=3)
 
     def _info(self, message: str) -> None:
-        logger.info(message)
+        info(message)
 
 
 _UNSET = object()

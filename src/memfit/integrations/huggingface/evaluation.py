@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any, Literal
 
@@ -13,6 +12,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.integrations.huggingface.arguments import (
     collated_sample,
@@ -23,8 +23,6 @@ from memfit.integrations.huggingface.arguments import (
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
 from memfit.units import format_bytes
-
-logger = logging.getLogger("memfit")
 
 
 def planned_evaluation(
@@ -42,8 +40,8 @@ def planned_evaluation(
     ``eval_accumulation_steps`` that makes it fit. The training plan stands whatever happens here."""
     try:
         evaluation = predict_evaluation(model, args, eval_dataset, training, device=device, **trainer_inputs)
-    except Exception as error:
-        logger.info(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})")
+    except Exception as error:  # the training plan stands; only this check is lost
+        degrade(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})", error, quiet=True)
         return None, None
     if _needed(evaluation, include_context) <= budget_bytes:
         return evaluation, None

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memfit.diagnostics import degrade
 from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.integrations.lightning.internals import LightningInternals
 from memfit.monitoring.recovery import (
@@ -277,10 +278,10 @@ class MemoryPlannerBase:
             return self._decide(trainer, pl_module, capacity)
         except InsufficientMemoryError as error:
             return _Decision(None, None, None, error=str(error), insufficient_memory=True)
-        except MemfitError as error:
-            return _Decision(None, None, None, error=str(error))
-        except Exception as error:  # never let memfit end the run
-            return _Decision(None, None, None, error=f"{type(error).__name__}: {error}")
+        except Exception as error:  # never let memfit end the run (one warning once every rank knows)
+            reason = str(error) if isinstance(error, MemfitError) else f"{type(error).__name__}: {error}"
+            degrade(f"memfit could not plan this run ({reason})", error, quiet=True)
+            return _Decision(None, None, None, error=reason)
 
     def _decide(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         device = trainer.strategy.root_device
@@ -369,7 +370,7 @@ class MemoryPlannerBase:
                                   device=device.type, forward_fn=forward)  # fmt: skip
             self.validation = evaluation_peak(training, evaluation)
         except Exception as error:  # the plan stands; only this check is lost
-            self._info(f"memfit could not check the validation pass ({type(error).__name__}: {error})")
+            degrade(f"memfit could not check the validation pass ({type(error).__name__}: {error})", error, quiet=True)
             return
         budget = int(capacity * (1 - self.margin))
         needed = self.validation.device_bytes if include_context else self.validation.reserved_bytes
@@ -430,8 +431,8 @@ class MemoryPlannerBase:
         except Exception as error:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, previous_batch)
             trainer.accumulate_grad_batches = previous_accumulation
-            self._warn("apply", f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was "
-                       "changed.")  # fmt: skip
+            degrade(f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was changed.", error,
+                    key="apply", seen=self._warned)  # fmt: skip
             return
         self._internals.forget_train_loader(trainer)
         if self.verbose:
@@ -554,7 +555,7 @@ class MemoryPlannerBase:
         )
         warnings.warn(message, UserWarning, stacklevel=2)
         if self.monitor is not None:
-            self._log_metrics(trainer, self.monitor.recovered(record, self.recovery), quiet=True)
+            self._log_metrics(trainer, self.monitor.recovered(record, self.recovery))
 
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
@@ -572,8 +573,8 @@ class MemoryPlannerBase:
                 warn=self._warn,
             )
         except Exception as error:
-            self._warn("measure", f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift "
-                       "is logged.")  # fmt: skip
+            degrade(f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift is logged.", error,
+                    key="measure", seen=self._warned)  # fmt: skip
             return
         if not trainer.is_global_zero:
             return
@@ -586,8 +587,12 @@ class MemoryPlannerBase:
             params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
             params["memfit/mode"] = self.mode
             for logger in trainer.loggers:
-                with contextlib.suppress(Exception):
+                try:
                     logger.log_hyperparams(params)
+                except Exception as error:
+                    name = type(logger).__name__
+                    degrade(f"memfit could not log its plan to {name} ({error})", error, key=f"hparams-{name}",
+                            seen=self._warned)  # fmt: skip
 
     def _maybe_log_drift(self, trainer: Any) -> None:
         step = trainer.global_step
@@ -609,7 +614,7 @@ class MemoryPlannerBase:
         if line is not None and self.verbose:
             self._info(line)
 
-    def _log_metrics(self, trainer: Any, metrics: dict[str, float] | None, quiet: bool = False) -> None:
+    def _log_metrics(self, trainer: Any, metrics: dict[str, float] | None) -> None:
         """Send memfit's metrics to every logger (rank 0); a logger that fails costs one warning."""
         if not metrics or not trainer.is_global_zero:
             return
@@ -617,16 +622,16 @@ class MemoryPlannerBase:
             try:
                 logger.log_metrics(metrics, step=trainer.global_step)
             except Exception as error:
-                if not quiet:
-                    self._warn(f"logger-{type(logger).__name__}",
-                               f"memfit could not log to {type(logger).__name__} ({error})")  # fmt: skip
+                name = type(logger).__name__
+                degrade(f"memfit could not log to {name} ({error})", error, key=f"logger-{name}", seen=self._warned)
 
     def _log_figure(self, trainer: Any, name: str, make: Any) -> None:
         """Draw once and send to every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
         try:
             figure = make()
         except Exception as error:
-            self._warn(f"figure-{name}", f"memfit could not draw {name} ({type(error).__name__}: {error})")
+            degrade(f"memfit could not draw {name} ({type(error).__name__}: {error})", error, key=f"figure-{name}",
+                    seen=self._warned)  # fmt: skip
             return
         loggers = self._pl.loggers
         for logger in trainer.loggers:
