@@ -64,15 +64,17 @@ def test_a_length_column_is_read_instead_of_the_examples() -> None:
 
 
 def test_large_datasets_are_read_evenly_spaced_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memfit.batch, "LENGTH_SCAN_SECONDS", 600.0)  # only the count limits here
+    monkeypatch.setattr(memfit.tracing.batch, "LENGTH_SCAN_SECONDS", 600.0)  # only the count limits here
     dataset = CountingReads(100_000)
     longest = longest_examples(dataset, 1)
-    assert memfit.batch.LENGTH_SCAN_LIMIT <= dataset.reads <= memfit.batch.LENGTH_SCAN_LIMIT + 64  # and the probe
+    assert (
+        memfit.tracing.batch.LENGTH_SCAN_LIMIT <= dataset.reads <= memfit.tracing.batch.LENGTH_SCAN_LIMIT + 64
+    )  # and the probe
     assert longest[0] % 1000 >= 995  # one of the longest of the read examples (lengths cycle to 1000)
 
 
 def test_slow_datasets_are_read_more_sparsely(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memfit.batch, "LENGTH_SCAN_SECONDS", 0.5)
+    monkeypatch.setattr(memfit.tracing.batch, "LENGTH_SCAN_SECONDS", 0.5)
     dataset = CountingReads(10_000, seconds=0.002)  # 20 s to read them all
     longest_examples(dataset, 4)
     assert 64 <= dataset.reads < 1_000  # the probe, then what fits in about half a second
