@@ -205,3 +205,13 @@ def test_python_dash_m_memfit_runs_the_cli() -> None:
     assert bad.returncode == 2
     assert bad.stderr.startswith("memfit: error: ")
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["estimate"], ["estimate", "--params", "10", "--nope"], ["plan", "--hf-config", "gpt2", "--checkpointing", "x"]],
+)
+def test_usage_errors_are_one_line_too(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memfit: error: ") and "--help" in lines[0]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -263,3 +267,130 @@ def test_timeline_extrapolation_keeps_peaks_at_the_phase_edges(where: str) -> No
     assert max(activations) == 80 and activations[-1 if where == "end" else 0] == 80
     assert all(p.reserved_bytes >= sum(p.category_bytes) for p in out)
     assert extrapolate_timeline(shallow, deeper[:4], 3.0) == tuple(deeper[:4])  # other phases: left as traced
+
+
+FACTORIES = '''
+import torch
+
+
+class Summed(torch.nn.Module):
+    """A model whose forward returns its loss, as the CLI needs without loss_fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x).pow(2).mean()
+
+
+def build():
+    return Summed(), lambda batch_size: torch.zeros(batch_size, 8)
+
+
+def raises():
+    raise RuntimeError("no checkpoint at /data/run7")
+
+
+def needs(width, depth=2):
+    return Summed()
+
+
+def three():
+    return Summed(), None, None
+
+
+def bare_linear():
+    return torch.nn.Linear(8, 8)  # called with input_ids=...: the trace advises forward_fn=
+
+
+not_callable = 42
+'''
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run the CLI on bad input: exit code 2, nothing on stdout, one line on stderr and no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("memfit: error: ") and "Traceback" not in captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("factory", "fragments"),
+    [
+        ("raises", ["memfit_cli_factories:raises", "RuntimeError", "no checkpoint at /data/run7"]),
+        ("needs", ["memfit_cli_factories:needs", "width", "no arguments"]),
+        ("three", ["memfit_cli_factories:three", "3 items", "(module, sample)"]),
+        ("not_callable", ["memfit_cli_factories:not_callable", "int", "not a function"]),
+        ("bare_linear", ["forward_fn", "--model", "(module, sample)"]),
+    ],
+)
+def test_a_factory_that_fails_is_one_line(
+    factory: str, fragments: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "memfit_cli_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = _one_line_error(capsys, ["plan", "--model", f"memfit_cli_factories:{factory}", "--budget", "1GiB"])
+    for fragment in fragments:
+        assert fragment in line
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (["--target-batch-size", "-4"], ["--target-batch-size", "'-4'", "max"]),
+        (["--target-batch-size", "0"], ["--target-batch-size", "'0'"]),
+        (["--seq-len", "-5"], ["--seq-len", "'-5'", "positive"]),
+        (["--seq-len", "many"], ["--seq-len", "'many'"]),
+        (["--layers", "0"], ["--layers", "'0'", "positive"]),
+        (["--image-size", "-3"], ["--image-size", "'-3'"]),
+        (["--world-size", "0"], ["--world-size", "'0'"]),
+        (["--num-workers", "-1"], ["--num-workers", "'-1'"]),
+        (["--prefetch-factor", "0"], ["--prefetch-factor", "'0'"]),
+        (["--margin", "2"], ["--margin", "'2'"]),
+    ],
+)
+def test_bad_plan_options_are_one_line(
+    options: list[str], fragments: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_line_error(capsys, ["plan", "--hf-config", "gpt2", "--budget", "1GiB", *options])
+    assert "_target" not in line  # the message names the option, not the parsing function
+    for fragment in fragments:
+        assert fragment in line
+
+
+def test_a_bad_config_json_is_one_line_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    malformed = tmp_path / "config.json"
+    malformed.write_text('{"model_type": "gpt2", "n_layer": 2,}')
+    line = _one_line_error(capsys, ["plan", "--hf-config", str(malformed), "--budget", "1GiB"])
+    assert str(malformed) in line and "line 1 column" in line
+
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"model_type": "lama", "hidden_size": 64}')
+    line = _one_line_error(capsys, ["plan", "--hf-config", str(unknown), "--budget", "1GiB"])
+    assert str(unknown) in line and "'lama'" in line and "llama" in line  # the close match, not ~600 types
+    assert len(line) < 400
+
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    line = _one_line_error(capsys, ["plan", "--hf-config", str(listed), "--budget", "1GiB"])
+    assert str(listed) in line and "model_type" in line
+
+
+def test_the_console_script_imports_a_factory_from_the_current_directory(tmp_path: Path) -> None:
+    script = shutil.which("memfit", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the memfit console script is not installed next to this Python")
+    (tmp_path / "mymod.py").write_text(FACTORIES)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    result = subprocess.run(
+        [script, "plan", "--model", "mymod:build", "--budget", "1GiB", "--target-batch-size", "4", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["gpus"]
+    assert row["fits"] and row["effective_batch_size"] == 4

@@ -8,7 +8,9 @@ it looks like (token ids, or images).
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,10 +79,7 @@ def from_hf_config(
                 f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file; "
                 "memfit never downloads configs"
             )
-        raw = json.loads(path.read_text())
-        if "model_type" not in raw:
-            raise InvalidInputError(f"{path} has no model_type; is it a transformers config.json?")
-        config = transformers.AutoConfig.for_model(**raw)
+        config = _config_from(transformers, path)
         task = _task_of(config)
     if layers is not None:
         _set_depth(config, layers)
@@ -94,22 +93,102 @@ def from_hf_config(
 def from_factory(target: str, *, seq_len: int = 1024) -> ModelSpec:
     """``module.path:factory`` from the user's code: ``factory()`` returns a module, or a
     ``(module, sample)`` pair where ``sample(batch_size)`` makes one batch; a bare module gets
-    ``input_ids``/``labels`` token batches of ``seq_len``."""
+    ``input_ids``/``labels`` token batches of ``seq_len``. Whatever goes wrong in the user's code
+    comes back as one ``InvalidInputError`` naming ``target``."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise InvalidInputError(f"--model must look like 'package.module:factory', got {target!r}")
     try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise InvalidInputError(f"cannot load {target!r}: {error}") from error
-    made = factory()
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InvalidInputError(
+            f"cannot load {target!r}: {error}; run memfit from the folder that holds it, or add that folder to "
+            "PYTHONPATH"
+        ) from error
+    except Exception as error:  # the module itself raised while importing
+        raise InvalidInputError(f"cannot load {target!r}: importing {module_name} raised {_said(error)}") from error
+    if not hasattr(module, attribute):
+        raise InvalidInputError(f"cannot load {target!r}: module {module_name!r} has no attribute {attribute!r}")
+    factory = getattr(module, attribute)
+    if not callable(factory):
+        raise InvalidInputError(
+            f"{target} is {type(factory).__name__}, not a function: --model names a function that takes no "
+            "arguments and returns a module or (module, sample)"
+        )
+    _check_no_arguments(factory, target)
+    try:
+        made = factory()
+    except Exception as error:
+        raise InvalidInputError(f"{target}() raised {_said(error)}; memfit calls it to build the model") from error
+    if isinstance(made, tuple) and len(made) != 2:
+        raise InvalidInputError(
+            f"{target} returned a tuple of {len(made)} items; return a module or (module, sample), where "
+            "sample(batch_size) makes one batch"
+        )
     model, sample = made if isinstance(made, tuple) else (made, None)
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"{target} returned {type(model).__name__}, not a torch.nn.Module")
+    if sample is not None and not callable(sample):
+        raise InvalidInputError(
+            f"{target} returned (module, {type(sample).__name__}); the sample must be a function batch_size -> "
+            "batch, e.g. lambda batch_size: torch.zeros(batch_size, 16)"
+        )
     if sample is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 1000)
         sample = _tokens(vocab, seq_len)
     return ModelSpec(target, model, sample)
+
+
+def _check_no_arguments(factory: Callable[..., Any], target: str) -> None:
+    """memfit calls the factory with no arguments: say which ones it would need instead of a TypeError."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (a builtin): calling it tells
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        required = [name for name, p in signature.parameters.items()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # fmt: skip
+        raise InvalidInputError(
+            f"{target} needs arguments ({', '.join(required)}) but memfit calls it with no arguments; give them "
+            "defaults, or point --model at a function without arguments that calls it"
+        ) from None
+
+
+def _said(error: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    detail = " ".join(str(error).split())
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
+def _config_from(transformers: Any, path: Path) -> Any:
+    """A transformers config from a config.json, each way it can be wrong said in one line naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidInputError(f"cannot read {path}: {_said(error)}") from error
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise InvalidInputError(f"{path} has no model_type; is it a transformers config.json?")
+    model_type = raw["model_type"]
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        close = difflib.get_close_matches(str(model_type), known, n=3)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise InvalidInputError(
+            f"{path}: transformers {transformers.__version__} knows no model_type {model_type!r}; {hint}check "
+            "the spelling, or upgrade transformers if the architecture is newer"
+        )
+    try:
+        return transformers.AutoConfig.for_model(**raw)
+    except Exception as error:
+        raise InvalidInputError(
+            f"{path}: transformers cannot make a {model_type} config of it ({_said(error)})"
+        ) from error
 
 
 def _task_of(config: Any) -> str:

@@ -1,16 +1,19 @@
 """The ``memfit`` command line: one subcommand per way of estimating.
 
 Each subcommand is an ``add_parser`` call in :func:`_build_parser` plus a ``_cmd_<name>(args) -> int``
-function set as its ``handler``; :func:`main` turns bad input into a one-line error and exit code 2.
+function set as its ``handler``; :func:`main` turns bad input into a one-line error and exit code 2,
+argparse's usage errors included.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
+from typing import NoReturn
 
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
@@ -20,6 +23,21 @@ __all__ = ["main"]
 _EXIT_USAGE = 2
 
 _COUNT_SUFFIXES: dict[str, int] = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+# The library's trace errors advise forward_fn= / loss_fn=, which the command line has no option for.
+_CLI_CALLING = (
+    "On the command line, make the --model factory return (module, sample) instead: sample(batch_size) builds "
+    "the batch the module is called with (a dict as keyword arguments, a tuple as positional ones, a tensor as "
+    "is), and a module whose forward does not return the loss can be wrapped in one that calls it and returns "
+    "the scalar loss."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, like memfit's own (the usage is a ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_USAGE, f"memfit: error: {message} (see {self.prog} --help)\n")
 
 
 def _version() -> str:
@@ -130,11 +148,53 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _target(text: str) -> int | str:
-    return "max" if text == "max" else _parse_count(text, "--target-batch-size")
+    if text == "max":
+        return "max"
+    try:
+        value = _parse_count(text, "--target-batch-size")
+    except InvalidInputError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number such as 64 or 1K, or max; got {text!r}")
+    return value
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (0 or 1), said in one line when not."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            kind = "positive" if minimum > 0 else "non-negative"
+            raise argparse.ArgumentTypeError(f"must be a {kind} whole number, got {text!r}")
+        return value
+
+    return parse
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of memory in [0, 1) such as 0.05, got {text!r}")
+    return value
+
+
+def _importable_cwd() -> None:
+    """Let --model name a module in the current directory, as ``python -m`` does (a console script's
+    path starts at its own folder instead)."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memfit",
         description="Predict the peak GPU memory of a PyTorch training step before it runs.",
     )
@@ -184,9 +244,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
     plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")
     plan.add_argument("--budget", metavar="SIZE", help="plan for this much memory instead, e.g. 20GiB")
-    plan.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
-    plan.add_argument("--image-size", type=int, help="image side for vision models (default: the config's)")
-    plan.add_argument("--layers", type=int, help="override the depth (a quick look at a deep model)")
+    plan.add_argument("--seq-len", type=_whole(1), default=1024, help="tokens per sample (default 1024)")
+    plan.add_argument("--image-size", type=_whole(1), help="image side for vision models (default: the config's)")
+    plan.add_argument("--layers", type=_whole(1), help="override the depth (a quick look at a deep model)")
     plan.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
     plan.add_argument(
         "--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adafactor, ... (default adamw)"
@@ -195,16 +255,16 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
                       help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
-    plan.add_argument("--world-size", type=int, default=1, help="data-parallel devices; above 1, DDP's gradient "
+    plan.add_argument("--world-size", type=_whole(1), default=1, help="data-parallel devices; above 1, DDP's gradient "
                       "buckets count (default 1)")  # fmt: skip
     plan.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
                       help="when the loop frees gradients: after_step (Hugging Face Trainer, default) or "
                       "before_backward (Lightning, whose forward carries the last step's gradients)")  # fmt: skip
-    plan.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free (default 0.05)")
+    plan.add_argument("--margin", type=_margin, default=0.05, help="fraction of memory kept free (default 0.05)")
     plan.add_argument("--inference", action="store_true", help="plan a forward-only pass (serving): no gradients, "
                       "optimizer state or saved activations; outputs and KV cache kept")  # fmt: skip
-    plan.add_argument("--num-workers", type=int, default=0, help="dataloader workers, for the host RAM line")
-    plan.add_argument("--prefetch-factor", type=int, default=2, help="batches each worker prefetches (default 2)")
+    plan.add_argument("--num-workers", type=_whole(0), default=0, help="dataloader workers, for the host RAM line")
+    plan.add_argument("--prefetch-factor", type=_whole(1), default=2, help="batches each worker prefetches (default 2)")
     plan.add_argument("--pin-memory", action="store_true", help="the dataloader pins memory")
     plan.add_argument(
         "--offload-optimizer", action="store_true", help="optimizer state lives in host RAM (ZeRO-Offload)"
@@ -226,9 +286,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _EXIT_USAGE)
+    if getattr(args, "model", None):
+        _importable_cwd()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
     try:
         return args.handler(args)
     except (MemfitError, ValueError) as exc:
         message = " ".join(str(exc).split())
+        if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):
+            message = f"{message} {_CLI_CALLING}"
         print(f"memfit: error: {message}", file=sys.stderr)
         return _EXIT_USAGE

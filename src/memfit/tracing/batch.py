@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -97,14 +98,20 @@ LENGTH_SCAN_SECONDS = 2.0  # about how long reading lengths may take; slow datas
 _LENGTH_PROBE = 64  # examples read first, to time one read
 
 
-def longest_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[int]:
+def longest_examples(
+    dataset: Any, count: int, length_column: str | None = "length", *, notes: list[str] | None = None
+) -> list[int]:
     """Indices of ``count`` examples with the longest sequences, the first ``count`` if all are as long.
 
     A collator that pads to the longest example in the batch makes the run's peak at its longest
     batch, wherever that falls in the epoch; this is the batch to plan on. An example's length is
     its ``length_column`` where the dataset has that column (Hugging Face's ``group_by_length``
-    convention), else its longest list or tensor. At most 20,000 examples are read, evenly spaced,
-    and fewer where reading takes long (about 2 seconds in all), so a rare longer example can be missed.
+    convention), else the elements of its sequences (``_example_length``: a bare tensor or list of
+    ids, a tuple, a dict, nested). At most 20,000 examples are read, evenly spaced, and fewer where
+    reading takes long (about 2 seconds in all), so a rare longer example can be missed.
+
+    When no example holds a sequence to measure, the first ``count`` are used and a sentence saying
+    so is appended to ``notes`` (for the estimate's notes: the plan rests on an assumption there).
     """
     size = len(dataset)
     if size == 0:
@@ -116,13 +123,19 @@ def longest_examples(dataset: Any, count: int, length_column: str | None = "leng
         lengths = {i: int(value) for i, value in zip(range(0, size, stride), column, strict=True)}
     else:
         lengths = _scanned_lengths(dataset, size)
-    if len(set(lengths.values())) <= 1:
+    found = {i: length for i, length in lengths.items() if length is not None}
+    if not found and notes is not None:
+        notes.append(
+            f"no example length found (the examples hold no tensor or list, e.g. {describe(dataset[0])}): the batch "
+            f"traced is the dataset's first {count} example(s); a longer batch in the epoch would need more memory"
+        )
+    if len(set(found.values())) <= 1:
         return [i % size for i in range(count)]
-    longest = sorted(lengths, key=lambda i: (-lengths[i], i))[:count]  # the earlier of equals first
+    longest = sorted(found, key=lambda i: (-found[i], i))[:count]  # the earlier of equals first
     return [longest[i % len(longest)] for i in range(count)]
 
 
-def _scanned_lengths(dataset: Any, size: int) -> dict[int, int]:
+def _scanned_lengths(dataset: Any, size: int) -> dict[int, int | None]:
     """Lengths of evenly spaced examples: as many as the time of the first reads says fit in the budget."""
     started = time.perf_counter()
     probe = _evenly_spaced(size, min(size, _LENGTH_PROBE))
@@ -139,18 +152,47 @@ def _evenly_spaced(size: int, count: int) -> list[int]:
     return sorted({i * size // count for i in range(count)}) if count else []
 
 
-def _example_length(example: Any) -> int:
-    values = example.values() if isinstance(example, Mapping) else example if isinstance(example, (list, tuple)) else []
-    lengths = [len(v) for v in values if isinstance(v, (list, tuple))]
-    lengths += [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return max(lengths, default=0)
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
 
 
-def batch_examples(dataset: Any, count: int, length_column: str | None = "length") -> list[Any]:
+def _is_scalar(value: Any) -> bool:
+    """One item of a sequence: a number, a string, a 0-d tensor or NumPy scalar."""
+    shape = getattr(value, "shape", None)
+    return isinstance(value, _SCALARS) or (shape is not None and len(shape) == 0)
+
+
+def _example_length(example: Any) -> int | None:
+    """The elements of an example's sequences, ``None`` when it holds none.
+
+    A tensor or array of one or more dimensions counts its elements; a list or tuple of scalars
+    (token ids) its items; a dict, list or tuple of anything else the sum of its parts; a scalar
+    (a label, a 0-d tensor, a string id) nothing. The sum orders examples by how much a padding
+    collator makes of them: ``(ids, labels)`` and ``{"input_ids", "attention_mask"}`` grow with the
+    sequence, an image beside a caption adds the same to every example.
+    """
+    shape = getattr(example, "shape", None)
+    if shape is not None:  # a tensor, or a NumPy-like array
+        return math.prod(shape) if len(shape) > 0 else None
+    if isinstance(example, Mapping):
+        parts = [_example_length(value) for value in example.values()]
+    elif isinstance(example, (list, tuple)):
+        if all(_is_scalar(value) for value in example):
+            return len(example)
+        parts = [_example_length(value) for value in example]
+    else:
+        return None
+    found = [part for part in parts if part is not None]
+    return sum(found) if found else None
+
+
+def batch_examples(
+    dataset: Any, count: int, length_column: str | None = "length", *, notes: list[str] | None = None
+) -> list[Any]:
     """``count`` examples to build the plan's batch from: the longest of a dataset read by index
-    (``longest_examples``), the first of a stream, repeated if it holds fewer."""
+    (``longest_examples``), the first of a stream, repeated if it holds fewer. ``notes`` gets a
+    sentence when the choice rests on no length (a stream, examples without sequences)."""
     if _readable_by_index(dataset):
-        return [dataset[i] for i in longest_examples(dataset, count, length_column)]
+        return [dataset[i] for i in longest_examples(dataset, count, length_column, notes=notes)]
     if iter(dataset) is dataset:
         raise InvalidInputError(
             f"the dataset is a one-shot iterator ({type(dataset).__name__}); reading a batch from it would take "
@@ -159,6 +201,11 @@ def batch_examples(dataset: Any, count: int, length_column: str | None = "length
     examples = list(itertools.islice(iter(dataset), count))  # a stream: its first examples
     if not examples:
         raise InvalidInputError("the dataset is empty: memfit needs examples to build a batch from")
+    if notes is not None:
+        notes.append(
+            f"the dataset is a stream ({type(dataset).__name__}), whose lengths cannot be read ahead: the batch "
+            f"traced is its first {count} example(s); a longer batch later in the epoch would need more memory"
+        )
     return [examples[i % len(examples)] for i in range(count)]
 
 
@@ -169,19 +216,34 @@ def _readable_by_index(dataset: Any) -> bool:
     return hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
 
 
-def longest_batch(loader: DataLoader) -> Any:
+def longest_batch(loader: DataLoader, *, notes: list[str] | None = None) -> Any:
     """One batch as ``loader`` builds it, of the longest examples its dataset holds.
 
     Only a custom ``collate_fn`` can batch examples of different lengths (``default_collate``
     needs equal shapes), so a loader with the default one, an iterable dataset, or a custom batch
-    sampler gives its first batch, as does a dataset that cannot be read by index.
+    sampler gives its first batch, as does a dataset that cannot be read by index. ``notes`` gets a
+    sentence when the batch rests on no length: a first batch where another could be longer, or
+    examples that hold no sequence (``longest_examples``).
     """
     dataset, batch_size = loader.dataset, loader.batch_size
-    if not (isinstance(dataset, IterableDataset) or batch_size is None or loader.collate_fn is default_collate):
+    if loader.collate_fn is default_collate:
+        return next(iter(loader))  # every batch as long as the first
+    if not (isinstance(dataset, IterableDataset) or batch_size is None):
+        found: list[str] = []
         try:
-            examples = [dataset[i] for i in longest_examples(dataset, batch_size, length_column=None)]
+            examples = [dataset[i] for i in longest_examples(dataset, batch_size, length_column=None, notes=found)]
         except (LookupError, TypeError, ValueError, NotImplementedError):  # not readable by position: its first batch
             pass
         else:
+            if notes is not None:
+                notes.extend(found)
             return loader.collate_fn(examples)
+    if notes is not None:
+        how = "a stream" if isinstance(dataset, IterableDataset) else (
+            "batched by its own sampler" if batch_size is None else "not readable by position"
+        )  # fmt: skip
+        notes.append(
+            f"the dataset is {how}, so the batch traced is the loader's first; a longer batch later in the epoch "
+            "would need more memory"
+        )
     return next(iter(loader))
