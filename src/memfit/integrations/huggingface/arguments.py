@@ -100,9 +100,12 @@ def collated_sample(
     batch_size: int,
     data_collator: Any = None,
     processing_class: Any = None,
+    *,
+    notes: list[str] | None = None,
 ) -> Any:
     """One batch as the Trainer would build it (unused columns dropped, the Trainer's default collator),
-    of the longest examples: a collator that pads to the longest in the batch makes its peak there."""
+    of the longest examples: a collator that pads to the longest in the batch makes its peak there.
+    ``notes`` gets a sentence when no length could be found to choose the examples by."""
     if train_dataset is None:
         raise InvalidInputError("train_dataset is None: memfit needs one batch of it to plan")
     if data_collator is None:
@@ -111,7 +114,7 @@ def collated_sample(
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
     with preserved_rng_state():  # random transforms and collators (MLM masking) must not shift the run
-        examples = batch_examples(train_dataset, batch_size, args.length_column_name)
+        examples = batch_examples(train_dataset, batch_size, args.length_column_name, notes=notes)
         if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
             kept = _signature_columns(model, args)
             examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]

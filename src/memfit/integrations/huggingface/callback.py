@@ -273,8 +273,9 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
+        notes: list[str] = []
         with preserved_rng_state():
-            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name))
+            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=notes))
         device = next(model.parameters()).device
         traced = estimate(
             model,
@@ -288,10 +289,10 @@ class MemoryPlannerCallback(TrainerCallback):
             ddp=ddp_config(args, model),
         )
         if sharded_by := sharding(args):
-            traced = dataclasses.replace(traced, notes=(*traced.notes, f"{sharded_by}: {SHARDING_NOT_MODELLED}"))
+            notes.append(f"{sharded_by}: {SHARDING_NOT_MODELLED}")
             self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
                        f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
-        self.estimate = traced
+        self.estimate = traced = dataclasses.replace(traced, notes=(*traced.notes, *notes)) if notes else traced
         self.monitor = RunMonitor.start(
             device,
             predicted_allocated_bytes=traced.peak_allocated_bytes,

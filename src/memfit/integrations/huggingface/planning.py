@@ -96,15 +96,18 @@ def plan_training_arguments(
     budget_bytes = parse_budget(budget)
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     device = run_device(args)
-    sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class)
+    sample_notes: list[str] = []
+    sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
+                             notes=sample_notes)  # fmt: skip
     optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
 
     def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-        return estimate(
+        traced = estimate(
             model, sample, optimizer=optimizer, precision=precision, device=device.type, ddp=ddp, batch_size=micro,
             gradient_checkpointing=checkpointing, accumulation_steps=accumulation_steps,
             extra_batches=held_batches(accumulation_steps, device),
         )  # fmt: skip
+        return dataclasses.replace(traced, notes=(*traced.notes, *sample_notes)) if sample_notes else traced
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = device.type == "cuda" and budget_bytes is not None

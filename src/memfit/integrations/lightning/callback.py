@@ -215,6 +215,7 @@ class MemoryPlannerBase:
         self._hparams_logged = False
         self._closure_finished = False
         self._warned: set[str] = set()
+        self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -289,6 +290,7 @@ class MemoryPlannerBase:
             raise InvalidInputError(f"memfit plans CUDA and CPU runs; this one runs on {device.type}")
         if not getattr(pl_module, "automatic_optimization", True):
             raise InvalidInputError("manual optimization is not traced yet; use mode='observe' or plan by hand")
+        self._sample_notes = []
         sample = self.sample if self.sample is not None else self._sample_batch(trainer)
         configured = self._configured_batch(pl_module) or (infer_batch_size(sample) if not callable(sample) else None)
         if configured is None:
@@ -346,12 +348,14 @@ class MemoryPlannerBase:
         zero_grad = "after_step" if self.on_oom == "replan" else "before_backward"
 
         def trace_at(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
-            return estimate(
+            traced = estimate(
                 pl_module, sample, optimizer=optimizer, precision=precision, device=device.type, batch_size=micro,
                 gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
                 forward_fn=forward, loss_fn=_loss_of_training_step, zero_grad=zero_grad, ddp=ddp,
                 accumulation_steps=accumulation, extra_batches=batches_held(accumulation, self.on_oom),
             )  # fmt: skip
+            notes = self._sample_notes
+            return dataclasses.replace(traced, notes=(*traced.notes, *notes)) if notes else traced
 
         return trace_at
 
@@ -464,7 +468,7 @@ class MemoryPlannerBase:
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
         with preserved_rng_state():  # taking a batch must not shift the run's shuffling
-            return longest_batch(loader)
+            return longest_batch(loader, notes=self._sample_notes)
 
     def _configured_batch(self, pl_module: Any) -> int | None:
         parsing = self._pl.utilities.parsing
