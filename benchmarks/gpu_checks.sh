@@ -5,8 +5,8 @@
 #   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh accuracy largest_batch readme   # those families only
 #   COPY_RESULTS_TO=/some/dir bash benchmarks/gpu_checks.sh loops   # results also copied there, even if a step dies
 # Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch, and readme, which
-# renders the README's accuracy section from the result files (no GPU work; run it last).
-# Raw results land in benchmarks/results/ (commit them with the README). Each step is independent: a failure is
+# renders docs/accuracy.md's figures and the README's accuracy status from the result files (no GPU work; run it
+# last). Raw results land in benchmarks/results/ (commit them with docs/accuracy.md and README.md). Each step is independent: a failure is
 # reported and the next step still runs.
 set -u
 cd "$(dirname "$0")/.."

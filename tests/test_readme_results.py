@@ -1,4 +1,5 @@
-"""The README's accuracy figures are the committed result files, rendered; nothing is copied by hand."""
+"""The accuracy figures of docs/accuracy.md and the README are the committed result files, rendered; nothing is
+copied by hand."""
 
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def test_a_result_file_changed_without_the_readme_fails_the_check(
     path.write_text(json.dumps(data))
     assert readme.main(["--check", "--results", str(results)]) == 1
     assert "--write" in capsys.readouterr().err
-    rendered = readme.render(readme.README.read_text(), results)
+    rendered = readme.render(readme.DOC.read_text(), results)
     assert f"{data['summary']['peak_error_pct']['max_abs']:.3f} %" in rendered
 
 
 def test_a_gpu_run_replaces_the_pending_lines(tmp_path: Path) -> None:
     results = _results_copy(tmp_path)
     assert not (results / "accuracy-gpu.json").exists()
-    pending = readme.render(readme.README.read_text(), results)
+    pending = readme.render(readme.DOC.read_text(), results)
     assert "**GPU: still to be measured.**" in pending
 
     def row(config: str, reserved_error: float | None) -> dict:
@@ -59,7 +60,7 @@ def test_a_gpu_run_replaces_the_pending_lines(tmp_path: Path) -> None:
     assert table["gpt2"] == "| gpt2 | 2 (1 not measured) | 1.000 % | 1.500 % | 2.000 % | 3.000 % | - | - |"
     assert table["vit"] == "| vit | 1 | 0.250 % | 0.250 % | 0.500 % | 0.500 % | - | - |"
     assert table["**all**"] == "| **all** | 3 (1 not measured) | 0.500 % | 1.500 % | 1.000 % | 3.000 % | - | - |"
-    written = readme.render(readme.README.read_text(), results)
+    written = readme.render(readme.DOC.read_text(), results)
     assert "**GPU: still to be measured.**" not in written and table["gpt2"] in written
 
 
@@ -78,6 +79,52 @@ def test_measured_trace_zoo_rows_show_their_errors(tmp_path: Path) -> None:
 
 
 def test_a_readme_without_a_block_is_refused() -> None:
-    text = readme.README.read_text().replace("<!-- results: speed -->", "")
+    text = readme.DOC.read_text().replace("<!-- results: speed -->", "")
     with pytest.raises(ValueError, match="results: speed"):
         readme.render(text)
+
+
+def test_the_readme_status_follows_the_result_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = _results_copy(tmp_path)
+    status = readme.render(readme.README.read_text(), results, readme.README_BLOCKS)
+    assert status == readme.README.read_text()  # the committed README shows the committed files
+    path = results / "accuracy-cpu.json"
+    data = json.loads(path.read_text())
+    data["summary"]["peak_error_pct"]["median_abs"] += 1.0
+    path.write_text(json.dumps(data))
+    assert readme.main(["--check", "--results", str(results)]) == 1
+    assert "README.md" in capsys.readouterr().err
+    rendered = readme.render(readme.README.read_text(), results, readme.README_BLOCKS)
+    assert f"within {data['summary']['peak_error_pct']['median_abs']:.3f} %" in rendered
+    assert "**GPU:** still to be measured" in rendered
+
+    rows = [{"config": "gpt2 fp32 adamw b8", "measured_peak_reserved_bytes": 1, "reserved_error_pct": -2.0},
+            {"config": "vit fp32 adamw b8", "measured_peak_reserved_bytes": 1, "reserved_error_pct": 4.0},
+            {"config": "vit x b8", "error": "Traceback"}]  # fmt: skip
+    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu128", "date": "2026-12-01"}
+    (results / "accuracy-gpu.json").write_text(json.dumps({"meta": meta, "summary": {}, "rows": rows}))
+    gpu_line = readme.status(results)[1]
+    assert "still to be measured" not in gpu_line
+    assert (
+        "NVIDIA H100 80GB HBM3" in gpu_line
+        and "within 3.000 %" in gpu_line
+        and "of 2 runs (4.000 % at worst)" in gpu_line
+    )
+
+
+def test_the_depth_extrapolation_table_is_the_result_file(tmp_path: Path) -> None:
+    results = _results_copy(tmp_path)
+    data = json.loads((results / "depth_extrapolation.json").read_text())
+    lines = readme.depth_extrapolation(results)
+    table = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert len(table) == len(data["rows"])
+    for line, row in zip(table, data["rows"], strict=True):
+        assert line.startswith(f"| {row['model']} | {row['depth']} |")
+        assert f"{row['reserved_error_pct']:+.3f} %" in line
+        assert line.endswith(f"| {row['exact_seconds']:.2f} / {row['extrapolated_seconds']:.2f} |")
+
+
+def test_a_readme_without_its_status_block_is_refused() -> None:
+    text = readme.README.read_text().replace("<!-- results: status -->", "")
+    with pytest.raises(ValueError, match="results: status"):
+        readme.render(text, blocks=readme.README_BLOCKS)

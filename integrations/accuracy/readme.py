@@ -1,13 +1,14 @@
-"""The README's accuracy figures, rendered from the committed result files and nothing else.
+"""The accuracy figures of the docs, rendered from the committed result files and nothing else.
 
     python -m integrations.accuracy.readme            # print the generated blocks
-    python -m integrations.accuracy.readme --write    # rewrite them in README.md from benchmarks/results/
-    python -m integrations.accuracy.readme --check    # exit 1 if README.md differs (the test suite runs it)
+    python -m integrations.accuracy.readme --write    # rewrite them in docs/accuracy.md and README.md
+    python -m integrations.accuracy.readme --check    # exit 1 if either differs (the test suite runs it)
 
-Each block stands in README.md between ``<!-- results: NAME -->`` and ``<!-- end results: NAME -->``
-and is replaced whole. A result file that does not exist yet (the GPU ones, until a GPU run is
-committed) renders as a line that says so and names the command that measures it; after
-``bash benchmarks/gpu_checks.sh ...`` on a GPU, ``--write`` puts its tables in.
+Each block stands between ``<!-- results: NAME -->`` and ``<!-- end results: NAME -->`` and is replaced
+whole: the result tables in docs/accuracy.md, and the two-line accuracy status in README.md. A
+result file that does not exist yet (the GPU ones, until a GPU run is committed) renders as a line
+that says so and names the command that measures it; after ``bash benchmarks/gpu_checks.sh ...`` on a
+GPU, ``--write`` puts its tables in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from memfit import format_bytes
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOC = ROOT / "docs" / "accuracy.md"
 _METHOD_NAMES = {
     "memfit": "memfit",
     "lightning_binsearch": "BatchSizeFinder binsearch",
@@ -329,6 +331,81 @@ def speed(results: Path) -> list[str]:
     ]
 
 
+# --------------------------------------------------------------------------- depth extrapolation
+
+
+def depth_extrapolation(results: Path) -> list[str]:
+    data = _load("depth_extrapolation.json", results)
+    if data is None:
+        return ["**Depth extrapolation: not measured yet.** `python benchmarks/depth_extrapolation.py`."]
+    rows = [
+        [
+            row["model"],
+            str(row["depth"]),
+            "on" if row["checkpointing"] else "off",
+            _pct(row["allocated_error_pct"], True, digits=3),
+            _pct(row["reserved_error_pct"], True, digits=3),
+            _pct(row["timeline_peak_error_pct"], True, digits=3),
+            f"{row['exact_seconds']:.2f} / {row['extrapolated_seconds']:.2f}",
+        ]
+        for row in data["rows"]
+    ]
+    settings = sorted({f"batch {row['batch']}" for row in data["rows"]})
+    return [
+        f"**Depth extrapolation** (`python benchmarks/depth_extrapolation.py`, "
+        f"`benchmarks/results/depth_extrapolation.json`; {data['cpus']}-core CPU, torch {data['torch']}; sequence "
+        f"{data['seq_len']}, {', '.join(settings)}, bf16-mixed AdamW): the peak extrapolated from traces at 2 and 4 "
+        "blocks against a trace of the whole model, error = (extrapolated - whole) / whole, and the seconds each "
+        "took on this machine.",
+        "",
+        *_table(
+            [
+                "model",
+                "blocks",
+                "checkpointing",
+                "allocated error",
+                "reserved error",
+                "timeline peak error",
+                "seconds: whole / extrapolated",
+            ],
+            rows,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- README.md: the status in two lines
+
+
+def status(results: Path) -> list[str]:
+    """Two lines for the README: what is measured on CPU, and what on a GPU (or that it is still to be)."""
+    cpu, loops = _load("accuracy-cpu.json", results), _load("training_loop-cpu.json", results)
+    if cpu is None or loops is None:
+        first = (
+            "**CPU:** not measured yet (`python -m integrations.accuracy.run` and "
+            "`python -m integrations.accuracy.loops`)."
+        )
+    else:
+        peaks = cpu["summary"]["peak_error_pct"]
+        within = max(abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) for row in loops["rows"])
+        first = (
+            f"**CPU:** the traced peak is within {_pct(peaks['median_abs'], digits=3)} of PyTorch's `MemTracker` at "
+            f"the median of {peaks['n']} runs ({_pct(peaks['max_abs'], digits=3)} at worst), and "
+            f"{len(loops['rows'])} real training loops (Lightning, the HF Trainer, DDP, hand-written) peak within "
+            f"{within} bytes of memfit's prediction."
+        )
+    gpu = _load("accuracy-gpu.json", results)
+    if gpu is None:
+        second = "**GPU:** still to be measured; no GPU figure is published before its result file is committed."
+    else:
+        measured = [row for row in gpu["rows"] if row.get("measured_peak_reserved_bytes") is not None]
+        median, worst = _error_stats(measured, "reserved_error_pct")
+        second = (
+            f"**GPU** ({gpu['meta'].get('device', 'CUDA')}): the predicted `max_memory_reserved` is within {median} "
+            f"of the measured one at the median of {len(measured)} runs ({worst} at worst)."
+        )
+    return [f"- {first}", f"- {second} Every figure and how it is measured: [docs/accuracy.md](docs/accuracy.md)."]
+
+
 BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "gpu-accuracy": gpu_accuracy,
     "trace-zoo-gpu": trace_zoo_gpu,
@@ -337,16 +414,23 @@ BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "training-loops-cpu": lambda results: training_loops(results, "cpu"),
     "training-loops-gpu": lambda results: training_loops(results, "gpu"),
     "speed": speed,
+    "depth-extrapolation": depth_extrapolation,
 }
+README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {"status": status}
 
 
-def render(text: str, results: Path = RESULTS) -> str:
-    """``text`` with every generated block rendered anew from ``results``; a block missing from
-    ``text`` is an error, so a README edit cannot silently drop one."""
-    for name, build in BLOCKS.items():
+def targets() -> dict[Path, dict[str, Callable[[Path], list[str]]]]:
+    """Each file with the blocks it must hold (read at call time, so tests may point DOC and README elsewhere)."""
+    return {DOC: BLOCKS, README: README_BLOCKS}
+
+
+def render(text: str, results: Path = RESULTS, blocks: dict[str, Callable[[Path], list[str]]] | None = None) -> str:
+    """``text`` with every generated block rendered anew from ``results`` (default: docs/accuracy.md's
+    blocks); a block missing from ``text`` is an error, so an edit cannot silently drop one."""
+    for name, build in (BLOCKS if blocks is None else blocks).items():
         pattern = re.compile(rf"(<!-- results: {name} -->\n).*?(<!-- end results: {name} -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"README.md has no block '<!-- results: {name} -->' ... '<!-- end results: {name} -->'")
+            raise ValueError(f"no block '<!-- results: {name} -->' ... '<!-- end results: {name} -->'")
         body = "\n".join(build(results))
         text = pattern.sub(lambda match, body=body: f"{match.group(1)}{body}\n{match.group(2)}", text)
     return text
@@ -355,23 +439,30 @@ def render(text: str, results: Path = RESULTS) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the blocks in README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is not what --write makes")
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks in docs/accuracy.md and README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a file is not what --write makes")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the result files (default benchmarks/results)")
     args = parser.parse_args(argv)
     if not args.write and not args.check:
-        for name, build in BLOCKS.items():
-            print(f"<!-- results: {name} -->\n" + "\n".join(build(args.results)) + "\n")
+        for blocks in targets().values():
+            for name, build in blocks.items():
+                print(f"<!-- results: {name} -->\n" + "\n".join(build(args.results)) + "\n")
         return 0
-    current = README.read_text()
-    fresh = render(current, args.results)
-    if args.write:
-        README.write_text(fresh)
-        print(f"{'rewrote' if fresh != current else 'kept'} {README}")
-        return 0
-    if fresh != current:
+    stale = []
+    for path, blocks in targets().items():
+        current = path.read_text()
+        try:
+            fresh = render(current, args.results, blocks)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+        if args.write:
+            path.write_text(fresh)
+            print(f"{'rewrote' if fresh != current else 'kept'} {path}")
+        elif fresh != current:
+            stale.append(path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path))
+    if stale:
         print(
-            "README.md's result blocks differ from benchmarks/results/: run "
+            f"the result blocks of {', '.join(stale)} differ from benchmarks/results/: run "
             "`python -m integrations.accuracy.readme --write` and commit",
             file=sys.stderr,
         )
