@@ -123,7 +123,9 @@ def test_on_a_gpu_the_plan_moves_the_collection_off_the_device_in_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Planned for a CUDA GPU (traced with CUDA's semantics on this CPU): the most batches that fit."""
-    monkeypatch.setattr(hf, "_run_device", lambda args: torch.device("cuda"))
+    import memfit.integrations.huggingface.planning as hf_planning
+
+    monkeypatch.setattr(hf_planning, "run_device", lambda args: torch.device("cuda"))
     model, train, evaluation = _Classifier(), classifier_rows(512), classifier_rows(EVAL_BATCH * 128)
     args = classifier_args(tmp_path)
     roomy = hf.plan_training_arguments(model, args, train, budget="80GiB", eval_dataset=evaluation,

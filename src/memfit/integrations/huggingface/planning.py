@@ -38,7 +38,8 @@ PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back
 
 
 class PlannedArguments(NamedTuple):
-    """``TrainingArguments`` with the plan applied, the plan, the estimate behind it, and the predicted
+    """``TrainingArguments`` with the plan applied, the plan, the estimate of the step as configured
+    (the plan's search starts from it; ``plan.predicted_*`` are the planned step's), and the predicted
     evaluation pass (``None`` without an ``eval_dataset``)."""
 
     args: TrainingArguments
@@ -147,7 +148,7 @@ def plan_training_arguments(
                 *chosen.reasons, f"eval_accumulation_steps={flush_every}: the outputs collected for compute_metrics "
                 "move to the CPU before they fill the GPU",
             ))  # fmt: skip
-    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation)
+    return PlannedArguments(dataclasses.replace(args, **changes), chosen, session.baseline, evaluation)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:
