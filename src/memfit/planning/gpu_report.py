@@ -12,7 +12,7 @@ from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
-from memfit.prediction.host import HostEstimate, estimate_host
+from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.ddp import DDPConfig
@@ -212,9 +212,8 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
     batch = spec.sample(micro)
     tensors = list(batch.values()) if isinstance(batch, dict) else [t for t in batch if hasattr(t, "numel")]
     batch_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "adafactor": 1}.get(optimizer, 0)
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-    offload = trainable * 4 * states if offload_optimizer and not inference else 0
+    offload = offloaded_optimizer_bytes(optimizer, trainable) if offload_optimizer and not inference else 0
     return estimate_host(weights_bytes=weights, batch_bytes=batch_bytes, num_workers=num_workers,
                          prefetch_factor=prefetch_factor, pin_memory=pin_memory, offload_bytes=offload,
                          local_machine=True)  # fmt: skip

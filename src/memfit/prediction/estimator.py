@@ -217,7 +217,7 @@ def estimate(
             and dtypes are used; tensors whose first dimension is the batch size are resized.
         optimizer: an optimizer instance over ``model``'s parameters, an optimizer class or factory
             (called with the parameters and ``optimizer_kwargs``), a name (``"adamw"``, ``"sgd"``,
-            ``"sgd-momentum"``, ``"adam"``, ``"adafactor"``, ...), or ``None`` for no optimizer.
+            ``"sgd-momentum"``, ``"adam"``, ... : ``memfit.tracing.optimizers.OPTIMIZER_NAMES``), or ``None``.
         precision: ``"fp32"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"fp16"``/``"16-true"``,
             ``"bf16"``/``"bf16-true"``.
         gradient_checkpointing: trace with activation checkpointing; Hugging Face models use their
