@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from memfit import Category, Phase, Precision
+from memfit import Category, Phase, Precision, Target
 from memfit.cli.main import main
 from memfit.planning.gpu_report import GpuPlan, PlanReport
 from memfit.planning.planner import Plan
@@ -220,7 +220,7 @@ def test_depth_extrapolation_follows_the_full_trace() -> None:
     def traced(layers: int) -> MemoryEstimate:
         spec = from_hf_config("llama-3-8b", seq_len=128, layers=layers)
         (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=1,
-                                          precision="bf16-mixed", device="cuda")  # fmt: skip
+                                          precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
         return result
 
     deeper = traced(4)
