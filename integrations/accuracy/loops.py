@@ -52,11 +52,12 @@ def square_loss(output: torch.Tensor, _batch: object) -> torch.Tensor:
     return output.square().mean()
 
 
-def predicted(device: str = "cpu", **loop: Any) -> memfit.MemoryEstimate:
-    """memfit's estimate of the MLP's step with plain SGD, in the loop ``loop`` describes (``TrainingLoop`` fields)."""
+def predicted(device: str = "cpu", *, inference: bool = False, **loop: Any) -> memfit.MemoryEstimate:
+    """memfit's estimate of the MLP's step with plain SGD (or its forward pass), in the loop ``loop`` describes
+    (``TrainingLoop`` fields)."""
     return memfit.estimate(
         mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", loss_fn=square_loss, loop=memfit.TrainingLoop(**loop),
-        target=memfit.Target(device),
+        target=memfit.Target(device), inference=inference,
     )  # fmt: skip
 
 
