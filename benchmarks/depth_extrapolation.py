@@ -24,6 +24,7 @@ from memfit.planning.gpu_report import EXTRAPOLATION_DEPTHS, model_depth
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.presets import from_hf_config
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.config import Target
 from memfit.units import format_bytes
 
 PRESETS = ["gpt2", "bert-base", "t5-base", "vit-base", "qwen2.5-7b", "llama-3-8b"]
@@ -35,7 +36,7 @@ def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing
     started = time.perf_counter()
     (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
                                       batch_size=batch, precision="bf16-mixed", optimizer="adamw",
-                                      gradient_checkpointing=checkpointing, device="cuda")  # fmt: skip
+                                      gradient_checkpointing=checkpointing, target=Target("cuda"))  # fmt: skip
     return result, time.perf_counter() - started, spec
 
 

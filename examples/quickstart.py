@@ -34,8 +34,9 @@ def main() -> None:
 
     def traced(micro: int, checkpointing: bool, accumulation: int = 1) -> memfit.MemoryEstimate:
         return memfit.estimate(
-            model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda",
-            batch_size=micro, gradient_checkpointing=checkpointing, accumulation_steps=accumulation,
+            model, sample, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"),
+            batch_size=micro, gradient_checkpointing=checkpointing,
+            loop=memfit.TrainingLoop(accumulation_steps=accumulation),
         )  # fmt: skip
 
     try:

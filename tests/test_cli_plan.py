@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from memfit import Category, Phase, Precision
+from memfit import Category, Phase, Precision, Target
 from memfit.cli.main import main
 from memfit.planning.gpu_report import GpuPlan, PlanReport
 from memfit.planning.planner import Plan
@@ -193,6 +193,30 @@ def test_host_estimate_rules() -> None:
     assert local.available_bytes and local.fits is True and local.batches_bytes == 1
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rmsprop", "adamw", "sgd"])
+def test_host_offload_line_counts_the_registry_state(optimizer: str) -> None:
+    """The offloaded state is the formula tier's fp32 state (one registry): adagrad and rmsprop keep one state."""
+    from memfit.prediction.formula import estimate_from_counts
+    from memfit.prediction.host import offloaded_optimizer_bytes
+
+    formula = estimate_from_counts(parameters=1000, precision="fp32", optimizer=optimizer)
+    assert offloaded_optimizer_bytes(optimizer, 1000) == formula.optimizer_state_bytes
+    assert (offloaded_optimizer_bytes(optimizer, 1000) > 0) == (optimizer != "sgd")
+
+
+def test_plan_host_line_offloads_adagrad_state(capsys: pytest.CaptureFixture[str]) -> None:
+    from memfit.prediction.formula import estimate_from_counts
+
+    spec = from_hf_config("gpt2", seq_len=32, layers=1)
+    trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--budget", "2GiB",
+                 "--optimizer", "adagrad", "--offload-optimizer", "--json"])  # fmt: skip
+    assert code == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    fp32_state = estimate_from_counts(parameters=trainable, precision="fp32", optimizer="adagrad")
+    assert host["offload_bytes"] == fp32_state.optimizer_state_bytes > 0
+
+
 def test_depth_extrapolation_follows_the_full_trace() -> None:
     from memfit.prediction.estimator import estimate_for_runtimes, extrapolate_depth
     from memfit.simulation.runtime import CudaRuntime
@@ -200,7 +224,7 @@ def test_depth_extrapolation_follows_the_full_trace() -> None:
     def traced(layers: int) -> MemoryEstimate:
         spec = from_hf_config("llama-3-8b", seq_len=128, layers=layers)
         (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=1,
-                                          precision="bf16-mixed", device="cuda")  # fmt: skip
+                                          precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
         return result
 
     deeper = traced(4)

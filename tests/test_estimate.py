@@ -300,3 +300,62 @@ def test_value_free_loss_from_output_dict_and_tuple() -> None:
         loss_fn=lambda out, batch: F.mse_loss(out, torch.zeros_like(out)),
     )
     assert estimate.batch_size == 4
+
+
+def _mlp_step(**kwargs: object) -> memfit.MemoryEstimate:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return memfit.estimate(model, torch.randn(4, 16), optimizer="sgd", loss_fn=lambda out, _b: out.sum(), **kwargs)
+
+
+def test_training_loop_and_target_objects_give_what_the_keywords_give() -> None:
+    by_objects = _mlp_step(
+        loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=2, extra_batches=1),
+        target=memfit.Target("cpu"),
+    )
+    by_keywords = _mlp_step(zero_grad="before_backward", accumulation_steps=2, extra_batches=1, device="cpu")
+    assert by_objects.to_dict() | {"trace_seconds": 0} == by_keywords.to_dict() | {"trace_seconds": 0}
+    assert by_objects.loop == memfit.TrainingLoop("before_backward", 2, 1)
+    assert by_objects.device == "cpu" and by_objects.accumulation_steps == 2
+    assert _mlp_step().loop == memfit.TrainingLoop() and _mlp_step().device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"loop": memfit.TrainingLoop(), "accumulation_steps": 2}, ["loop=", "accumulation_steps="]),
+        ({"loop": memfit.TrainingLoop(), "ddp": False, "zero_grad": "after_step"}, ["loop=", "ddp=", "zero_grad="]),
+        ({"target": memfit.Target("cpu"), "device": "cpu"}, ["target=", "device="]),
+        ({"target": memfit.Target(), "cuda_runtime": memfit.CudaRuntime()}, ["target=", "cuda_runtime="]),
+    ],
+)
+def test_a_setting_given_both_as_keyword_and_in_its_object_is_refused(kwargs: dict, names: list[str]) -> None:
+    with pytest.raises(memfit.InvalidInputError) as error:
+        _mlp_step(**kwargs)
+    assert all(name in str(error.value) for name in names)
+
+
+def test_the_settings_objects_check_their_fields_when_built() -> None:
+    assert memfit.TrainingLoop(ddp=True).ddp == memfit.DDPConfig()
+    assert memfit.TrainingLoop(ddp=False).ddp is None
+    assert memfit.Target(torch.device("cpu")) == memfit.Target("cpu")
+    with pytest.raises(memfit.InvalidInputError, match="zero_grad must be one of"):
+        memfit.TrainingLoop(zero_grad="never")  # type: ignore[arg-type]
+    with pytest.raises(memfit.InvalidInputError, match="extra_batches must be a non-negative integer"):
+        memfit.TrainingLoop(extra_batches=-1)
+    with pytest.raises(memfit.InvalidInputError, match="device must be 'cuda' or 'cpu'"):
+        memfit.Target("meta")
+    with pytest.raises(memfit.InvalidInputError, match="CudaRuntime"):
+        memfit.Target(runtime=(9, 0))  # type: ignore[arg-type]
+    with pytest.raises(memfit.InvalidInputError, match="TrainingLoop"):
+        _mlp_step(loop={"accumulation_steps": 2})
+
+
+def test_a_forward_only_estimate_says_so_in_its_inference_flag() -> None:
+    forward = _mlp_step(inference=True, loop=memfit.TrainingLoop(accumulation_steps=4, extra_batches=1))
+    training = _mlp_step()
+    assert forward.inference and not training.inference
+    assert forward.to_dict()["inference"] is True and forward.optimizer == "none"
+    assert forward.loop == memfit.TrainingLoop(extra_batches=1)  # of the loop only the batches held apply
+    memfit.evaluation_peak(training, forward)
+    with pytest.raises(memfit.InvalidInputError, match="forward-only"):
+        memfit.evaluation_peak(training, training)

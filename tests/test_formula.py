@@ -6,12 +6,17 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
+import memfit
+from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
 from memfit.precision import Precision
 from memfit.prediction.formula import OPTIMIZERS, FormulaEstimate, estimate_from_counts, normalize_optimizer
+from memfit.tracing.optimizers import optimizer_info
 from memfit.units import MiB, format_bytes
 
 COMPONENT_KEYS = [
@@ -109,6 +114,8 @@ def test_precision_rules(precision: str) -> None:
         ("adam", 8, 4),
         ("adamw", 8, 4),
         ("adafactor", 4, 4),
+        ("adagrad", 4, 2),
+        ("rmsprop", 4, 2),
         ("adam-8bit", 2, 2),
     ],
 )
@@ -121,7 +128,34 @@ def test_optimizer_state_per_trainable_parameter(optimizer: str, fp32_bytes: int
 
 
 def test_every_canonical_optimizer_is_covered() -> None:
-    assert set(OPTIMIZERS) == {"none", "sgd", "sgd-momentum", "adam", "adamw", "adafactor", "adam-8bit"}
+    assert set(OPTIMIZERS) == {
+        "none", "sgd", "sgd-momentum", "adam", "adamw", "adafactor", "adagrad", "rmsprop", "adam-8bit"
+    }  # fmt: skip
+
+
+# The trace counts each parameter's step counter (a scalar tensor) as optimizer state; the formula does not.
+_STEP_COUNTER_BYTES = torch.tensor(0.0).element_size()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_formula_state_agrees_with_the_trace(name: str, precision: str) -> None:
+    """Every registered optimizer: the formula's state bytes are what two traced steps keep as optimizer state."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    parameters = sum(p.numel() for p in model.parameters())
+    formula = estimate_from_counts(parameters=parameters, precision=precision, optimizer=name).optimizer_state_bytes
+    info = optimizer_info(name)
+    if info.untraceable is not None:
+        with pytest.raises(InvalidInputError, match="estimate_from_counts"):
+            memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision, device="cpu")
+        assert formula == parameters * info.state_bytes(2 if precision == "bf16-true" else 4)
+        return
+    traced = memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision, device="cpu",
+                             loss_fn=lambda out, _batch: out.sum())  # fmt: skip
+    last_step = [p for p in traced.phases if p.phase is Phase.OPTIMIZER][-1]
+    state = last_step.breakdown.get(Category.OPTIMIZER_STATE, 0)
+    assert formula <= state <= formula + _STEP_COUNTER_BYTES * len(list(model.parameters()))
+    assert (state > 0) == (info.state_bytes(4) > 0)
 
 
 @pytest.mark.parametrize(

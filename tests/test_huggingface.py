@@ -195,7 +195,7 @@ def test_callback_without_a_plan_observes_and_warns_on_mismatch(tmp_path: Path) 
     model, data = tiny_gpt2(), Tokens()
     args = training_args(tmp_path, max_steps=2)
     other_plan = plan_training_arguments(model, args, data, budget="1GiB").plan
-    mismatched = memfit.Plan(**{**other_plan.to_dict(), "micro_batch_size": 5, "reasons": ()})
+    mismatched = dataclasses.replace(other_plan, micro_batch_size=5, reasons=())
     with pytest.warns(UserWarning, match="not the planned 5"):
         Trainer(model=model, args=args, train_dataset=data, callbacks=[MemoryPlannerCallback(plan=mismatched)])
     callback = MemoryPlannerCallback()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -222,7 +223,8 @@ def test_plan_on_a_real_trace() -> None:
     import zoo
 
     case = zoo.gpt2_case(batch=4, seq=128)
-    estimate = memfit.estimate(case.model, case.batch, accumulation_steps=4)  # the loop the plan will run
+    loop = memfit.TrainingLoop(accumulation_steps=4)  # the loop the plan will run
+    estimate = memfit.estimate(case.model, case.batch, loop=loop)
     capacity = estimate.at(3).device_bytes + 1
     chosen = plan(estimate, capacity, margin=0.0, target_batch_size=12)
     assert chosen.largest_micro_batch == 3
@@ -238,7 +240,7 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
 
     case = zoo.gpt2_case(batch=4, seq=128)
     plain = memfit.estimate(case.model, case.batch)
-    accumulating = memfit.estimate(case.model, case.batch, accumulation_steps=4)
+    accumulating = memfit.estimate(case.model, case.batch, loop=memfit.TrainingLoop(accumulation_steps=4))
     assert plain.gradient_bytes > 0
     assert accumulating.at(3).allocated_bytes > plain.at(3).allocated_bytes  # what the loop adds
     capacity = accumulating.at(3).device_bytes + 1
@@ -254,7 +256,8 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
 
     def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
         calls.append((micro, accumulation))
-        return memfit.estimate(case.model, case.batch, batch_size=micro, accumulation_steps=accumulation)
+        loop = memfit.TrainingLoop(accumulation_steps=accumulation)
+        return memfit.estimate(case.model, case.batch, batch_size=micro, loop=loop)
 
     confirmed = plan(plain, capacity, margin=0.0, target_batch_size=12, confirm=confirm)
     assert calls[-1] == (confirmed.micro_batch_size, confirmed.accumulate_grad_batches) and calls[-1][1] > 1
@@ -294,3 +297,22 @@ def test_a_split_whose_confirmation_does_not_fit_falls_back_to_checkpointing() -
     assert any("does not fit once traced at its size; checkpointing" in reason for reason in chosen.reasons)
     with pytest.raises(InsufficientMemoryError, match="a trace at that size predicts"):
         plan(optimistic, 11 * GiB // 2, margin=0.0, target_batch_size=8, allow_checkpointing=False, confirm=confirm)
+
+
+def test_plan_from_dict_is_the_inverse_of_to_dict() -> None:
+    chosen = plan(linear_estimate(4 * GiB, 1 * GiB), 16 * GiB, target_batch_size=24, world_size=2)
+    data = chosen.to_dict()
+    assert memfit.Plan.from_dict(data) == chosen
+    assert memfit.Plan.from_dict(json.loads(json.dumps(data))) == chosen  # as a checkpoint stores it
+    assert memfit.Plan.from_dict(data).to_dict() == data
+    with pytest.raises(InvalidInputError, match="micro_batch_size"):
+        memfit.Plan.from_dict({k: v for k, v in data.items() if k != "micro_batch_size"})
+    with pytest.raises(InvalidInputError, match="headroom"):
+        memfit.Plan.from_dict({**data, "headroom": 1})
+
+
+def test_with_reason_adds_one_reason_and_keeps_the_rest() -> None:
+    chosen = plan(linear_estimate(4 * GiB, 1 * GiB), 16 * GiB)
+    restored = chosen.with_reason("restored from the checkpoint")
+    assert restored.reasons == (*chosen.reasons, "restored from the checkpoint")
+    assert {**restored.to_dict(), "reasons": None} == {**chosen.to_dict(), "reasons": None}

@@ -52,11 +52,13 @@ def square_loss(output: torch.Tensor, _batch: object) -> torch.Tensor:
     return output.square().mean()
 
 
-def predicted(device: str = "cpu", **loop: Any) -> memfit.MemoryEstimate:
-    """memfit's estimate of the MLP's step with plain SGD, in the loop ``loop`` describes."""
+def predicted(device: str = "cpu", *, inference: bool = False, **loop: Any) -> memfit.MemoryEstimate:
+    """memfit's estimate of the MLP's step with plain SGD (or its forward pass), in the loop ``loop`` describes
+    (``TrainingLoop`` fields)."""
     return memfit.estimate(
-        mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", device=device, loss_fn=square_loss, **loop
-    )
+        mlp(), torch.randn(BATCH, WIDTH), optimizer="sgd", loss_fn=square_loss, loop=memfit.TrainingLoop(**loop),
+        target=memfit.Target(device), inference=inference,
+    )  # fmt: skip
 
 
 def hand_loop(
@@ -334,7 +336,8 @@ def hf_train_variable_lengths(
     def first_batch() -> memfit.MemoryEstimate:
         extra = held_batches(1, torch.device(device))
         first = pad_to_longest(rows[:8])
-        return memfit.estimate(small_gpt2(), first, device=device, optimizer="sgd", extra_batches=extra)
+        return memfit.estimate(small_gpt2(), first, optimizer="sgd", loop=memfit.TrainingLoop(extra_batches=extra),
+                               target=memfit.Target(device))  # fmt: skip
 
     return train, callback, first_batch
 

@@ -21,6 +21,7 @@ from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
 from memfit.prediction.formula import FormulaEstimate, estimate_from_counts
 from memfit.simulation.replay import PhasePeak
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.units import format_bytes, parse_bytes
 
@@ -46,7 +47,9 @@ __all__ = [
     "PhasePeak",
     "Plan",
     "Precision",
+    "Target",
     "TraceError",
+    "TrainingLoop",
     "UnrecoverableOutOfMemoryError",
     "ValueDependentError",
     "__version__",

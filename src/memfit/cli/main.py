@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
+from memfit.tracing.optimizers import OPTIMIZER_NAMES
 
 __all__ = ["main"]
 
@@ -248,9 +249,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--image-size", type=_whole(1), help="image side for vision models (default: the config's)")
     plan.add_argument("--layers", type=_whole(1), help="override the depth (a quick look at a deep model)")
     plan.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
-    plan.add_argument(
-        "--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adafactor, ... (default adamw)"
-    )
+    plan.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_NAMES)}; default adamw")
     plan.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +13,10 @@ from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.planner import Plan, plan
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
-from memfit.prediction.host import HostEstimate, estimate_host
+from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.tracer import ZeroGrad
 
@@ -141,7 +143,7 @@ def plan_for_gpus(
     ]
     # One trace serves every GPU. Confirmations at a chosen batch take their fit in the batch from
     # the search's trace at batch 1, so they trace once instead of twice.
-    loop = {"zero_grad": zero_grad, "ddp": DDPConfig() if world_size > 1 else None}
+    loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
     full_trace = _tracer(spec, precision, optimizer, runtimes, inference, loop, fits_of=lambda ckpt: trace(1, ckpt))
     trace = full_trace
     depth = model_depth(spec.model)
@@ -212,16 +214,15 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
     batch = spec.sample(micro)
     tensors = list(batch.values()) if isinstance(batch, dict) else [t for t in batch if hasattr(t, "numel")]
     batch_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "adafactor": 1}.get(optimizer, 0)
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-    offload = trainable * 4 * states if offload_optimizer and not inference else 0
+    offload = offloaded_optimizer_bytes(optimizer, trainable) if offload_optimizer and not inference else 0
     return estimate_host(weights_bytes=weights, batch_bytes=batch_bytes, num_workers=num_workers,
                          prefetch_factor=prefetch_factor, pin_memory=pin_memory, offload_bytes=offload,
                          local_machine=True)  # fmt: skip
 
 
 def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
-            loop: dict[str, Any], fits_of: Any = None) -> Any:  # fmt: skip
+            loop: TrainingLoop, fits_of: Any = None) -> Any:  # fmt: skip
     """``trace(batch, checkpointing, accumulation)``, cached; above batch 1 with ``fits_of``, one trace plus
     that fit (of the loop without accumulation: ``at()`` is raised to cover what accumulation adds)."""
 
@@ -236,10 +237,9 @@ def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[Cuda
             precision=precision,
             optimizer=optimizer,
             gradient_checkpointing=checkpointing,
-            device="cuda",
+            loop=dataclasses.replace(loop, accumulation_steps=accumulation),
+            target=Target("cuda"),
             inference=inference,
-            accumulation_steps=accumulation,
-            **loop,
         )
 
     return trace
@@ -264,7 +264,7 @@ def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointi
         approximate = bool(gpu and gpu.approximate)
         return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=trace(1, always))
     if always and not chosen.gradient_checkpointing:
-        chosen = Plan(**{**chosen.to_dict(), "gradient_checkpointing": True, "reasons": tuple(chosen.reasons)})
+        chosen = dataclasses.replace(chosen, gradient_checkpointing=True)
     exact = whole(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
     return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate), base=trace(1, always))
 

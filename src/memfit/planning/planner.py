@@ -15,9 +15,11 @@ Pure arithmetic over ``MemoryEstimate`` objects: no framework, no device. The ru
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from memfit.categories import Phase
@@ -77,9 +79,18 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """The inverse of ``to_dict`` (a plan read back from a checkpoint or JSON)."""
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan ``to_dict()`` gave (e.g. saved in a checkpoint); ``reasons`` may be a list."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
+        if unknown or missing:
+            raise InvalidInputError(f"not a memfit plan: unknown keys {unknown}, missing keys {missing}")
         return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
+
+    def with_reason(self, reason: str) -> Plan:
+        """This plan with one more reason at the end (e.g. "restored from the checkpoint")."""
+        return dataclasses.replace(self, reasons=(*self.reasons, reason))
 
     def summary(self) -> str:
         """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``."""
@@ -93,6 +104,7 @@ class Plan:
 
 
 EstimateSource = MemoryEstimate | Callable[[], MemoryEstimate] | None
+Confirm = Callable[[int, bool, int], MemoryEstimate]
 
 
 def plan(
@@ -107,7 +119,7 @@ def plan(
     allow_checkpointing: bool = True,
     checkpointed: EstimateSource = None,
     include_context: bool = True,
-    confirm: Callable[[int, bool, int], MemoryEstimate] | None = None,
+    confirm: Confirm | None = None,
 ) -> Plan:
     """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
 
@@ -118,7 +130,7 @@ def plan(
             ``None`` keeps the estimate's batch x ``world_size``; ``"max"`` maximises the micro batch.
         min_batch_size / max_batch_size: bounds on the micro batch.
         checkpointed: the same step traced with checkpointing, or a callable that traces it on
-            demand (only called when checkpointing is considered).
+            demand (only called when checkpointing is considered, at most once).
         include_context: ``False`` when ``capacity_bytes`` was measured after CUDA started in this
             process, so the context is already outside it.
         confirm: ``confirm(micro_batch, checkpointing, accumulation_steps)`` traces the step at the chosen
@@ -128,160 +140,315 @@ def plan(
             Without it, a plan that accumulates from an estimate traced without accumulation keeps
             room for the gradients on top (an upper bound).
 
+    The steps: the question (budget, bounds, target), the candidates (without checkpointing, and with
+    it when it is needed or pays), the fit of the chosen one's split (confirmed when ``confirm`` is
+    given), checkpointing as the fallback when that fit misses, and the reasons.
+
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
     """
-    _validate(capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size)
-    budget = int(capacity_bytes * (1.0 - margin))
-    cap = max_batch_size or _UNBOUNDED
-    per_device_target = None
-    if isinstance(target_batch_size, int):
-        per_device_target = math.ceil(target_batch_size / world_size)
-        cap = min(cap, per_device_target)
-    elif target_batch_size is None:
-        target_batch_size = estimate.batch_size * world_size
-        per_device_target = estimate.batch_size
-        cap = min(cap, per_device_target)
-    reasons: list[str] = []
-
-    def largest(source: MemoryEstimate) -> int:
-        fit = source.max_batch_size(budget, include_context=include_context)
-        return 0 if fit is None else min(fit, cap)
-
-    chosen = estimate
-    micro = largest(estimate)
-    use_checkpointing = False
-    with_ckpt: MemoryEstimate | None = None
-    floor = _optimizer_step_floor(estimate) + ((estimate.cuda_context_bytes or 0) if include_context else 0)
-    hopeless = floor > budget  # checkpointing saves activations, not what the optimizer step holds
-    if not hopeless and (micro < min_batch_size or (allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < cap)):
-        with_ckpt = _resolve(checkpointed) if allow_checkpointing else None
-        micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
-        if micro < min_batch_size and micro_ckpt >= min_batch_size:
-            reasons.append(
-                f"micro batch {min_batch_size} needs {_peak(estimate, min_batch_size, include_context)} "
-                f"without checkpointing, over the {format_bytes(budget)} budget; checkpointing brings it "
-                "within (about 20-30 % slower per step)"
-            )
-            chosen, micro, use_checkpointing = with_ckpt, micro_ckpt, True
-        elif micro >= min_batch_size and micro_ckpt >= CHECKPOINTING_MIN_GAIN * max(micro, 1):
-            reasons.append(
-                f"without checkpointing only micro batch {micro} fits; with it {micro_ckpt} fits, worth its "
-                "recompute (about 20-30 % slower per step)"
-            )
-            chosen, micro, use_checkpointing = with_ckpt, micro_ckpt, True
-    if micro < min_batch_size:
-        peaks = f"predicted peak {_peak(estimate, min_batch_size, include_context)}"
-        if with_ckpt is not None:
-            peaks += f" ({_peak(with_ckpt, min_batch_size, include_context)} with checkpointing)"
-        tried = " even with checkpointing" if with_ckpt is not None else ""
-        if hopeless and allow_checkpointing:
-            tried = " and checkpointing cannot help"
-            peaks += f"; the optimizer step alone holds {format_bytes(floor)} (parameters, gradients, optimizer state)"
-        raise InsufficientMemoryError(
-            f"micro batch {min_batch_size} does not fit{tried}: {peaks} against a budget of {format_bytes(budget)} "
-            f"({format_bytes(capacity_bytes)} capacity, {margin:.0%} margin). Use a smaller model or "
-            "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
-        )
-
-    def settle(source: MemoryEstimate, largest_micro: int, checkpointing: bool) -> tuple[int, int, int, BatchPeak]:
-        """Split the largest micro batch against the target and make sure the split fits: on a trace at
-        its size and accumulation (``confirm``), else with room for gradients that accumulation keeps."""
-        kept = 0  # reserved bytes held for gradients that accumulation keeps and the estimate freed
-        while True:
-            micro, accumulation = _split(per_device_target, largest_micro)
-            if confirm is None:
-                if accumulation > 1 and source.accumulation_steps == 1 and not kept:
-                    kept = _kept_gradient_bytes(source)
-                    if kept:
-                        refit = source.max_batch_size(budget - kept, include_context=include_context) or 0
-                        if refit < min_batch_size:
-                            raise InsufficientMemoryError(
-                                f"micro batch {min_batch_size} does not fit with gradient accumulation, which keeps "
-                                f"the gradients ({format_bytes(kept)}) alive through every micro batch; "
-                                f"budget {format_bytes(budget)}. Plan with confirm= for an exact answer."
-                            )
-                        largest_micro = min(refit, cap)
-                        reasons.append(
-                            f"accumulation keeps the gradients ({format_bytes(kept)}) alive through "
-                            "every micro batch; room is kept for them"
-                        )
-                        continue
-                peak = source.at(micro)
-                return micro, accumulation, largest_micro, BatchPeak(
-                    micro, peak.allocated_bytes + min(kept, source.gradient_bytes), peak.reserved_bytes + kept,
-                    peak.device_bytes + kept,
-                )  # fmt: skip
-            exact = confirm(micro, checkpointing, accumulation)
-            traced = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
-            predicted = traced.device_bytes if include_context else traced.reserved_bytes
-            if predicted <= budget:
-                return micro, accumulation, largest_micro, traced
-            if micro - 1 < min_batch_size:
-                raise InsufficientMemoryError(
-                    f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} "
-                    f"against a budget of {format_bytes(budget)} ({format_bytes(capacity_bytes)} capacity, "
-                    f"{margin:.0%} margin)."
-                )
-            # Step down by the overshoot over the per-sample growth, at least one sample at a time.
-            low = source.at(1)
-            growth = (source.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
-            step = max(1, math.ceil((predicted - budget) / growth)) if growth > 0 else 1
-            next_micro = max(min_batch_size, micro - step)
-            reasons.append(
-                f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the "
-                f"interpolation allowed; trying {next_micro}"
-            )
-            largest_micro = next_micro
-
-    try:
-        micro, accumulation, largest_micro, peak = settle(chosen, micro, use_checkpointing)
-    except InsufficientMemoryError:
-        # The split (or its accumulation) did not fit once traced: checkpointing may still make it fit.
-        if use_checkpointing or not allow_checkpointing or hopeless:
-            raise
-        with_ckpt = with_ckpt if with_ckpt is not None else _resolve(checkpointed)
-        micro_ckpt = largest(with_ckpt) if with_ckpt is not None else 0
-        if with_ckpt is None or micro_ckpt < min_batch_size:
-            raise
+    question = _question(
+        estimate, capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size, include_context
+    )
+    with_checkpointing = functools.cache(lambda: _resolve(checkpointed) if allow_checkpointing else None)
+    candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
+    if isinstance(candidates, _Miss):
+        raise InsufficientMemoryError(candidates.message)
+    fit = _fit(question, candidates.chosen, confirm)
+    reasons = [*candidates.reasons, *fit.reasons]
+    if isinstance(fit.outcome, _Miss):
+        fallback = _checkpointing_fallback(question, candidates, with_checkpointing)
+        if fallback is None:
+            raise InsufficientMemoryError(fit.outcome.message)
         reasons.append(
             f"micro batch {min_batch_size} does not fit once traced at its size; checkpointing brings it within "
             "(about 20-30 % slower per step)"
         )
-        chosen, use_checkpointing = with_ckpt, True
-        micro, accumulation, largest_micro, peak = settle(with_ckpt, micro_ckpt, True)
-    allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-    predicted = peak.device_bytes if include_context else peak.reserved_bytes
+        fit = _fit(question, fallback, confirm)
+        reasons.extend(fit.reasons)
+        if isinstance(fit.outcome, _Miss):
+            raise InsufficientMemoryError(fit.outcome.message)
+    return _chosen_plan(question, fit.outcome, [*reasons, *_explain(question, fit.outcome)])
 
-    if per_device_target is None:
-        reasons.append(f"largest micro batch that fits: {micro}")
-    elif accumulation > 1:
-        reasons.append(
-            f"micro batch {largest_micro} is the largest that fits; {accumulation} accumulation "
-            f"steps of {micro} keep the effective batch"
+
+@dataclass(frozen=True)
+class _Question:
+    """What ``plan`` was asked, resolved: the budget, the micro-batch bounds and the target to split."""
+
+    capacity_bytes: int
+    margin: float
+    budget: int
+    world_size: int
+    min_batch_size: int
+    cap: int  # largest micro batch considered (the bound and the per-device target)
+    per_device_target: int | None  # None: "max", no accumulation
+    target_batch_size: int | None  # the effective batch to keep; None: "max"
+    include_context: bool
+
+    def largest(self, source: MemoryEstimate) -> int:
+        """Largest micro batch within the budget by ``source``'s interpolation (0: none)."""
+        fit = source.max_batch_size(self.budget, include_context=self.include_context)
+        return 0 if fit is None else min(fit, self.cap)
+
+    def predicted(self, peak: BatchPeak) -> int:
+        """The figure compared with the budget: with the CUDA context unless it is outside the capacity."""
+        return peak.device_bytes if self.include_context else peak.reserved_bytes
+
+    def peak(self, estimate: MemoryEstimate, batch: int) -> str:
+        return format_bytes(self.predicted(estimate.at(batch)))
+
+    def against(self) -> str:
+        return (
+            f"a budget of {format_bytes(self.budget)} ({format_bytes(self.capacity_bytes)} capacity, "
+            f"{self.margin:.0%} margin)"
         )
-    else:
-        reasons.append(f"the target fits in one micro batch of {micro}")
-    effective = micro * accumulation * world_size
-    if isinstance(target_batch_size, int) and effective != target_batch_size:
-        reasons.append(
-            f"effective batch {effective} differs from the target {target_batch_size}: integer micro "
-            f"batches x {accumulation} steps x {world_size} device(s) cannot hit it exactly"
-        )
-    return Plan(
-        micro_batch_size=micro,
-        accumulate_grad_batches=accumulation,
-        gradient_checkpointing=use_checkpointing,
-        world_size=world_size,
-        effective_batch_size=effective,
-        target_batch_size=target_batch_size if isinstance(target_batch_size, int) else None,
-        predicted_peak_bytes=predicted,
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A traced step to plan from, and the largest micro batch its interpolation fits."""
+
+    source: MemoryEstimate
+    largest_micro: int
+    checkpointing: bool
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """The candidate chosen first, the checkpointed one if it was traced, and why."""
+
+    chosen: _Candidate
+    checkpointed: _Candidate | None
+    hopeless: bool  # the optimizer step alone is over budget: checkpointing cannot help
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A micro batch and accumulation that fit, with the largest micro batch found and its peak."""
+
+    micro: int
+    accumulation: int
+    largest_micro: int
+    peak: BatchPeak
+    checkpointing: bool
+
+
+@dataclass(frozen=True)
+class _Miss:
+    """Why nothing fits: the message of the final ``InsufficientMemoryError``."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """A candidate's split that fits, or why none does, and the reasons found on the way."""
+
+    outcome: _Split | _Miss
+    reasons: tuple[str, ...] = ()
+
+
+def _question(
+    estimate: MemoryEstimate,
+    capacity_bytes: int,
+    margin: float,
+    target_batch_size: int | Literal["max"] | None,
+    world_size: int,
+    min_batch_size: int,
+    max_batch_size: int | None,
+    include_context: bool,
+) -> _Question:
+    """Validate the arguments and resolve the target: ``None`` keeps the estimate's batch on every device."""
+    _validate(capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size)
+    cap = max_batch_size or _UNBOUNDED
+    per_device_target = None
+    target: int | None = None
+    if isinstance(target_batch_size, int):
+        target, per_device_target = target_batch_size, math.ceil(target_batch_size / world_size)
+    elif target_batch_size is None:
+        target, per_device_target = estimate.batch_size * world_size, estimate.batch_size
+    if per_device_target is not None:
+        cap = min(cap, per_device_target)
+    return _Question(
         capacity_bytes=capacity_bytes,
-        budget_bytes=budget,
         margin=margin,
-        largest_micro_batch=largest_micro,
-        predicted_allocated_bytes=allocated,
-        predicted_reserved_bytes=reserved,
+        budget=int(capacity_bytes * (1.0 - margin)),
+        world_size=world_size,
+        min_batch_size=min_batch_size,
+        cap=cap,
+        per_device_target=per_device_target,
+        target_batch_size=target,
+        include_context=include_context,
+    )
+
+
+def _candidates(
+    question: _Question,
+    estimate: MemoryEstimate,
+    allow_checkpointing: bool,
+    with_checkpointing: Callable[[], MemoryEstimate | None],
+) -> _Candidates | _Miss:
+    """Start without checkpointing; trace with it only when the minimum micro batch does not fit
+    without it, or when it buys a markedly larger micro batch for a run that would otherwise crawl."""
+    plain = _Candidate(estimate, question.largest(estimate), False)
+    micro, minimum = plain.largest_micro, question.min_batch_size
+    floor = _optimizer_step_floor(estimate) + ((estimate.cuda_context_bytes or 0) if question.include_context else 0)
+    hopeless = floor > question.budget  # checkpointing saves activations, not what the optimizer step holds
+    chosen, checkpointed, reasons = plain, None, []
+    small = allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < question.cap
+    if not hopeless and (micro < minimum or small):
+        checkpointed = _candidate_with_checkpointing(question, with_checkpointing)
+        micro_ckpt = checkpointed.largest_micro if checkpointed is not None else 0
+        if checkpointed is not None and micro < minimum <= micro_ckpt:
+            reasons.append(
+                f"micro batch {minimum} needs {question.peak(estimate, minimum)} without checkpointing, over the "
+                f"{format_bytes(question.budget)} budget; checkpointing brings it within (about 20-30 % slower per "
+                "step)"
+            )
+            chosen = checkpointed
+        elif checkpointed is not None and minimum <= micro and micro_ckpt >= CHECKPOINTING_MIN_GAIN * max(micro, 1):
+            reasons.append(
+                f"without checkpointing only micro batch {micro} fits; with it {micro_ckpt} fits, worth its "
+                "recompute (about 20-30 % slower per step)"
+            )
+            chosen = checkpointed
+    if chosen.largest_micro >= minimum:
+        return _Candidates(chosen, checkpointed, hopeless, tuple(reasons))
+    peaks = f"predicted peak {question.peak(estimate, minimum)}"
+    if checkpointed is not None:
+        peaks += f" ({question.peak(checkpointed.source, minimum)} with checkpointing)"
+    tried = " even with checkpointing" if checkpointed is not None else ""
+    if hopeless and allow_checkpointing:
+        tried = " and checkpointing cannot help"
+        peaks += f"; the optimizer step alone holds {format_bytes(floor)} (parameters, gradients, optimizer state)"
+    return _Miss(
+        f"micro batch {minimum} does not fit{tried}: {peaks} against {question.against()}. Use a smaller model or "
+        "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
+    )
+
+
+def _candidate_with_checkpointing(
+    question: _Question, with_checkpointing: Callable[[], MemoryEstimate | None]
+) -> _Candidate | None:
+    traced = with_checkpointing()
+    return None if traced is None else _Candidate(traced, question.largest(traced), True)
+
+
+def _checkpointing_fallback(
+    question: _Question, candidates: _Candidates, with_checkpointing: Callable[[], MemoryEstimate | None]
+) -> _Candidate | None:
+    """When the chosen split did not fit once traced: the checkpointed candidate, if it may still fit."""
+    if candidates.chosen.checkpointing or candidates.hopeless:
+        return None
+    checkpointed = candidates.checkpointed or _candidate_with_checkpointing(question, with_checkpointing)
+    if checkpointed is None or checkpointed.largest_micro < question.min_batch_size:
+        return None
+    return checkpointed
+
+
+def _fit(question: _Question, candidate: _Candidate, confirm: Confirm | None) -> _Fit:
+    """Split the candidate's largest micro batch against the target and make sure the split fits: on a
+    trace at its size and accumulation (``confirm``), else with room for gradients that accumulation keeps."""
+    if confirm is None:
+        return _fit_keeping_gradients(question, candidate)
+    return _fit_confirmed(question, candidate, confirm)
+
+
+def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
+    """The interpolated split; accumulating from a trace without accumulation keeps room for the gradients
+    (``_kept_gradient_bytes``), which later micro batches run with."""
+    source, largest = candidate.source, candidate.largest_micro
+    micro, accumulation = _split(question.per_device_target, largest)
+    kept = 0  # reserved bytes held for gradients that accumulation keeps and the estimate freed
+    reasons = []
+    if accumulation > 1 and source.accumulation_steps == 1:
+        kept = _kept_gradient_bytes(source)
+        if kept:
+            refit = source.max_batch_size(question.budget - kept, include_context=question.include_context) or 0
+            if refit < question.min_batch_size:
+                return _Fit(_Miss(
+                    f"micro batch {question.min_batch_size} does not fit with gradient accumulation, which keeps "
+                    f"the gradients ({format_bytes(kept)}) alive through every micro batch; "
+                    f"budget {format_bytes(question.budget)}. Plan with confirm= for an exact answer."
+                ))  # fmt: skip
+            largest = min(refit, question.cap)
+            reasons.append(
+                f"accumulation keeps the gradients ({format_bytes(kept)}) alive through every micro batch; "
+                "room is kept for them"
+            )
+            micro, accumulation = _split(question.per_device_target, largest)
+    peak = source.at(micro)
+    with_kept = BatchPeak(
+        micro, peak.allocated_bytes + min(kept, source.gradient_bytes), peak.reserved_bytes + kept,
+        peak.device_bytes + kept,
+    )  # fmt: skip
+    return _Fit(_Split(micro, accumulation, largest, with_kept, candidate.checkpointing), tuple(reasons))
+
+
+def _fit_confirmed(question: _Question, candidate: _Candidate, confirm: Confirm) -> _Fit:
+    """Trace the split at its size and accumulation; while over budget, step the micro batch down by the
+    overshoot over the per-sample growth (at least one sample at a time)."""
+    source, largest = candidate.source, candidate.largest_micro
+    reasons = []
+    while True:
+        micro, accumulation = _split(question.per_device_target, largest)
+        exact = confirm(micro, candidate.checkpointing, accumulation)
+        traced = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
+        predicted = question.predicted(traced)
+        if predicted <= question.budget:
+            return _Fit(_Split(micro, accumulation, largest, traced, candidate.checkpointing), tuple(reasons))
+        if micro - 1 < question.min_batch_size:
+            message = (
+                f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} "
+                f"against {question.against()}."
+            )
+            return _Fit(_Miss(message), tuple(reasons))
+        low = source.at(1)
+        growth = (source.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
+        step = max(1, math.ceil((predicted - question.budget) / growth)) if growth > 0 else 1
+        largest = max(question.min_batch_size, micro - step)
+        reasons.append(
+            f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the "
+            f"interpolation allowed; trying {largest}"
+        )
+
+
+def _explain(question: _Question, split: _Split) -> list[str]:
+    """How the split keeps the target, and where integer arithmetic cannot hit it."""
+    if question.per_device_target is None:
+        reasons = [f"largest micro batch that fits: {split.micro}"]
+    elif split.accumulation > 1:
+        reasons = [
+            f"micro batch {split.largest_micro} is the largest that fits; {split.accumulation} accumulation "
+            f"steps of {split.micro} keep the effective batch"
+        ]
+    else:
+        reasons = [f"the target fits in one micro batch of {split.micro}"]
+    effective = split.micro * split.accumulation * question.world_size
+    if question.target_batch_size is not None and effective != question.target_batch_size:
+        reasons.append(
+            f"effective batch {effective} differs from the target {question.target_batch_size}: integer micro "
+            f"batches x {split.accumulation} steps x {question.world_size} device(s) cannot hit it exactly"
+        )
+    return reasons
+
+
+def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan:
+    return Plan(
+        micro_batch_size=split.micro,
+        accumulate_grad_batches=split.accumulation,
+        gradient_checkpointing=split.checkpointing,
+        world_size=question.world_size,
+        effective_batch_size=split.micro * split.accumulation * question.world_size,
+        target_batch_size=question.target_batch_size,
+        predicted_peak_bytes=question.predicted(split.peak),
+        capacity_bytes=question.capacity_bytes,
+        budget_bytes=question.budget,
+        margin=question.margin,
+        largest_micro_batch=split.largest_micro,
+        predicted_allocated_bytes=split.peak.allocated_bytes,
+        predicted_reserved_bytes=split.peak.reserved_bytes,
         reasons=tuple(reasons),
     )
 
@@ -324,11 +491,6 @@ def _optimizer_step_floor(estimate: MemoryEstimate) -> int:
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:
     return source() if callable(source) and not isinstance(source, MemoryEstimate) else source
-
-
-def _peak(estimate: MemoryEstimate, batch: int, include_context: bool) -> str:
-    peak = estimate.at(batch)
-    return format_bytes(peak.device_bytes if include_context else peak.reserved_bytes)
 
 
 def _validate(

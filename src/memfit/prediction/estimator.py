@@ -26,10 +26,10 @@ from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timel
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size
 from memfit.tracing.checkpointing import CheckpointTarget
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
 from memfit.tracing.tracer import (
-    ZERO_GRAD_ORDERS,
     ForwardFn,
     LossFn,
     StepTrace,
@@ -40,7 +40,7 @@ from memfit.tracing.tracer import (
 )
 from memfit.units import format_bytes
 
-__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "estimate", "estimate_for_runtimes"]
+__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "Target", "TrainingLoop", "estimate", "estimate_for_runtimes"]
 
 _MAX_BATCH = 1 << 31
 
@@ -79,7 +79,8 @@ class MemoryEstimate:
     ``fixed_bytes + per_sample_bytes x batch`` is the allocated peak of the peak phase;
     ``at(batch)`` takes the maximum over all phases. ``activation_bytes`` is what one forward keeps
     for backward (saved tensors and the loss), in tensor bytes before allocator rounding.
-    ``zero_grad``, ``accumulation_steps`` and ``ddp`` are the training loop the step was traced in.
+    ``zero_grad``, ``accumulation_steps`` and ``ddp`` are the training loop the step was traced in;
+    ``inference`` marks a forward-only pass (``optimizer`` is then ``"none"``).
     """
 
     batch_size: int
@@ -107,11 +108,17 @@ class MemoryEstimate:
     accumulation_steps: int = 1
     ddp: DDPConfig | None = None
     extra_batches: int = 0
+    inference: bool = False
 
     @property
     def peak_bytes(self) -> int:
         """Device memory the step needs: reserved peak plus CUDA context."""
         return self.peak_reserved_bytes + (self.cuda_context_bytes or 0)
+
+    @property
+    def loop(self) -> TrainingLoop:
+        """The training loop the step was traced in."""
+        return TrainingLoop(self.zero_grad, self.accumulation_steps, self.extra_batches, self.ddp)
 
     @property
     def gradient_bytes(self) -> int:
@@ -185,6 +192,7 @@ class MemoryEstimate:
             "accumulation_steps": self.accumulation_steps,
             "ddp": dataclasses.asdict(self.ddp) if self.ddp is not None else None,
             "extra_batches": self.extra_batches,
+            "inference": self.inference,
             "notes": list(self.notes),
         }
 
@@ -194,20 +202,22 @@ def estimate(
     sample: Sample | Callable[[int], Sample],
     *,
     optimizer: OptimizerSpec = "adamw",
-    optimizer_kwargs: Mapping[str, Any] | None = None,
     precision: Precision | str = "fp32",
+    batch_size: int | None = None,
     gradient_checkpointing: bool = False,
     checkpoint_modules: CheckpointTarget | None = None,
-    batch_size: int | None = None,
-    device: str | torch.device | None = None,
+    loop: TrainingLoop | None = None,
+    target: Target | None = None,
     loss_fn: LossFn | None = None,
     forward_fn: ForwardFn | None = None,
-    cuda_runtime: CudaRuntime | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
     inference: bool = False,
-    zero_grad: ZeroGrad = "after_step",
-    accumulation_steps: int = 1,
+    zero_grad: ZeroGrad | None = None,
+    accumulation_steps: int | None = None,
+    extra_batches: int | None = None,
     ddp: DDPConfig | bool | None = None,
-    extra_batches: int = 0,
+    device: str | torch.device | None = None,
+    cuda_runtime: CudaRuntime | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` without running it for real.
 
@@ -217,85 +227,109 @@ def estimate(
             and dtypes are used; tensors whose first dimension is the batch size are resized.
         optimizer: an optimizer instance over ``model``'s parameters, an optimizer class or factory
             (called with the parameters and ``optimizer_kwargs``), a name (``"adamw"``, ``"sgd"``,
-            ``"sgd-momentum"``, ``"adam"``, ``"adafactor"``, ...), or ``None`` for no optimizer.
+            ``"sgd-momentum"``, ``"adam"``, ... : ``memfit.tracing.optimizers.OPTIMIZER_NAMES``), or ``None``.
         precision: ``"fp32"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"fp16"``/``"16-true"``,
             ``"bf16"``/``"bf16-true"``.
+        batch_size: batch to report (default: the sample's).
         gradient_checkpointing: trace with activation checkpointing; Hugging Face models use their
             own switch, other modules are wrapped per block (``checkpoint_modules`` or auto-detected).
-        batch_size: batch to report (default: the sample's).
-        device: the target: ``"cuda"`` (default) or ``"cpu"``. A CPU-only torch traces CUDA targets on
-            fake CPU tensors with CUDA kernels' memory substituted (see ``memfit.cuda_semantics``).
+        loop: the training loop around the step (``memfit.TrainingLoop``: where ``zero_grad`` runs,
+            gradient accumulation, batches held besides the step's, DDP); default: a plain loop.
+        target: the device predicted for (``memfit.Target``: ``"cuda"`` by default, or ``"cpu"``, and
+            the GPU's ``CudaRuntime``).
         loss_fn: ``loss_fn(output, batch) -> scalar``; not needed when the model returns ``.loss``.
         forward_fn: ``forward_fn(model, batch) -> output`` when the model is not called as
             ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``.
-        cuda_runtime: CUDA context size and compute capability of the target (default: measured on
-            the visible GPU, else an H100-class card).
         inference: plan a forward-only pass instead (eval mode, no gradients, optimizer state or saved
             activations; the outputs, including a KV cache, are kept to the end of the pass). Labels
-            are dropped from a dict sample unless ``forward_fn`` is given (an evaluation step).
-        zero_grad: where the loop frees gradients: ``"after_step"`` (after ``optimizer.step()``, as the
-            Hugging Face Trainer does) or ``"before_backward"`` (Lightning's automatic optimization,
-            whose ``training_step`` runs with the last step's gradients still alive).
-        accumulation_steps: gradient accumulation; above 1, later micro batches of a window run forward
-            and backward with the window's gradients alive.
-        ddp: the step runs under ``DistributedDataParallel``: ``True`` for its defaults, or a
-            ``memfit.DDPConfig``; adds its gradient buckets (see ``memfit.ddp``).
-        extra_batches: batches the loop keeps on the device besides the step's own (memfit's
-            out-of-memory recovery keeps an accumulation window's earlier batches to replay them;
-            a loader reading ahead on the device); the only loop argument a forward-only pass takes.
+            are dropped from a dict sample unless ``forward_fn`` is given (an evaluation step). Of the
+            loop only ``extra_batches`` applies.
+        zero_grad, accumulation_steps, extra_batches, ddp: the fields of ``loop``, accepted one by one
+            as before ``TrainingLoop`` existed; give either these or ``loop``.
+        device, cuda_runtime: the fields of ``target`` (``device`` and ``runtime``), likewise.
 
     Raises:
         InvalidInputError: an argument cannot be used.
         TraceError: the model, loss or optimizer failed on the traced step (the message names where).
         ValueDependentError: the model reads tensor values, which fake tensors do not have.
     """
+    loop, target = _settings_objects(
+        loop, target, zero_grad=zero_grad, accumulation_steps=accumulation_steps, extra_batches=extra_batches,
+        ddp=ddp, device=device, cuda_runtime=cuda_runtime,
+    )  # fmt: skip
     return estimate_for_runtimes(
-        model, sample, runtimes=[cuda_runtime], optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-        precision=precision, gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules,
-        batch_size=batch_size, device=device, loss_fn=loss_fn, forward_fn=forward_fn, inference=inference,
-        zero_grad=zero_grad, accumulation_steps=accumulation_steps, ddp=ddp, extra_batches=extra_batches,
+        model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
+        gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules, loop=loop,
+        target=target, loss_fn=loss_fn, forward_fn=forward_fn, optimizer_kwargs=optimizer_kwargs, inference=inference,
     )[0]  # fmt: skip
+
+
+def _settings_objects(loop: TrainingLoop | None, target: Target | None, **keywords: Any) -> tuple[TrainingLoop, Target]:
+    """Fold the loop and target keywords of ``estimate`` into ``TrainingLoop`` and ``Target``: the one place
+    both spellings meet. A keyword left at ``None`` was not given."""
+    given = {name: value for name, value in keywords.items() if value is not None}
+    loop_keywords = {k: v for k, v in given.items() if k in ("zero_grad", "accumulation_steps", "extra_batches", "ddp")}
+    target_keywords = {k: v for k, v in given.items() if k in ("device", "cuda_runtime")}
+    for name, obj, spelled in (("loop", loop, loop_keywords), ("target", target, target_keywords)):
+        if obj is not None and spelled:
+            raise InvalidInputError(
+                f"give {name}= or {', '.join(f'{k}=' for k in spelled)}, not both: {', '.join(spelled)} "
+                f"{'is a field' if len(spelled) == 1 else 'are fields'} of {name}"
+            )
+    if loop is None:
+        loop = TrainingLoop(**loop_keywords)
+    elif not isinstance(loop, TrainingLoop):
+        raise InvalidInputError(f"loop must be a memfit.TrainingLoop, got {loop!r}")
+    if target is None:
+        device, runtime = target_keywords.get("device", "cuda"), target_keywords.get("cuda_runtime")
+        target = Target(device=device, runtime=runtime)
+    elif not isinstance(target, Target):
+        raise InvalidInputError(f"target must be a memfit.Target, got {target!r}")
+    return loop, target
 
 
 def estimate_for_runtimes(
     model: nn.Module,
     sample: Sample | Callable[[int], Sample],
     *,
-    runtimes: Sequence[CudaRuntime | None],
+    runtimes: Sequence[CudaRuntime | None] | None = None,
     optimizer: OptimizerSpec = "adamw",
-    optimizer_kwargs: Mapping[str, Any] | None = None,
     precision: Precision | str = "fp32",
+    batch_size: int | None = None,
     gradient_checkpointing: bool = False,
     checkpoint_modules: CheckpointTarget | None = None,
-    batch_size: int | None = None,
-    device: str | torch.device | None = None,
+    loop: TrainingLoop | None = None,
+    target: Target | None = None,
     loss_fn: LossFn | None = None,
     forward_fn: ForwardFn | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
     inference: bool = False,
     batch_fits: Sequence[MemoryEstimate] | None = None,
-    zero_grad: ZeroGrad = "after_step",
-    accumulation_steps: int = 1,
-    ddp: DDPConfig | bool | None = None,
-    extra_batches: int = 0,
 ) -> list[MemoryEstimate]:
     """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
 
     GPUs differ, for the trace, only in what no tensor owns (the CUDA context and the cuBLAS
     workspace, whose size depends on the architecture), so the storage log is shared and the
-    workspace blocks are resized before each replay. ``None`` in ``runtimes`` means the visible GPU.
+    workspace blocks are resized before each replay. ``runtimes`` are the GPUs (default: ``target``'s
+    runtime alone); ``None`` in them means the visible GPU. ``target`` gives the device.
 
     ``batch_fits`` (one estimate of the same step per runtime) skips the second trace, which only
     serves the fit in the batch: the peaks are traced at ``batch_size`` and ``at()`` keeps those
     estimates' per-phase fits. A planner confirming a batch it chose from them needs no more.
     """
-    settings, batches = _prepare(
-        model, sample, optimizer, optimizer_kwargs, precision, gradient_checkpointing,
-        checkpoint_modules, batch_size, device, loss_fn, forward_fn, runtimes[0], inference,
-    )  # fmt: skip
-    loop = _loop_settings(zero_grad, accumulation_steps, ddp, extra_batches, inference)
-    settings = dataclasses.replace(settings, **loop)
+    loop, target = loop or TrainingLoop(), target or Target()
+    if runtimes is None:
+        runtimes = [target.runtime]
+    elif target.runtime is not None:
+        raise InvalidInputError("give the GPUs either as runtimes= or as target.runtime, not both")
     if batch_fits is not None and len(batch_fits) != len(runtimes):
         raise InvalidInputError(f"batch_fits needs one estimate per runtime ({len(runtimes)}), got {len(batch_fits)}")
+    step = _Step(
+        optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, precision=precision,
+        gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules, loss_fn=loss_fn,
+        forward_fn=forward_fn, inference=inference,
+    )  # fmt: skip
+    settings, batches = _prepare(model, sample, batch_size, step, loop, target.with_runtime(runtimes[0]))
     primary_batch, secondary_batch, sample_batch = batches
     started = time.perf_counter()
     try:
@@ -323,29 +357,18 @@ def estimate_for_runtimes(
     return estimates
 
 
-def _loop_settings(
-    zero_grad: Any, accumulation_steps: Any, ddp: Any, extra_batches: Any, inference: bool
-) -> dict[str, Any]:
-    if zero_grad not in ZERO_GRAD_ORDERS:
-        raise InvalidInputError(f"zero_grad must be one of {', '.join(ZERO_GRAD_ORDERS)}, got {zero_grad!r}")
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise InvalidInputError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
-    if isinstance(extra_batches, bool) or not isinstance(extra_batches, int) or extra_batches < 0:
-        raise InvalidInputError(f"extra_batches must be a non-negative integer, got {extra_batches!r}")
-    if ddp is True:
-        ddp = DDPConfig()
-    elif ddp is False:
-        ddp = None
-    if ddp is not None and not isinstance(ddp, DDPConfig):
-        raise InvalidInputError(f"ddp must be True, False, None or a memfit.DDPConfig, got {ddp!r}")
-    if inference:  # no gradients: nothing of the training loop applies but the batches it holds
-        return {"extra_batches": extra_batches}
-    return {
-        "zero_grad": zero_grad,
-        "accumulation_steps": accumulation_steps,
-        "ddp": ddp,
-        "extra_batches": extra_batches,
-    }
+@dataclass(frozen=True)
+class _Step:
+    """What the traced step computes, as ``estimate`` was given it (checked in ``_prepare``)."""
+
+    optimizer: OptimizerSpec
+    optimizer_kwargs: Mapping[str, Any] | None
+    precision: Precision | str
+    gradient_checkpointing: bool
+    checkpoint_modules: CheckpointTarget | None
+    loss_fn: LossFn | None
+    forward_fn: ForwardFn | None
+    inference: bool
 
 
 def _resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
@@ -356,34 +379,21 @@ def _resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
 
 
 def _prepare(
-    model: Any,
-    sample: Any,
-    optimizer: OptimizerSpec,
-    optimizer_kwargs: Mapping[str, Any] | None,
-    precision: Any,
-    gradient_checkpointing: Any,
-    checkpoint_modules: Any,
-    batch_size: Any,
-    device: Any,
-    loss_fn: Any,
-    forward_fn: Any,
-    cuda_runtime: Any,
-    inference: bool = False,
+    model: Any, sample: Any, batch_size: Any, step: _Step, loop: TrainingLoop, target: Target
 ) -> tuple[TraceSettings, tuple[int, int, int]]:
+    """Check the step's arguments and turn them into trace settings and the batch sizes to trace at."""
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidInputError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    if not isinstance(gradient_checkpointing, bool):
-        raise InvalidInputError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
-    for name, fn in (("loss_fn", loss_fn), ("forward_fn", forward_fn)):
+    if not isinstance(step.gradient_checkpointing, bool):
+        raise InvalidInputError(f"gradient_checkpointing must be True or False, got {step.gradient_checkpointing!r}")
+    for name, fn in (("loss_fn", step.loss_fn), ("forward_fn", step.forward_fn)):
         if fn is not None and not callable(fn):
             raise InvalidInputError(f"{name} must be callable or None, got {fn!r}")
-    if cuda_runtime is not None and not isinstance(cuda_runtime, CudaRuntime):
-        raise InvalidInputError(f"cuda_runtime must be a memfit.CudaRuntime, got {cuda_runtime!r}")
-    target = _target_device(device)
-    parsed_precision = Precision.parse(precision)
-    if not inference and not any(p.requires_grad for p in model.parameters()):
+    device = target.torch_device
+    parsed_precision = Precision.parse(step.precision)
+    if not step.inference and not any(p.requires_grad for p in model.parameters()):
         raise InvalidInputError(
             f"{type(model).__name__} has no parameter that requires grad, so there is no training step to "
             "plan; unfreeze some parameters"
@@ -393,36 +403,29 @@ def _prepare(
     sample_batch = (batch_size or 1) if is_factory else infer_batch_size(sample)
     primary = batch_size or sample_batch
     secondary = primary * 2
-    runtime = cuda_runtime or CudaRuntime.of_current_device()
-    emulate = target.type == "cuda" and not torch.cuda.is_available()
+    runtime = target.runtime or CudaRuntime.of_current_device()
+    emulate = device.type == "cuda" and not torch.cuda.is_available()
+    traced_loop = loop.for_inference() if step.inference else loop
     settings = TraceSettings(
-        target=target,
-        device=torch.device("cpu") if emulate else target,
+        target=device,
+        device=torch.device("cpu") if emulate else device,
         emulate_cuda=emulate,
         precision=parsed_precision,
-        optimizer=optimizer,
-        optimizer_kwargs=dict(optimizer_kwargs) if optimizer_kwargs else None,
-        gradient_checkpointing=gradient_checkpointing,
-        checkpoint_modules=checkpoint_modules,
-        loss_fn=loss_fn,
-        forward_fn=forward_fn,
-        workspace_bytes=runtime.workspace_bytes if target.type == "cuda" else 0,
+        optimizer=step.optimizer,
+        optimizer_kwargs=dict(step.optimizer_kwargs) if step.optimizer_kwargs else None,
+        gradient_checkpointing=step.gradient_checkpointing,
+        checkpoint_modules=step.checkpoint_modules,
+        loss_fn=step.loss_fn,
+        forward_fn=step.forward_fn,
+        workspace_bytes=runtime.workspace_bytes if device.type == "cuda" else 0,
         runtime=runtime,
-        inference=bool(inference),
+        inference=bool(step.inference),
+        zero_grad=traced_loop.zero_grad,
+        accumulation_steps=traced_loop.accumulation_steps,
+        ddp=traced_loop.ddp,
+        extra_batches=traced_loop.extra_batches,
     )
     return settings, (primary, secondary, sample_batch)
-
-
-def _target_device(device: Any) -> torch.device:
-    if device is None:
-        return torch.device("cuda")
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device must be 'cuda' or 'cpu', got {device!r}") from exc
-    if target.type not in ("cuda", "cpu"):
-        raise InvalidInputError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    return target
 
 
 def _fit(
@@ -515,7 +518,7 @@ def _build_estimate(
         batch_size=primary.batch_size,
         device="cuda" if cuda else "cpu",
         precision=settings.precision,
-        optimizer="none (inference)" if settings.inference else optimizer_name(settings.optimizer),
+        optimizer="none" if settings.inference else optimizer_name(settings.optimizer),
         gradient_checkpointing=settings.gradient_checkpointing,
         peak_allocated_bytes=top.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
@@ -537,6 +540,7 @@ def _build_estimate(
         accumulation_steps=settings.accumulation_steps,
         ddp=settings.ddp,
         extra_batches=settings.extra_batches,
+        inference=settings.inference,
     )
 
 

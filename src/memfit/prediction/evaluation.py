@@ -131,7 +131,7 @@ def evaluation_peak(
     tensors leave freed blocks behind, which the caching allocator releases and retries with
     before it reports out of memory.
     """
-    if evaluation.optimizer != "none (inference)":
+    if not evaluation.inference:
         raise InvalidInputError("evaluation must be an estimate of a forward-only pass: estimate(..., inference=True)")
     carried = 0
     if training is not None:

@@ -12,11 +12,12 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
 * **Master weights** (trainable, mixed precision only): 4 B, the fp32 copy the optimizer updates,
   as in the ZeRO paper's accounting (2 + 2 + 12 = 16 B per parameter for mixed-precision Adam).
 * **Gradients** (trainable): in the weight dtype, so 4 B for fp32 and 2 B for pure or mixed half.
-* **Optimizer state** (trainable): ``none`` and ``sgd`` 0; ``sgd-momentum`` one state and
-  ``adam`` / ``adamw`` two states, each in the state dtype (fp32, 4 B, for fp32 and mixed
-  precision; 2 B for pure fp16/bf16); ``adafactor`` 4 B, an approximation (its factored second
-  moment is O(rows + cols) per matrix, plus the update), the figure Hugging Face's "anatomy of
-  model memory" guide uses; ``adam-8bit`` 2 B (two 1-byte states).
+* **Optimizer state** (trainable), from the one optimizer registry (``memfit.tracing.optimizers``):
+  ``none`` and ``sgd`` 0; ``sgd-momentum``, ``adagrad`` and ``rmsprop`` one state and ``adam`` /
+  ``adamw`` two states, each in the state dtype (fp32, 4 B, for fp32 and mixed precision; 2 B for
+  pure fp16/bf16); ``adafactor`` 4 B, an approximation (its factored second moment is
+  O(rows + cols) per matrix, plus the update), the figure Hugging Face's "anatomy of model memory"
+  guide uses; ``adam-8bit`` 2 B (two 1-byte states).
 * **Activations**: ``activations_per_sample * batch_size`` elements, 4 B each in fp32 and 2 B in
   any half or mixed precision.
 
@@ -34,52 +35,21 @@ from typing import Any
 
 from memfit.errors import InvalidInputError
 from memfit.precision import Precision
+from memfit.tracing.optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
+from memfit.tracing.optimizers import optimizer_info
 
 __all__ = ["OPTIMIZERS", "FormulaEstimate", "estimate_from_counts", "normalize_optimizer"]
 
 _FP32_BYTES = 4
 _HALF_BYTES = 2
 
-# Canonical name -> (states kept in the state dtype, fixed bytes per trainable parameter).
-_OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
-    "none": (0, 0),
-    "sgd": (0, 0),
-    "sgd-momentum": (1, 0),
-    "adam": (2, 0),
-    "adamw": (2, 0),
-    "adafactor": (0, 4),
-    "adam-8bit": (0, 2),
-}
-
-OPTIMIZERS: tuple[str, ...] = tuple(_OPTIMIZER_STATE)
-"""Canonical optimizer names :func:`estimate_from_counts` understands."""
-
-_OPTIMIZER_ALIASES: dict[str, str] = {
-    **{name: name for name in _OPTIMIZER_STATE},
-    "momentum": "sgd-momentum",
-    "sgdm": "sgd-momentum",
-    "adamw-8bit": "adam-8bit",
-    "adam8bit": "adam-8bit",
-    "adamw8bit": "adam-8bit",
-    "bnb-adam8bit": "adam-8bit",
-    "bnb-adamw8bit": "adam-8bit",
-}
+OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_REGISTRY)
+"""Canonical optimizer names :func:`estimate_from_counts` understands (``memfit.tracing.optimizers.OPTIMIZERS``)."""
 
 
 def normalize_optimizer(name: str | None) -> str:
     """Return the canonical name of optimizer ``name`` (case-insensitive; ``None`` means ``"none"``)."""
-    if name is None:
-        return "none"
-    if not isinstance(name, str):
-        raise InvalidInputError(f"optimizer must be a name such as 'adamw' or None, got {name!r}")
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
-    try:
-        return _OPTIMIZER_ALIASES[key]
-    except KeyError:
-        aliases = ", ".join(sorted(set(_OPTIMIZER_ALIASES) - set(_OPTIMIZER_STATE)))
-        raise InvalidInputError(
-            f"optimizer must be one of {', '.join(OPTIMIZERS)} (or an alias: {aliases}), got {name!r}"
-        ) from None
+    return optimizer_info(name).name
 
 
 @dataclass(frozen=True)
@@ -159,13 +129,12 @@ def estimate_from_counts(
     weight_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
     state_size = _HALF_BYTES if pure_half else _FP32_BYTES
     activation_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
-    states, fixed_bytes = _OPTIMIZER_STATE[optimizer]
 
     return FormulaEstimate(
         parameters_bytes=parameters * weight_size,
         gradients_bytes=trainable * weight_size,
         master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
-        optimizer_state_bytes=trainable * (states * state_size + fixed_bytes),
+        optimizer_state_bytes=trainable * optimizer_info(optimizer).state_bytes(state_size),
         activations_bytes=activations_per_sample * batch_size * activation_size,
         parameters=parameters,
         batch_size=batch_size,

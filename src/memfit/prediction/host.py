@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.planning.capacity import available_ram_bytes
+from memfit.tracing.optimizers import optimizer_info
 from memfit.units import format_bytes
 
-__all__ = ["HostEstimate", "estimate_host"]
+__all__ = ["HostEstimate", "estimate_host", "offloaded_optimizer_bytes"]
+
+_OFFLOAD_STATE_DTYPE_BYTES = 4  # ZeRO-Offload keeps the optimizer state in fp32 on the host
 
 
 @dataclass(frozen=True)
@@ -85,3 +88,9 @@ def estimate_host(
         offload_bytes=offload_bytes,
         available_bytes=available_ram_bytes() if local_machine else None,
     )
+
+
+def offloaded_optimizer_bytes(optimizer: str | None, trainable_parameters: int) -> int:
+    """Host RAM the optimizer state of ``trainable_parameters`` takes when offloaded (fp32 states, per
+    the optimizer registry that the formula tier and the trace also read)."""
+    return trainable_parameters * optimizer_info(optimizer).state_bytes(_OFFLOAD_STATE_DTYPE_BYTES)

@@ -77,9 +77,12 @@ _CATEGORY_LABELS: dict[Category, str] = {
 
 def estimate_table(estimate: MemoryEstimate) -> Table:
     """The peak of a traced step: tensors by category, then what the runtime adds on a GPU."""
+    step, what = (
+        ("forward pass", "inference") if estimate.inference else ("training step", f"optimizer {estimate.optimizer}")
+    )
     title = (
-        f"Peak of one training step: batch {estimate.batch_size}, {estimate.precision.short_name}, "
-        f"optimizer {estimate.optimizer}{', checkpointing' if estimate.gradient_checkpointing else ''}\n"
+        f"Peak of one {step}: batch {estimate.batch_size}, {estimate.precision.short_name}, "
+        f"{what}{', checkpointing' if estimate.gradient_checkpointing else ''}\n"
         f"target {estimate.device}, peak in step {estimate.peak_step} {estimate.peak_phase.value}"
     )
     table = Table(title=title, min_width=max(len(line) for line in title.splitlines()))

@@ -114,8 +114,7 @@ def plan_training_arguments(
     include_context = device.type == "cuda" and budget_bytes is not None
     restored = _saved_plan(args, resume_from_checkpoint)
     if restored is not None:
-        chosen = Plan.from_dict(restored)
-        chosen = dataclasses.replace(chosen, reasons=(*chosen.reasons, "restored from the checkpoint"))
+        chosen = Plan.from_dict(restored).with_reason("restored from the checkpoint")
         planned = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
                                    chosen.accumulate_grad_batches)  # fmt: skip
     else:
@@ -144,10 +143,8 @@ def plan_training_arguments(
         )  # fmt: skip
         if flush_every is not None:
             changes["eval_accumulation_steps"] = flush_every
-            chosen = dataclasses.replace(chosen, reasons=(
-                *chosen.reasons, f"eval_accumulation_steps={flush_every}: the outputs collected for compute_metrics "
-                "move to the CPU before they fill the GPU",
-            ))  # fmt: skip
+            chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
+                                        "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
     return PlannedArguments(dataclasses.replace(args, **changes), chosen, session.baseline, evaluation)
 
 

@@ -456,8 +456,7 @@ class MemoryPlannerBase:
             self._warn("resume", "memfit: resuming without checkpointing as the run started, though a fresh plan "
                        "would use it")  # fmt: skip
         self._apply(trainer, pl_module, saved)
-        restored = Plan.from_dict(saved)
-        self.plan = dataclasses.replace(restored, reasons=(*restored.reasons, "restored from the checkpoint"))
+        self.plan = Plan.from_dict(saved).with_reason("restored from the checkpoint")
         if self._decision is not None:
             self._decision.plan = saved
 
