@@ -502,6 +502,11 @@ def _build_estimate(
         )
     if primary.checkpointing:
         notes.append(f"checkpointing: {primary.checkpointing}")
+    if primary.compiled:
+        notes.append(
+            "the model is torch.compile'd: the step is predicted as it runs eagerly, an upper bound for "
+            "activations, until compiled memory is modelled"
+        )
     if settings.zero_grad == "before_backward" and settings.accumulation_steps == 1:
         notes.append("zero_grad before backward (Lightning): each forward carries the last step's gradients")
     if settings.accumulation_steps > 1:

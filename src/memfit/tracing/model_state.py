@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "compilation_suspended",
+    "has_compiled_modules",
     "module_path_tracker",
     "onednn_disabled",
     "preserved_module_state",
@@ -45,6 +48,53 @@ def preserved_module_state(model: nn.Module) -> Iterator[None]:
                 container.update(content)
             module.__dict__.clear()
             module.__dict__.update(attributes)
+
+
+def _optimized_module_type() -> type | None:
+    """``OptimizedModule`` if dynamo is loaded; without it nothing can have been compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def has_compiled_modules(model: nn.Module) -> bool:
+    """Whether ``model`` is, or holds, a ``torch.compile``'d module (a wrapper or ``module.compile()``)."""
+    wrapper = _optimized_module_type()
+    if wrapper is None:
+        return False
+    return any(isinstance(m, wrapper) or m.__dict__.get("_compiled_call_impl") is not None for m in model.modules())
+
+
+@contextmanager
+def compilation_suspended(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``torch.compile``'d code eagerly during the trace; yield ``model`` without compile wrappers.
+
+    Dynamo refuses to compile a frame while a non-infra dispatch mode is active (the trace's
+    ``FakeTensorMode`` and recorder) and caches that skip on the frame's code object: every later
+    call of that code, in this module or any other of its class, then runs eagerly for the rest of
+    the process. So dynamo must never see a frame during the trace. Each ``OptimizedModule`` is
+    replaced in its parent by the module it wraps and ``module.compile()``'s compiled call is
+    dropped (call inside ``preserved_module_state``, which puts both back); the ``force_eager``
+    stance, where torch has it, covers compiled functions the model calls.
+    """
+    wrapper = _optimized_module_type()
+    if wrapper is None:
+        yield model
+        return
+    for module in list(model.modules()):
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            module.__dict__["_compiled_call_impl"] = None
+        for name, child in list(module._modules.items()):
+            if isinstance(child, wrapper):
+                module._modules[name] = _unwrapped(child, wrapper)
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with set_stance("force_eager") if set_stance is not None else nullcontext():
+        yield _unwrapped(model, wrapper)
+
+
+def _unwrapped(module: nn.Module, wrapper: type) -> nn.Module:
+    while isinstance(module, wrapper):
+        module = module._orig_mod
+    return module
 
 
 @contextmanager

@@ -38,6 +38,8 @@ from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.cuda_semantics import CudaSemantics
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
+    compilation_suspended,
+    has_compiled_modules,
     module_path_tracker,
     onednn_disabled,
     preserved_module_state,
@@ -100,6 +102,7 @@ class StepTrace:
     checkpointing: str | None
     substitutions: dict[str, int]
     ops: int
+    compiled: bool = False  # the model holds torch.compile'd modules, traced eagerly
 
 
 def trace_steps(
@@ -128,9 +131,18 @@ def trace_steps(
     # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
     branch = compile_paths() if settings.compile_paths else contextlib.nullcontext()
-    with preserved_module_state(model), preserved_rng_state(), onednn_disabled(), branch:
+    compiled = has_compiled_modules(model)
+    with (
+        preserved_module_state(model),
+        preserved_rng_state(),
+        onednn_disabled(),
+        branch,
+        compilation_suspended(model) as model,
+    ):
         if settings.inference:
-            return _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
+            inference = _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
+            inference.compiled = compiled
+            return inference
         model.train()
         already_on = _hf_checkpointing_on(model)
         if settings.gradient_checkpointing or (already_on and semantics is not None):
@@ -168,6 +180,7 @@ def trace_steps(
         checkpointing=checkpointing,
         substitutions=dict(semantics.substitutions) if semantics else {},
         ops=recorder.ops,
+        compiled=compiled,
     )
 
 
