@@ -10,7 +10,8 @@ from typing import Any
 from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import GPU, gpu_by_name
-from memfit.planning.planner import Plan, plan
+from memfit.planning.planner import Plan
+from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
@@ -249,24 +250,16 @@ def _plan_one(name: str, capacity: int, gpu: GPU | None, trace: Any, checkpointi
               world_size: int, margin: float, whole: Any) -> GpuPlan:  # fmt: skip
     """Search on ``trace``, confirm and report on ``whole`` (the same unless extrapolated in depth)."""
     always = checkpointing == "on"
+    session = PlanningSession(whole, batch_size=1, search_at=trace)
+    approximate = bool(gpu and gpu.approximate)
+    base = session.search_at(1, always, 1)
+    request = PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target, world_size=world_size,
+                          allow_checkpointing=checkpointing == "auto", always_checkpoint=always)  # fmt: skip
     try:
-        chosen = plan(
-            trace(1, always),
-            capacity,
-            margin=margin,
-            target_batch_size=target,
-            world_size=world_size,
-            allow_checkpointing=checkpointing == "auto",
-            checkpointed=lambda: trace(1, True),
-            confirm=lambda micro, ckpt, accumulation: whole(micro, ckpt or always, accumulation),
-        )
+        decision = session.decide(request)
     except InsufficientMemoryError as error:
-        approximate = bool(gpu and gpu.approximate)
-        return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=trace(1, always))
-    if always and not chosen.gradient_checkpointing:
-        chosen = dataclasses.replace(chosen, gradient_checkpointing=True)
-    exact = whole(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
-    return GpuPlan(name, capacity, chosen, exact, approximate=bool(gpu and gpu.approximate), base=trace(1, always))
+        return GpuPlan(name, capacity, None, None, error=str(error), approximate=approximate, base=base)
+    return GpuPlan(name, capacity, decision.plan, decision.estimate, approximate=approximate, base=base)
 
 
 class _progress:

@@ -44,6 +44,12 @@ __all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "Target", "TrainingLoop"
 
 _MAX_BATCH = 1 << 31
 
+# said of a model that runs under torch.compile (traced eagerly; a framework that compiles it later says so too)
+COMPILED_NOTE = (
+    "the model is torch.compile'd: the step is predicted as it runs eagerly, an upper bound for activations, until "
+    "compiled memory is modelled"
+)
+
 
 @dataclass(frozen=True)
 class BatchPeak:
@@ -167,6 +173,11 @@ class MemoryEstimate:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
+
+    def with_notes(self, *notes: str) -> MemoryEstimate:
+        """This estimate with more notes (what the caller knows that the trace cannot show), each once."""
+        added = tuple(note for note in dict.fromkeys(notes) if note not in self.notes)
+        return dataclasses.replace(self, notes=(*self.notes, *added)) if added else self
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready view: integer bytes, names as strings."""
@@ -503,10 +514,7 @@ def _build_estimate(
     if primary.checkpointing:
         notes.append(f"checkpointing: {primary.checkpointing}")
     if primary.compiled:
-        notes.append(
-            "the model is torch.compile'd: the step is predicted as it runs eagerly, an upper bound for "
-            "activations, until compiled memory is modelled"
-        )
+        notes.append(COMPILED_NOTE)
     if settings.zero_grad == "before_backward" and settings.accumulation_steps == 1:
         notes.append("zero_grad before backward (Lightning): each forward carries the last step's gradients")
     if settings.accumulation_steps > 1:

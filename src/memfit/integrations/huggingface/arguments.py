@@ -18,6 +18,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
+from memfit.prediction.estimator import COMPILED_NOTE
 from memfit.tracing.batch import batch_examples
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
@@ -91,6 +92,12 @@ def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | N
         find_unused_parameters=find_unused,
         static_graph=bool(getattr(args, "ddp_static_graph", None)),
     )
+
+
+def run_notes(args: TrainingArguments) -> list[str]:
+    """What the prediction of this run should say that the traced model cannot show: the Trainer compiles
+    the model itself under ``torch_compile`` (the trace runs the model eagerly)."""
+    return [COMPILED_NOTE] if getattr(args, "torch_compile", False) else []
 
 
 def collated_sample(

@@ -10,7 +10,6 @@ chunked step from ``OOMRecovery``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import warnings
@@ -31,6 +30,7 @@ from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     ddp_config,
     held_batches,
+    run_notes,
     run_precision,
     running_optimizer,
     sharding,
@@ -55,6 +55,7 @@ from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import log_figure, matplotlib_available
 from memfit.tracing.batch import batch_examples
 from memfit.tracing.checkpointing import enable_checkpointing
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import SHARDING_NOT_MODELLED
 from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
@@ -273,26 +274,27 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
-        notes: list[str] = []
+        notes = run_notes(args)
         with preserved_rng_state():
             sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=notes))
         device = next(model.parameters()).device
+        accumulation = args.gradient_accumulation_steps
+        loop = TrainingLoop(accumulation_steps=accumulation, extra_batches=held_batches(accumulation, device),
+                            ddp=ddp_config(args, model))  # fmt: skip
         traced = estimate(
             model,
             dict(sample) if isinstance(sample, dict) else sample,
             batch_size=micro,
             optimizer=running_optimizer(args, model, optimizer),
             precision=run_precision(args),
-            device="cuda" if device.type == "cuda" else "cpu",
-            accumulation_steps=args.gradient_accumulation_steps,
-            extra_batches=held_batches(args.gradient_accumulation_steps, device),
-            ddp=ddp_config(args, model),
+            loop=loop,
+            target=Target("cuda" if device.type == "cuda" else "cpu"),
         )
         if sharded_by := sharding(args):
             notes.append(f"{sharded_by}: {SHARDING_NOT_MODELLED}")
             self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
                        f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
-        self.estimate = traced = dataclasses.replace(traced, notes=(*traced.notes, *notes)) if notes else traced
+        self.estimate = traced = traced.with_notes(*notes)
         self.monitor = RunMonitor.start(
             device,
             predicted_allocated_bytes=traced.peak_allocated_bytes,

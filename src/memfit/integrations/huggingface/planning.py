@@ -22,6 +22,7 @@ from memfit.integrations.huggingface.arguments import (
     ddp_config,
     held_batches,
     run_device,
+    run_notes,
     run_precision,
     sharding,
     trainer_optimizer,
@@ -32,6 +33,7 @@ from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import SHARDING_NOT_MODELLED
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
@@ -97,18 +99,17 @@ def plan_training_arguments(
     budget_bytes = parse_budget(budget)
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     device = run_device(args)
-    sample_notes: list[str] = []
+    sample_notes = run_notes(args)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
                              notes=sample_notes)  # fmt: skip
     optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
 
     def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-        traced = estimate(
-            model, sample, optimizer=optimizer, precision=precision, device=device.type, ddp=ddp, batch_size=micro,
-            gradient_checkpointing=checkpointing, accumulation_steps=accumulation_steps,
-            extra_batches=held_batches(accumulation_steps, device),
-        )  # fmt: skip
-        return dataclasses.replace(traced, notes=(*traced.notes, *sample_notes)) if sample_notes else traced
+        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held_batches(accumulation_steps, device),
+                            ddp=ddp)  # fmt: skip
+        traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
+                          gradient_checkpointing=checkpointing, loop=loop, target=Target(device.type))  # fmt: skip
+        return traced.with_notes(*sample_notes)
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = device.type == "cuda" and budget_bytes is not None

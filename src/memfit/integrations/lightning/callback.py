@@ -10,7 +10,6 @@ the decision, and forwards what the ``RunMonitor`` (``memfit.monitoring.run_moni
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Iterator, Sequence
@@ -45,6 +44,7 @@ from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
 from memfit.reporting.figures import log_figure, matplotlib_available
 from memfit.tracing.batch import infer_batch_size, longest_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import SHARDING_NOT_MODELLED, DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
@@ -307,9 +307,7 @@ class MemoryPlannerBase:
         self.estimate = session.baseline
         sharding = self._sharding(trainer.strategy)
         if sharding is not None:
-            self.estimate = dataclasses.replace(
-                self.estimate, notes=(*self.estimate.notes, f"{sharding}: {SHARDING_NOT_MODELLED}")
-            )
+            self.estimate = self.estimate.with_notes(f"{sharding}: {SHARDING_NOT_MODELLED}")
             if self.mode == "plan":
                 message = (
                     f"memfit does not model the sharding of {sharding} yet: {SHARDING_NOT_MODELLED}. It plans "
@@ -346,16 +344,17 @@ class MemoryPlannerBase:
         # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
         # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
         zero_grad = "after_step" if self.on_oom == "replan" else "before_backward"
+        target = Target(device.type)
 
         def trace_at(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+            loop = TrainingLoop(zero_grad=zero_grad, accumulation_steps=accumulation, ddp=ddp,
+                                extra_batches=batches_held(accumulation, self.on_oom))  # fmt: skip
             traced = estimate(
-                pl_module, sample, optimizer=optimizer, precision=precision, device=device.type, batch_size=micro,
+                pl_module, sample, optimizer=optimizer, precision=precision, batch_size=micro, loop=loop, target=target,
                 gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
-                forward_fn=forward, loss_fn=_loss_of_training_step, zero_grad=zero_grad, ddp=ddp,
-                accumulation_steps=accumulation, extra_batches=batches_held(accumulation, self.on_oom),
+                forward_fn=forward, loss_fn=_loss_of_training_step,
             )  # fmt: skip
-            notes = self._sample_notes
-            return dataclasses.replace(traced, notes=(*traced.notes, *notes)) if notes else traced
+            return traced.with_notes(*self._sample_notes)
 
         return trace_at
 
