@@ -105,8 +105,8 @@ def plan_training_arguments(
     optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
 
     def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held_batches(accumulation_steps, device),
-                            ddp=ddp)  # fmt: skip
+        held = held_batches(accumulation_steps, device)
+        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp)
         traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
                           gradient_checkpointing=checkpointing, loop=loop, target=Target(device.type))  # fmt: skip
         return traced.with_notes(*sample_notes)
