@@ -15,9 +15,12 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import InvalidInputError
+from memfit.precision import Precision
 from memfit.units import GiB, MiB
 
 __all__ = ["GPU", "gpu_by_name", "known_gpus"]
+
+_BF16 = (Precision.BF16_MIXED, Precision.BF16_TRUE)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,27 @@ class GPU:
         from memfit.simulation.runtime import cublas_workspace_bytes
 
         return cublas_workspace_bytes(self.compute_capability or (9, 0))
+
+    def precision_for(self, requested: Precision | str | None, *, inference: bool = False) -> Precision:
+        """The precision to plan this card in.
+
+        ``None`` asks for the card's usual one: bf16 where it has it, else fp16 (T4, V100), mixed for
+        training and half-precision weights (``*-true``) for inference. A bf16 precision asked of a card
+        without bf16 raises ``InvalidInputError``: torch only emulates it there (slowly), and without
+        its fused attention kernels the memory is not the one memfit models.
+        """
+        if requested is None:
+            if inference:
+                return Precision.BF16_TRUE if self.bf16 else Precision.FP16_TRUE
+            return Precision.BF16_MIXED if self.bf16 else Precision.FP16_MIXED
+        precision = Precision.parse(requested)
+        if precision in _BF16 and not self.bf16:
+            fp16 = Precision.FP16_MIXED if precision.is_mixed else Precision.FP16_TRUE
+            raise InvalidInputError(
+                f"{self.name} ({self.architecture}) has no bf16, so {precision.value} would run emulated, slowly "
+                f"and with other kernels than memfit models; plan it with precision {fp16.value} instead"
+            )
+        return precision
 
 
 _CATALOG: tuple[GPU, ...] = (
