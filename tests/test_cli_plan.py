@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -179,6 +180,61 @@ def test_inference_plan_has_no_training_state_and_keeps_the_outputs(capsys: pyte
     assert host["total_bytes"] == sum(
         host[k] for k in ("weights_bytes", "batches_bytes", "pinned_bytes", "offload_bytes")
     )
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cards_without_bf16_are_planned_in_16_mixed_and_refuse_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    """T4 and V100 have no bf16: by default they are planned in 16-mixed, saying so; asked for bf16, they refuse."""
+    small = ["--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--target-batch-size", "8"]
+    report = _plan_json(capsys, *small, "--gpu", "t4", "--gpu", "v100-16gb", "--gpu", "h100")
+    t4, v100, h100 = report["gpus"]
+    assert report["precision"] == "bf16-mixed" and h100["precision"] == "bf16-mixed" and h100["note"] is None
+    for row, architecture in ((t4, "Turing"), (v100, "Volta")):
+        assert row["fits"] and row["precision"] == "16-mixed"
+        assert architecture in row["note"] and "no bf16" in row["note"] and row["note"] in row["reasons"]
+    (asked,) = _plan_json(capsys, *small, "--gpu", "t4", "--precision", "16-mixed")["gpus"]
+    assert t4["predicted_peak_bytes"] == asked["predicted_peak_bytes"]  # traced in 16-mixed, not bf16
+    assert t4["breakdown_bytes"] == asked["breakdown_bytes"]
+
+    refused, fine = _plan_json(capsys, *small, "--gpu", "t4", "--gpu", "h100", "--precision", "bf16-mixed")["gpus"]
+    assert not refused["fits"] and "no bf16" in refused["error"] and "16-mixed" in refused["error"]
+    assert fine["fits"] and fine["precision"] == "bf16-mixed"
+
+    assert main(["plan", *small, "--gpu", "t4"]) == 0
+    assert "T4: planned in 16-mixed" in capsys.readouterr().out  # the table says it too
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
+         "max_position_embeddings": 512}  # fmt: skip
+
+
+def test_inference_plans_half_precision_weights_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Serving loads the weights in half precision; fp32 master weights (bf16-mixed) are a training thing."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    one = ["--hf-config", str(config), "--seq-len", "64", "--inference", "--target-batch-size", "1"]
+    default = _plan_json(capsys, *one, "--budget", "4GiB")
+    (row,) = default["gpus"]
+    assert default["precision"] == "bf16-true" and row["precision"] == "bf16-true"
+    parameters = default["parameters"]
+    assert 2 * parameters <= row["breakdown_bytes"]["parameters"] < 3 * parameters
+    (mixed,) = _plan_json(capsys, *one, "--budget", "4GiB", "--precision", "bf16-mixed")["gpus"]
+    assert mixed["breakdown_bytes"]["parameters"] >= 4 * parameters
+
+    # a card that fits the half-precision weights and not fp32 ones: the default plan fits it
+    between = (row["predicted_peak_bytes"] + mixed["predicted_peak_bytes"]) // 2
+    budget = f"{math.ceil(between / 0.95)}B"
+    (fits,) = _plan_json(capsys, *one, "--budget", budget)["gpus"]
+    (misses,) = _plan_json(capsys, *one, "--budget", budget, "--precision", "bf16-mixed")["gpus"]
+    assert fits["fits"] and not misses["fits"]
+    assert "optimizer" not in misses["error"] and "quantized weights" in misses["error"]
+    (t4,) = _plan_json(capsys, *one, "--gpu", "t4")["gpus"]
+    assert t4["precision"] == "16-true" and "no bf16" in t4["note"]
 
 
 def test_host_estimate_rules() -> None:

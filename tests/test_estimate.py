@@ -213,6 +213,40 @@ def test_pure_half_precision_halves_weights() -> None:
     assert half.precision is memfit.Precision.BF16_TRUE
 
 
+class _PatchClassifier(nn.Module):
+    """A ViT-style stem that feeds its input straight to a convolution, as torchvision's ViT does (``conv_proj``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, 16, kernel_size=8, stride=8)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        features = self.conv_proj(images).flatten(2).mean(-1)
+        return F.cross_entropy(self.head(features), labels)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_half_precision_casts_floating_inputs_as_lightning_does(precision: str, dtype: torch.dtype) -> None:
+    """Lightning's and Fabric's HalfPrecision.convert_input cast a batch's floating tensors (not its ids)."""
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    half = memfit.estimate(_PatchClassifier(), (images, labels), precision=precision, device="cpu")
+    assert half.breakdown[Category.INPUTS] == images.numel() * dtype.itemsize + labels.numel() * labels.element_size()
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                       image_size=32, patch_size=8, num_labels=3)  # fmt: skip
+    vit = ViTForImageClassification(config)
+    batch = {"pixel_values": images, "labels": labels}
+    pixels = images.numel() * dtype.itemsize
+    assert memfit.estimate(vit, batch, precision=precision, device="cpu").breakdown[Category.INPUTS] == (
+        pixels + labels.numel() * labels.element_size()
+    )
+    mixed = memfit.estimate(vit, batch, precision="bf16-mixed", device="cpu")  # autocast leaves the batch alone
+    assert mixed.breakdown[Category.INPUTS] == images.numel() * 4 + labels.numel() * labels.element_size()
+
+
 def test_meta_device_model_plans_like_the_real_one() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -49,3 +49,20 @@ def test_facts_that_change_the_estimate() -> None:
     assert t4.cublas_workspace_bytes == 8 * MiB + 128 * 1024 and not t4.bf16
     assert apple.approximate and not h100.approximate
     assert parse_budget("h200") == gpu_by_name("H200").memory_bytes
+
+
+def test_the_precision_a_card_is_planned_in() -> None:
+    """The catalog's bf16 flag decides the default and refuses bf16 where the card has none."""
+    from memfit import Precision
+
+    h100, t4, v100 = gpu_by_name("h100"), gpu_by_name("t4"), gpu_by_name("v100-32gb")
+    assert h100.precision_for(None) is Precision.BF16_MIXED
+    assert h100.precision_for(None, inference=True) is Precision.BF16_TRUE
+    for card in (t4, v100):
+        assert card.precision_for(None) is Precision.FP16_MIXED
+        assert card.precision_for(None, inference=True) is Precision.FP16_TRUE
+        assert card.precision_for("fp32") is Precision.FP32 and card.precision_for("16-mixed") is Precision.FP16_MIXED
+    with pytest.raises(InvalidInputError, match=r"T4 \(Turing\) has no bf16.*precision 16-mixed"):
+        t4.precision_for("bf16-mixed")
+    with pytest.raises(InvalidInputError, match=r"V100-32GB \(Volta\) has no bf16.*precision 16-true"):
+        v100.precision_for("bf16")

@@ -43,6 +43,12 @@ class Precision(str, Enum):
         return self in (Precision.FP16_MIXED, Precision.BF16_MIXED)
 
     @property
+    def converts_to_half(self) -> bool:
+        """``*-true`` half precision: floating parameters, buffers and inputs are cast to ``parameter_dtype``,
+        as Lightning's and Fabric's ``HalfPrecision`` plugins do (``convert_module``, ``convert_input``)."""
+        return self in (Precision.FP16_TRUE, Precision.BF16_TRUE)
+
+    @property
     def parameter_dtype(self) -> torch.dtype:
         """dtype the weights are stored in."""
         return {Precision.FP16_TRUE: torch.float16, Precision.BF16_TRUE: torch.bfloat16}.get(self, torch.float32)

@@ -248,7 +248,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=_whole(1), default=1024, help="tokens per sample (default 1024)")
     plan.add_argument("--image-size", type=_whole(1), help="image side for vision models (default: the config's)")
     plan.add_argument("--layers", type=_whole(1), help="override the depth (a quick look at a deep model)")
-    plan.add_argument("--precision", default="bf16-mixed", help="default bf16-mixed")
+    plan.add_argument("--precision", help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default "
+                      "bf16-mixed, 16-mixed on cards without bf16 (T4, V100); with --inference bf16 weights (fp16 "
+                      "on those cards)")  # fmt: skip
     plan.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_NAMES)}; default adamw")
     plan.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                       help="auto: only when needed (default)")  # fmt: skip

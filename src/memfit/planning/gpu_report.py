@@ -40,6 +40,8 @@ class GpuPlan:
     error: str | None = None
     approximate: bool = False
     base: MemoryEstimate | None = None  # the trace at batch 1 the plan started from (for the batch curve)
+    precision: str | None = None  # what this card is planned in (``None``: it cannot run the one asked for)
+    note: str | None = None  # why the precision is not the report's
 
     @property
     def fits(self) -> bool:
@@ -47,7 +49,8 @@ class GpuPlan:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu": self.gpu, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
-                               "approximate": self.approximate, "error": self.error}  # fmt: skip
+                               "approximate": self.approximate, "error": self.error, "precision": self.precision,
+                               "note": self.note}  # fmt: skip
         if self.plan is not None:
             out.update({k: v for k, v in self.plan.to_dict().items() if k not in ("capacity_bytes",)})
         if self.estimate is not None:
@@ -75,7 +78,9 @@ class PlanReport:
         plan, the timeline at batch 1 is the one extrapolated in depth when the search was."""
         from memfit.reporting.plots import plot_plan
 
-        base = next(row.base for row in self.rows if row.base is not None)
+        base = next((row.base for row in self.rows if row.base is not None), None)
+        if base is None:
+            raise InvalidInputError("nothing was traced to draw: no GPU could run the precision asked for")
         capacities = {row.gpu: row.capacity_bytes for row in self.rows}
         chosen = {row.gpu: row.plan.micro_batch_size for row in self.rows if row.plan is not None}
         first = next((row.estimate for row in self.rows if row.estimate is not None), None)
@@ -104,7 +109,7 @@ def plan_for_gpus(
     seq_len: int = 1024,
     image_size: int | None = None,
     layers: int | None = None,
-    precision: str = "bf16-mixed",
+    precision: str | None = None,
     optimizer: str = "adamw",
     checkpointing: str = "auto",
     target_batch_size: int | str = "max",
@@ -129,12 +134,19 @@ def plan_for_gpus(
     extrapolation alone. ``benchmarks/depth_extrapolation.py`` compares both with full traces.
 
     ``world_size`` above 1 means DistributedDataParallel (its gradient buckets count); a plan that
-    accumulates is confirmed on a trace with accumulation, as its gradients outlive a micro batch."""
+    accumulates is confirmed on a trace with accumulation, as its gradients outlive a micro batch.
+
+    ``precision`` ``None`` plans each card in its usual precision (``GPU.precision_for``): bf16-mixed,
+    or 16-mixed on cards without bf16 (T4, V100); with ``inference``, half-precision weights (bf16, or
+    fp16 there). A bf16 precision asked of a card without bf16 is that row's error. One trace serves
+    every GPU planned in the same precision."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
     if budget is not None:
         targets.append((f"budget {budget}", parse_budget(budget), None))
+    default = _default_precision(precision, inference)
+    precisions = [_card_precision(gpu, precision, default, inference) for _, _, gpu in targets]
     with _progress(show_progress, "building the model on the meta device"):
         spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
             from_factory(model, seq_len=seq_len)
@@ -142,27 +154,43 @@ def plan_for_gpus(
     runtimes = [
         CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
     ]
-    # One trace serves every GPU. Confirmations at a chosen batch take their fit in the batch from
-    # the search's trace at batch 1, so they trace once instead of twice.
+    # One trace serves every GPU of a precision. Confirmations at a chosen batch take their fit in the
+    # batch from the search's trace at batch 1, so they trace once instead of twice.
     loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
-    full_trace = _tracer(spec, precision, optimizer, runtimes, inference, loop, fits_of=lambda ckpt: trace(1, ckpt))
-    trace = full_trace
     depth = model_depth(spec.model)
     extrapolated = None
     parameters = sum(p.numel() for p in spec.model.parameters())
     large = parameters >= EXTRAPOLATION_MIN_PARAMETERS
+    shallow: list[ModelSpec] = []
     if hf_config and not exact and layers is None and large and depth and depth > EXTRAPOLATION_DEPTHS[1]:
         with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
             shallow = [
                 from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d)
                 for d in EXTRAPOLATION_DEPTHS
             ]
-        tracers = [_tracer(s, precision, optimizer, runtimes, inference, loop) for s in shallow]
-        trace, extrapolated = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth, full_trace), EXTRAPOLATION_DEPTHS
+        extrapolated = EXTRAPOLATION_DEPTHS
+
+    @functools.cache
+    def traces_in(precision: Precision) -> tuple[Any, Any]:
+        """``(search trace, full trace)`` in ``precision``, over the runtimes of the cards planned in it."""
+        group = [runtime for runtime, p in zip(runtimes, precisions, strict=True) if p is precision]
+        full_trace = _tracer(spec, precision, optimizer, group, inference, loop, fits_of=lambda ckpt: trace(1, ckpt))
+        trace = full_trace
+        if shallow:
+            tracers = [_tracer(s, precision, optimizer, group, inference, loop) for s in shallow]
+            trace = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth, full_trace)
+        return trace, full_trace
+
     rows = []
-    for index, (name, capacity, gpu) in enumerate(targets):
+    for position, ((name, capacity, gpu), row_precision) in enumerate(zip(targets, precisions, strict=True)):
+        if not isinstance(row_precision, Precision):  # the card cannot run the precision asked for
+            rows.append(GpuPlan(name, capacity, None, None, error=row_precision,
+                                approximate=bool(gpu and gpu.approximate)))  # fmt: skip
+            continue
         with _progress(show_progress, f"tracing {spec.name} and planning for {name}"):
             allow = "off" if inference else checkpointing
+            index = sum(p is row_precision for p in precisions[:position])  # its place among its precision's cards
+            trace, full_trace = traces_in(row_precision)
 
             def for_gpu(
                 batch: int, checkpointing: bool, accumulation: int = 1, index: int = index, source: Any = trace
@@ -170,12 +198,39 @@ def plan_for_gpus(
                 return source(batch, checkpointing, accumulation)[index]
 
             whole = functools.partial(for_gpu, source=full_trace)
-            rows.append(_plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin, whole))
+            row = _plan_one(name, capacity, gpu, for_gpu, allow, target_batch_size, world_size, margin, whole)
+            rows.append(_in_precision(row, row_precision, default, gpu))
     host = _host(
-        spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, precision
+        spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
-    return PlanReport(spec.name, parameters, precision, "none" if inference else optimizer, seq_len, tuple(rows),
+    return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=extrapolated)  # fmt: skip
+
+
+def _default_precision(requested: str | None, inference: bool) -> Precision:
+    """The precision asked for, or the one cards with bf16 are planned in when none was."""
+    if requested is not None:
+        return Precision.parse(requested)
+    return Precision.BF16_TRUE if inference else Precision.BF16_MIXED
+
+
+def _card_precision(gpu: GPU | None, requested: str | None, default: Precision, inference: bool) -> Precision | str:
+    """The precision ``gpu`` is planned in, or why it cannot run the one asked for (a budget: ``default``)."""
+    if gpu is None:
+        return default
+    try:
+        return gpu.precision_for(requested, inference=inference)
+    except InvalidInputError as error:
+        return str(error)
+
+
+def _in_precision(row: GpuPlan, precision: Precision, default: Precision, gpu: GPU | None) -> GpuPlan:
+    """The row with its precision, and a note when it is not the report's (a card without bf16)."""
+    note = None
+    if precision != default and gpu is not None:
+        note = f"planned in {precision.value}: {gpu.architecture} cards have no bf16"
+    plan = row.plan.with_reason(note) if row.plan is not None and note else row.plan
+    return dataclasses.replace(row, plan=plan, precision=precision.value, note=note)
 
 
 def model_depth(model: Any) -> int | None:
@@ -222,7 +277,7 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
                          local_machine=True)  # fmt: skip
 
 
-def _tracer(spec: ModelSpec, precision: str, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
+def _tracer(spec: ModelSpec, precision: Precision, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
             loop: TrainingLoop, fits_of: Any = None) -> Any:  # fmt: skip
     """``trace(batch, checkpointing, accumulation)``, cached; above batch 1 with ``fits_of``, one trace plus
     that fit (of the loop without accumulation: ``at()`` is raised to cover what accumulation adds)."""

@@ -13,11 +13,19 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from memfit.errors import InvalidInputError
+from memfit.precision import Precision
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.config import Target
 from memfit.units import GiB, MiB
 
-__all__ = ["GPU", "gpu_by_name", "known_gpus"]
+__all__ = ["GPU", "PlanningTarget", "budget_gpu", "check_target", "gpu_by_name", "known_gpus", "planning_target"]
+
+_BF16 = (Precision.BF16_MIXED, Precision.BF16_TRUE)
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,32 @@ class GPU:
         from memfit.simulation.runtime import cublas_workspace_bytes
 
         return cublas_workspace_bytes(self.compute_capability or (9, 0))
+
+    @property
+    def runtime(self) -> CudaRuntime:
+        """The runtime facts an estimate for this card takes (an H100-class card's where the catalog has none)."""
+        return CudaRuntime(compute_capability=self.compute_capability or (9, 0))
+
+    def precision_for(self, requested: Precision | str | None, *, inference: bool = False) -> Precision:
+        """The precision to plan this card in.
+
+        ``None`` asks for the card's usual one: bf16 where it has it, else fp16 (T4, V100), mixed for
+        training and half-precision weights (``*-true``) for inference. A bf16 precision asked of a card
+        without bf16 raises ``InvalidInputError``: torch only emulates it there (slowly), and without
+        its fused attention kernels the memory is not the one memfit models.
+        """
+        if requested is None:
+            if inference:
+                return Precision.BF16_TRUE if self.bf16 else Precision.FP16_TRUE
+            return Precision.BF16_MIXED if self.bf16 else Precision.FP16_MIXED
+        precision = Precision.parse(requested)
+        if precision in _BF16 and not self.bf16:
+            fp16 = Precision.FP16_MIXED if precision.is_mixed else Precision.FP16_TRUE
+            raise InvalidInputError(
+                f"{self.name} ({self.architecture}) has no bf16, so {precision.value} would run emulated, slowly "
+                f"and with other kernels than memfit models; plan it with precision {fp16.value} instead"
+            )
+        return precision
 
 
 _CATALOG: tuple[GPU, ...] = (
@@ -102,3 +136,109 @@ def gpu_by_name(name: str) -> GPU:
     names = sorted({_BY_KEY[k].name for k in close})
     hint = f"did you mean {', '.join(names)}?" if names else f"known: {', '.join(g.name for g in _CATALOG)}."
     raise InvalidInputError(f"unknown GPU {name!r}; {hint} Or give the budget in bytes ('20GiB')")
+
+
+TARGET_DEVICES = ("cuda", "cpu")
+_TARGET_VALUES = "'cuda', 'cpu', a GPU name such as 'h100', or None"
+
+
+def budget_gpu(budget: int | str | None) -> GPU | None:
+    """The GPU a budget names (``"h100"``), or ``None`` for bytes and sizes (``"20GiB"``)."""
+    if isinstance(budget, str) and budget.strip()[:1].isalpha():
+        return gpu_by_name(budget)
+    return None
+
+
+def check_target(target: Any, budget: int | str | None = None) -> str | None:
+    """Validate an integration's ``target=``: ``"cuda"``, ``"cpu"``, a GPU name, or ``None`` (the run's device).
+
+    Returns it as given (``"cuda"``/``"cpu"`` lower-cased); raises ``InvalidInputError`` naming the argument
+    and the allowed values, or when ``target`` and ``budget`` name two different GPUs.
+    """
+    if target is None:
+        return None
+    if not isinstance(target, str) or not target.strip():
+        raise InvalidInputError(f"`target` must be {_TARGET_VALUES}, got {target!r}")
+    if target.strip().lower() in TARGET_DEVICES:
+        return target.strip().lower()
+    try:
+        gpu = gpu_by_name(target)
+    except InvalidInputError as error:
+        raise InvalidInputError(f"`target` must be {_TARGET_VALUES}, got {target!r}: {error}") from None
+    named = budget_gpu(budget)
+    if named is not None and named != gpu:
+        raise InvalidInputError(
+            f"`budget` names the {named.name} and `target` the {gpu.name}, got budget={budget!r}, target={target!r}: "
+            "name one GPU, or give the budget in bytes ('20GiB')"
+        )
+    return target
+
+
+@dataclass(frozen=True)
+class PlanningTarget:
+    """The device a plan is made for, which need not be the one this process runs on.
+
+    Attributes:
+        target: the device semantics and CUDA runtime the step is traced with.
+        gpu: the catalog GPU named by ``target=`` or ``budget=``, if any.
+        budget_bytes: the capacity given (the budget, else the named GPU's memory); ``None``: measure it.
+    """
+
+    target: Target
+    gpu: GPU | None
+    budget_bytes: int | None
+
+    @property
+    def include_context(self) -> bool:
+        """A CUDA plan against a given capacity counts the CUDA context; a measured one has it outside already."""
+        return self.target.device == "cuda" and self.budget_bytes is not None
+
+    def capacity_bytes(self, run_device: torch.device) -> int:
+        """``budget_bytes``, else the free memory of the run's device now (``0`` when it cannot be told)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        from memfit.planning.capacity import free_device_bytes
+
+        return free_device_bytes(run_device)
+
+    def note(self, run_device: torch.device) -> str | None:
+        """A sentence for the estimate when the plan is for another device than the one the run uses."""
+        if self.target.device == run_device.type:
+            return None
+        card = f"the {self.gpu.name}" if self.gpu is not None else self.target.device.upper()
+        return f"planned for {card} ({self.target.device} semantics); this process runs on {run_device.type}"
+
+
+def planning_target(target: str | None, budget: int | str | None, run_device: torch.device) -> PlanningTarget:
+    """Where to plan for, from an integration's ``target=`` and ``budget=`` and the device the run uses.
+
+    A GPU name (in ``target`` or, with no ``target``, in ``budget``) plans with CUDA semantics and that
+    card's runtime, against its memory unless a budget is given, whatever this machine has: a GPU-name
+    budget on a CPU box plans for that GPU, not for the CPU. ``"cuda"`` or ``"cpu"`` plan for that device;
+    ``None`` for the run's. A device other than the run's needs a budget (or a GPU name), as the run's
+    free memory says nothing of it.
+    """
+    from memfit.planning.capacity import parse_budget
+
+    target = check_target(target, budget)
+    budget_bytes, named = parse_budget(budget), budget_gpu(budget)
+    if target is None:
+        gpu, device = named, "cuda" if named is not None else run_device.type
+    elif target in TARGET_DEVICES:
+        gpu, device = (named if target == "cuda" else None), target
+    else:
+        gpu, device = gpu_by_name(target), "cuda"
+    if device not in TARGET_DEVICES:
+        raise InvalidInputError(
+            f"memfit plans CUDA and CPU runs; this one runs on {device}. Pass target='cuda' or a GPU name with a "
+            "budget to plan for a GPU"
+        )
+    if budget_bytes is None and gpu is not None:
+        budget_bytes = gpu.memory_bytes
+    if budget_bytes is None and device != run_device.type:
+        raise InvalidInputError(
+            f"target={target!r} plans for {device} but the run uses {run_device.type}, whose free memory says "
+            f"nothing of it; pass budget= (bytes, '20GiB' or a GPU name) or name the GPU in target"
+        )
+    runtime = gpu.runtime if gpu is not None and device == "cuda" else None
+    return PlanningTarget(Target(device, runtime=runtime), gpu if device == "cuda" else None, budget_bytes)

@@ -323,8 +323,19 @@ def _candidates(
         tried = " and checkpointing cannot help"
         peaks += f"; the optimizer step alone holds {format_bytes(floor)} (parameters, gradients, optimizer state)"
     return _Miss(
-        f"micro batch {minimum} does not fit{tried}: {peaks} against {question.against()}. Use a smaller model or "
-        "sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
+        f"micro batch {minimum} does not fit{tried}: {peaks} against {question.against()}. {_advice(estimate)}"
+    )
+
+
+def _advice(estimate: MemoryEstimate) -> str:
+    """What shrinks the step: a forward-only pass has no optimizer or gradients to lighten."""
+    if estimate.inference:
+        return (
+            "Use a smaller model or sequence, half-precision or quantized weights, weights split across GPUs "
+            "(tensor or pipeline parallelism), or a larger GPU."
+        )
+    return (
+        "Use a smaller model or sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
     )
 
 

@@ -170,7 +170,9 @@ def plan_table(report: PlanReport) -> Table:
             format_bytes(other),
             f"step {row.estimate.peak_step} {row.estimate.peak_phase.value}",
         )
-    failures = [row for row in report.rows if row.error]
-    if failures:
-        table.caption = "\n".join(f"{row.gpu}: {row.error}" for row in failures)
+    said = [
+        f"{row.gpu}: {'; '.join(filter(None, (row.note, row.error)))}" for row in report.rows if row.error or row.note
+    ]
+    if said:
+        table.caption = "\n".join(said)
     return table

@@ -429,7 +429,7 @@ def _builtin_loss(output: Any) -> torch.Tensor:
 
 def _fake_like(tensor: torch.Tensor, is_param: bool, settings: TraceSettings, recorder: StorageRecorder) -> Any:
     dtype = tensor.dtype
-    if tensor.is_floating_point() and not settings.precision.is_mixed and settings.precision != Precision.FP32:
+    if tensor.is_floating_point() and settings.precision.converts_to_half:
         dtype = settings.precision.parameter_dtype  # Lightning's "*-true" converts the module
     fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=settings.device)
     if is_param:
@@ -439,7 +439,12 @@ def _fake_like(tensor: torch.Tensor, is_param: bool, settings: TraceSettings, re
 
 
 def _fake_input(tensor: torch.Tensor, shape: tuple, settings: TraceSettings, recorder: StorageRecorder) -> torch.Tensor:
-    fake = torch.empty(shape, dtype=tensor.dtype, device=settings.device)
+    """A fake input of ``shape``; under ``*-true`` half precision a floating one arrives cast, as the precision
+    plugins' ``convert_input`` casts the batch before the step (integer ids and masks stay as they are)."""
+    dtype = tensor.dtype
+    if tensor.is_floating_point() and settings.precision.converts_to_half:
+        dtype = settings.precision.parameter_dtype
+    fake = torch.empty(shape, dtype=dtype, device=settings.device)
     recorder.track(fake, Category.INPUTS)
     return fake
 

@@ -28,12 +28,12 @@ from memfit.integrations.huggingface.arguments import (
     trainer_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
-from memfit.planning.capacity import free_device_bytes, parse_budget
+from memfit.planning.gpus import planning_target
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
-from memfit.tracing.config import Target, TrainingLoop
+from memfit.tracing.config import TrainingLoop
 from memfit.tracing.ddp import SHARDING_NOT_MODELLED
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
@@ -67,6 +67,7 @@ def plan_training_arguments(
     eval_dataset: Any = None,
     compute_metrics: Any = None,
     preprocess_logits_for_metrics: Any = None,
+    target: str | None = None,
 ) -> PlannedArguments:
     """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
 
@@ -79,7 +80,12 @@ def plan_training_arguments(
         model, args, train_dataset, data_collator, processing_class, eval_dataset, compute_metrics,
             preprocess_logits_for_metrics: what you will pass to ``Trainer``.
         budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the
-            device the run will use (the CUDA GPU if there is one, else the available RAM).
+            device the run will use (the CUDA GPU if there is one, else the available RAM), or the memory
+            of the GPU ``target`` names.
+        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name (``"h100"``: CUDA semantics
+            with that card's compute capability). Default: the device the run will use, or the GPU
+            ``budget`` names, so ``budget="h100"`` plans for an H100 even on a machine without one. A
+            device other than the run's needs a budget or a GPU name.
         margin: fraction of the budget kept free.
         target_batch_size: effective batch to keep; default ``per_device_train_batch_size x
             gradient_accumulation_steps x world_size``; ``"max"`` for the largest micro batch.
@@ -96,10 +102,11 @@ def plan_training_arguments(
             f"these arguments shard the model with {sharded_by}, which memfit does not model yet: its plan would "
             f"be {SHARDING_NOT_MODELLED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
         )
-    budget_bytes = parse_budget(budget)
+    runs_on = run_device(args)
+    planning = planning_target(target, budget, runs_on)
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    device = run_device(args)
-    sample_notes = run_notes(args)
+    device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
+    sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else [])
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
                              notes=sample_notes)  # fmt: skip
     optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
@@ -108,18 +115,18 @@ def plan_training_arguments(
         held = held_batches(accumulation_steps, device)
         loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp)
         traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                          gradient_checkpointing=checkpointing, loop=loop, target=Target(device.type))  # fmt: skip
+                          gradient_checkpointing=checkpointing, loop=loop, target=planning.target)  # fmt: skip
         return traced.with_notes(*sample_notes)
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-    include_context = device.type == "cuda" and budget_bytes is not None
+    include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
     if restored is not None:
         chosen = Plan.from_dict(restored).with_reason("restored from the checkpoint")
         planned = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
                                    chosen.accumulate_grad_batches)  # fmt: skip
     else:
-        capacity = budget_bytes or free_device_bytes(device)
+        capacity = planning.capacity_bytes(device)
         if capacity <= 0:
             raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
         decision = session.decide(PlanRequest(

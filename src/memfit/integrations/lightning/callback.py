@@ -35,7 +35,8 @@ from memfit.monitoring.recovery import (
     is_out_of_memory,
 )
 from memfit.monitoring.run_monitor import RunMonitor, resident_bytes
-from memfit.planning.capacity import free_device_bytes, parse_budget
+from memfit.planning.capacity import parse_budget
+from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
@@ -92,7 +93,13 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
 
     Args:
         budget: memory per device: bytes, a size (``"20GiB"``) or a GPU name (``"h100"``). Default: the
-            device's free memory at setup (CUDA) or the machine's available RAM (CPU).
+            device's free memory at setup (CUDA) or the machine's available RAM (CPU); with a GPU
+            name in ``target``, that GPU's memory.
+        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name (``"h100"``: CUDA
+            semantics with that card's compute capability). Default: the device the run uses, or the
+            GPU ``budget`` names, so ``budget="h100"`` plans for an H100 even on a machine without one
+            (the run itself trains where the trainer puts it). A device other than the run's needs a
+            budget or a GPU name.
         margin: fraction of the budget kept free (default 5 %).
         target_batch_size: effective batch to keep (micro x accumulation x devices). Default: the batch
             size configured x ``accumulate_grad_batches`` x world size. ``"max"``: the largest micro
@@ -171,9 +178,12 @@ class MemoryPlannerBase:
         on_oom: OnOOM = "replan",
         loss_reduction: LossReduction = "mean",
         verbose: bool = True,
+        target: str | None = None,
     ) -> None:
         super().__init__()
         self.budget_bytes = parse_budget(budget)
+        self.target = check_target(target, budget)
+        self._budget = budget
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
         if target_batch_size is not None and target_batch_size != "max":
@@ -260,9 +270,8 @@ class MemoryPlannerBase:
     def _plan_and_apply(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0 decides on the smallest capacity of all ranks; every rank applies the same plan."""
         self._trainer_module = (trainer, pl_module)
-        capacity = self.budget_bytes if self.budget_bytes is not None else free_device_bytes(
-            trainer.strategy.root_device
-        )  # fmt: skip
+        planning = self._planning_target(trainer)
+        capacity = planning.capacity_bytes(trainer.strategy.root_device) if isinstance(planning, PlanningTarget) else 0
         smallest = min(_all_gather_ints(trainer.strategy, capacity))
         decision = self._decide_on_rank_zero(trainer, pl_module, smallest) if trainer.is_global_zero else None
         decision = trainer.strategy.broadcast(decision, src=0)
@@ -286,11 +295,12 @@ class MemoryPlannerBase:
 
     def _decide(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         device = trainer.strategy.root_device
-        if device.type not in ("cuda", "cpu"):
-            raise InvalidInputError(f"memfit plans CUDA and CPU runs; this one runs on {device.type}")
+        planning = self._planning_target(trainer)
+        if isinstance(planning, InvalidInputError):  # a target the run cannot be planned for: warn, train as configured
+            raise planning
         if not getattr(pl_module, "automatic_optimization", True):
             raise InvalidInputError("manual optimization is not traced yet; use mode='observe' or plan by hand")
-        self._sample_notes = []
+        self._sample_notes = [note] if (note := planning.note(device)) else []
         sample = self.sample if self.sample is not None else self._sample_batch(trainer)
         configured = self._configured_batch(pl_module) or (infer_batch_size(sample) if not callable(sample) else None)
         if configured is None:
@@ -300,7 +310,7 @@ class MemoryPlannerBase:
             )
         self._resident_bytes = resident_bytes(pl_module)
         session = PlanningSession(
-            self._step_tracer(trainer, pl_module, sample),
+            self._step_tracer(trainer, pl_module, sample, planning.target),
             batch_size=configured,
             accumulation_steps=trainer.accumulate_grad_batches,
         )
@@ -314,7 +324,7 @@ class MemoryPlannerBase:
                     "nothing under this strategy and only logs measured memory; set the batch size yourself."
                 )
                 self._warn("sharding", message)
-        include_context = device.type == "cuda" and self.budget_bytes is not None
+        include_context = planning.include_context
         if self.mode == "observe" or sharding is not None:
             if capacity > 0:
                 self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
@@ -334,7 +344,14 @@ class MemoryPlannerBase:
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
         return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
 
-    def _step_tracer(self, trainer: Any, pl_module: Any, sample: Any) -> Any:
+    def _planning_target(self, trainer: Any) -> PlanningTarget | InvalidInputError:
+        """The device the plan is for (``target=``, ``budget=``, the run's device), or why there is none."""
+        try:
+            return planning_target(self.target, self._budget, trainer.strategy.root_device)
+        except InvalidInputError as error:
+            return error
+
+    def _step_tracer(self, trainer: Any, pl_module: Any, sample: Any, target: Target) -> Any:
         """``trace_at(micro, checkpointing, accumulation)``: the module's ``training_step`` in Lightning's loop."""
         device = trainer.strategy.root_device
         optimizer = self._first_optimizer(pl_module)
@@ -344,7 +361,6 @@ class MemoryPlannerBase:
         # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
         # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
         zero_grad = "after_step" if self.on_oom == "replan" else "before_backward"
-        target = Target(device.type)
 
         def trace_at(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
             loop = TrainingLoop(zero_grad=zero_grad, accumulation_steps=accumulation, ddp=ddp,
@@ -370,7 +386,7 @@ class MemoryPlannerBase:
             device = trainer.strategy.root_device
             forward = functools.partial(_validation_step, device=device, internals=self._internals)
             evaluation = estimate(pl_module, sample, inference=True, precision=Precision.parse(str(trainer.precision)),
-                                  device=device.type, forward_fn=forward)  # fmt: skip
+                                  device=training.device, forward_fn=forward)  # fmt: skip
             self.validation = evaluation_peak(training, evaluation)
         except Exception as error:  # the plan stands; only this check is lost
             degrade(f"memfit could not check the validation pass ({type(error).__name__}: {error})", error, quiet=True)
