@@ -12,7 +12,7 @@ Each case runs in a fresh process so its peak RSS is its own:
   same command with ``--plot`` (the table and the PNG, through the command line's own entry point).
 * ``memfit plan --hf-config llama-3-8b --gpu h200 --optimizer sgd --seq-len 2048``: a plan that fits,
   so the chosen batch is confirmed on a trace of the whole model.
-* ``memfit.batch.longest_examples`` on a ``datasets.Dataset`` of 100,000 tokenized rows, from its
+* ``memfit.tracing.batch.longest_examples`` on a ``datasets.Dataset`` of 100,000 tokenized rows, from its
   ``length`` column and by reading the rows.
 Results go to ``benchmarks/results/speed.json``.
 """

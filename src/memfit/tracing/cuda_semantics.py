@@ -15,7 +15,7 @@ place, each with the CUDA behaviour it models:
 * ``cross_entropy``: CUDA autocast lets its inner ``log_softmax`` run in the input dtype (the dtype
   is passed explicitly) and casts only at ``nll_loss``, which saves an fp32 copy of the log-probs.
 
-Runtime memory outside tensors (CUDA context, cuBLAS workspace) is in ``memfit.runtime``.
+Runtime memory outside tensors (CUDA context, cuBLAS workspace) is in ``memfit.simulation.runtime``.
 
 Known limitations: cuDNN convolution and RNN workspaces, and regions where a model disables
 autocast itself (``torch.autocast(enabled=False)``), are not modelled.
