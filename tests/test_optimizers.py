@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -151,6 +152,13 @@ def test_every_registry_name_is_traced_as_its_class_steps(name: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     assert traced_state_bytes(estimate) == state_bytes(optimizer)
+
+
+def test_a_registry_name_whose_package_is_missing_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Moved from test_errors.py, where 'adam-8bit' was refused outright before it could be traced.)"""
+    monkeypatch.setitem(sys.modules, "bitsandbytes.optim", None)  # importing it now fails, as without the package
+    with pytest.raises(InvalidInputError, match=r"'adam-8bit'.*pip install bitsandbytes.*estimate_from_counts"):
+        memfit.estimate(nn.Linear(4, 2), torch.randn(3, 4), optimizer="adam-8bit", loss_fn=square_loss)
 
 
 def test_documented_optimizer_names_are_the_registry() -> None:
