@@ -154,6 +154,12 @@ def test_formula_state_agrees_with_the_trace(name: str, precision: str) -> None:
                              loss_fn=lambda out, _batch: out.sum())  # fmt: skip
     last_step = [p for p in traced.phases if p.phase is Phase.OPTIMIZER][-1]
     state = last_step.breakdown.get(Category.OPTIMIZER_STATE, 0)
+    if info.approximate:  # the formula's figure is a stand-in; tests/test_optimizers.py checks the trace is exact
+        assert state > 0
+        # adafactor keeps O(rows + cols) per matrix, under 4 B per element; bitsandbytes adds block
+        # scales and code books to its two bytes, and keeps tensors under 4096 elements in 32 bits
+        assert {"adafactor": state <= formula, "adam-8bit": state > formula}[name]
+        return
     assert formula <= state <= formula + _STEP_COUNTER_BYTES * len(list(model.parameters()))
     assert (state > 0) == (info.state_bytes(4) > 0)
 

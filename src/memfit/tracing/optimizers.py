@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import InvalidInputError
 
@@ -21,6 +26,7 @@ __all__ = [
     "build_optimizer",
     "optimizer_info",
     "optimizer_name",
+    "stepping",
 ]
 
 OptimizerSpec = Optimizer | str | Callable[..., Optimizer] | None
@@ -30,20 +36,22 @@ OptimizerSpec = Optimizer | str | Callable[..., Optimizer] | None
 class OptimizerInfo:
     """One optimizer known by name: how the trace builds it and what state it keeps per parameter element.
 
-    The formula tier and the host-RAM offload line read ``state_bytes``; the trace builds
-    ``torch.optim.<torch_class>`` with ``defaults``. ``states`` are tensors the size of the parameter
-    kept in the state dtype (fp32 unless the weights are pure fp16/bf16); ``fixed_bytes`` are bytes
-    per element whatever the precision (8-bit states, or a stand-in for factored ones).
+    The formula tier and the host-RAM offload line read ``state_bytes``; the trace builds the class
+    at ``class_path`` (``torch.optim.AdamW``, ``bitsandbytes.optim.AdamW8bit``) with ``defaults``.
+    ``states`` are tensors the size of the parameter kept in the state dtype (fp32 unless the weights
+    are pure fp16/bf16); ``fixed_bytes`` are bytes per element whatever the precision (8-bit states,
+    or a stand-in for factored ones).
     """
 
     name: str
     aliases: tuple[str, ...] = ()
-    torch_class: str | None = None  # None: nothing to build ("none"), or see ``untraceable``
+    class_path: str | None = None  # None: nothing to build ("none"), or see ``untraceable``
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
     states: int = 0
     fixed_bytes: int = 0
-    approximate: bool = False  # ``state_bytes`` is a stand-in, not what torch allocates (adafactor)
+    approximate: bool = False  # ``state_bytes`` is a stand-in for the formula tier; the trace builds the real one
     untraceable: str | None = None  # why a fake-tensor trace cannot run it
+    package: str | None = None  # the pip package the class needs, when it is not torch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -57,29 +65,24 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType({
     info.name: info
     for info in (
         OptimizerInfo("none"),
-        OptimizerInfo("sgd", torch_class="SGD", defaults={"lr": 1e-3}),
-        OptimizerInfo("sgd-momentum", ("momentum", "sgdm"), "SGD", {"lr": 1e-3, "momentum": 0.9}, states=1),
-        OptimizerInfo("adam", torch_class="Adam", states=2),
-        OptimizerInfo("adamw", torch_class="AdamW", states=2),
+        OptimizerInfo("sgd", class_path="torch.optim.SGD", defaults={"lr": 1e-3}),
+        OptimizerInfo("sgd-momentum", ("momentum", "sgdm"), "torch.optim.SGD", {"lr": 1e-3, "momentum": 0.9}, states=1),
+        OptimizerInfo("adam", class_path="torch.optim.Adam", states=2),
+        OptimizerInfo("adamw", class_path="torch.optim.AdamW", states=2),
         # Factored second moment, O(rows + cols) per matrix, plus the update: 4 B per element is the
-        # figure Hugging Face's "anatomy of model memory" guide uses.
-        OptimizerInfo(
-            "adafactor",
-            torch_class="Adafactor",
-            fixed_bytes=4,
-            approximate=True,
-            untraceable="torch.optim.Adafactor reads tensor values in its step (its step size follows the "
-            "parameters' norm), which a fake-tensor trace does not have; use "
-            "memfit.estimate_from_counts(..., optimizer='adafactor') for it",
-        ),
-        OptimizerInfo("adagrad", torch_class="Adagrad", states=1),
-        OptimizerInfo("rmsprop", torch_class="RMSprop", states=1),
+        # figure Hugging Face's "anatomy of model memory" guide uses. The trace runs torch's own.
+        OptimizerInfo("adafactor", class_path="torch.optim.Adafactor", fixed_bytes=4, approximate=True),
+        OptimizerInfo("adagrad", class_path="torch.optim.Adagrad", states=1),
+        OptimizerInfo("rmsprop", class_path="torch.optim.RMSprop", states=1),
+        # Two 1-byte states; the trace adds what bitsandbytes adds: an fp32 scale per block of 256,
+        # two 256-entry code books, and 32-bit states for tensors under 4096 elements.
         OptimizerInfo(
             "adam-8bit",
             ("adamw-8bit", "adam8bit", "adamw8bit", "bnb-adam8bit", "bnb-adamw8bit"),
-            fixed_bytes=2,  # two 1-byte states
-            untraceable="optimizer 'adam-8bit' runs bitsandbytes CUDA kernels that a fake-tensor trace cannot run; "
-            "use memfit.estimate_from_counts(..., optimizer='adam-8bit') for it",
+            "bitsandbytes.optim.AdamW8bit",
+            fixed_bytes=2,
+            approximate=True,
+            package="bitsandbytes",
         ),
     )
 })  # fmt: skip
@@ -176,10 +179,20 @@ def _from_name(name: str, trainable: list[torch.Tensor], kwargs: dict[str, Any])
         return None
     if info.untraceable is not None:
         raise InvalidInputError(info.untraceable)
-    cls = getattr(torch.optim, info.torch_class, None) if info.torch_class else None
-    if cls is None:
-        raise InvalidInputError(f"optimizer {name!r} needs torch.optim.{info.torch_class}, which this torch lacks")
-    return cls(trainable, **{**info.defaults, **kwargs})
+    return _construct(_load_class(info), trainable, **{**info.defaults, **kwargs})
+
+
+def _load_class(info: OptimizerInfo) -> type[Optimizer]:
+    module_name, _, class_name = (info.class_path or "").rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        need = f"pip install {info.package}" if info.package else "a newer torch"
+        raise InvalidInputError(
+            f"optimizer {info.name!r} is traced with {info.class_path}, which cannot be loaded here "
+            f"({type(error).__name__}: {error}); {need}, or use "
+            f"memfit.estimate_from_counts(..., optimizer={info.name!r}) for a formula estimate"
+        ) from error
 
 
 def _rebuild(original: Optimizer, params: Mapping[int, torch.Tensor]) -> Optimizer:
@@ -195,10 +208,117 @@ def _rebuild(original: Optimizer, params: Mapping[int, torch.Tensor]) -> Optimiz
         )
     accepted = inspect.signature(type(original).__init__).parameters
     init_kwargs = {k: v for k, v in original.defaults.items() if k in accepted}
+    named = [k for k, p in accepted.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # Keywords the optimizer keeps as attributes rather than in ``defaults``: bitsandbytes keeps
+    # ``is_paged`` and ``args`` so, and ``optim_bits``/``min_8bit_size`` inside ``args``; without
+    # them an 8-bit optimizer would be traced as a 32-bit one.
+    kept = getattr(original, "args", None)
+    for name in named:
+        value = getattr(original, name, getattr(kept, name, None))
+        if name not in init_kwargs and name not in ("self", "params") and _plain(value):
+            init_kwargs[name] = value
     try:
-        return type(original)(groups, **init_kwargs)
+        rebuilt = _construct(type(original), groups, **init_kwargs)
     except Exception as exc:
         raise InvalidInputError(
             f"could not rebuild {type(original).__name__} for tracing ({type(exc).__name__}: {exc}); "
             "pass its class and keyword arguments instead: optimizer=MyOptimizer, optimizer_kwargs={...}"
         ) from exc
+    _copy_bnb_overrides(original, rebuilt, params)
+    return rebuilt
+
+
+def _plain(value: Any) -> bool:
+    """A keyword value safe to hand to the rebuilt optimizer: nothing that holds the real tensors."""
+    if value is None or isinstance(value, (torch.Tensor, torch.nn.Module, Optimizer)):
+        return False
+    return not (isinstance(value, (list, tuple, dict, set)) and any(isinstance(v, torch.Tensor) for v in value))
+
+
+def _copy_bnb_overrides(original: Optimizer, rebuilt: Optimizer, params: Mapping[int, torch.Tensor]) -> None:
+    """Give a rebuilt bitsandbytes optimizer the original's per-parameter overrides, in a manager of its own.
+
+    bitsandbytes reads them (``optim_bits=32`` for embeddings, which the HF Trainer registers) from
+    a process-wide ``GlobalOptimManager`` keyed by module, by ``id(parameter)`` and by group index,
+    and writes into it at its first step. The rebuilt optimizer gets a private copy: module
+    overrides resolve to the fake parameters the modules hold during the trace, overrides by
+    parameter are moved to the fake twins, and the user's manager is left as it was.
+    """
+    manager = getattr(original, "mng", None)
+    if manager is None or not hasattr(manager, "module_weight_config_triple"):
+        return
+    private = type(manager).__new__(type(manager))
+    private.initialize()
+    private.module_weight_config_triple = list(manager.module_weight_config_triple)
+    private.uses_config_override = manager.uses_config_override
+    for pid, config in manager.pid2config.items():
+        if pid in params:
+            private.pid2config[id(params[pid])] = config
+    for gindex, group in enumerate(rebuilt.param_groups):
+        for pindex, param in enumerate(group["params"]):
+            if id(param) in private.pid2config:
+                private.index2config[(gindex, pindex)] = private.pid2config[id(param)]
+    rebuilt.mng = private  # type: ignore[attr-defined]
+
+
+def _classes(*paths: str) -> tuple[type, ...]:
+    """The classes at ``paths`` whose modules are already imported (an optimizer of a module never
+    imported cannot exist, and looking it up must not import transformers or bitsandbytes)."""
+    found = []
+    for path in paths:
+        module_name, _, name = path.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+# Optimizers that compute constants from tensor values: bitsandbytes' 8-bit optimizers build two
+# quantization code books (256 fp32 values each) with ``.tolist()``, in the constructor or at the
+# first step. They are built here, with fake mode off, so the code books are real tensors of their
+# real size (the step moves them to the parameters' device, as on a GPU); the parameters and
+# everything the step allocates stay fake.
+_VALUE_READING_CONSTRUCTORS = ("bitsandbytes.optim.optimizer.Optimizer8bit",)
+
+
+def _construct(cls: type[Optimizer], *args: Any, **kwargs: Any) -> Optimizer:
+    if not issubclass(cls, _classes(*_VALUE_READING_CONSTRUCTORS)):
+        return cls(*args, **kwargs)
+    with unset_fake_temporarily():
+        optimizer = cls(*args, **kwargs)
+        if "dynamic" not in optimizer.name2qmap:  # type: ignore[attr-defined]
+            optimizer.fill_qmap()  # type: ignore[attr-defined]
+    return optimizer
+
+
+# Optimizers whose step reads tensor values only to size the step: ``Tensor.item()`` on the step
+# counter and on norms (torch's Adafactor: ``step_t.item()``, ``param.norm(2).item()``,
+# ``update.norm(2).item()``), ``max(eps, RMS)`` and an ``alpha=`` made of a 0-d tensor
+# (transformers' Adafactor with ``scale_parameter=True``, its default). Those numbers scale the
+# update and never decide a shape, a dtype or a branch that allocates, so ``stepping`` answers
+# every such read with 1 and the step allocates exactly its real state and temporaries.
+_STEP_SIZE_READERS = ("torch.optim.Adafactor", "transformers.optimization.Adafactor")
+
+
+class _StepSizeReads(TorchDispatchMode):
+    """Answer ``aten._local_scalar_dense`` (``.item()``, ``float()``, ``bool()`` of a tensor) with 1."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return True if tensor.dtype is torch.bool else 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def stepping(optimizer: Optimizer | None) -> Iterator[None]:
+    """The context ``optimizer.step()`` runs in under fake tensors.
+
+    For the optimizers of ``_STEP_SIZE_READERS`` the value reads of their step are answered with 1
+    (see there); every other optimizer runs as it is, and a value it reads fails the trace.
+    """
+    if not isinstance(optimizer, _classes(*_STEP_SIZE_READERS)):
+        yield
+        return
+    with _StepSizeReads():
+        yield

@@ -46,7 +46,7 @@ from memfit.tracing.model_state import (
     preserved_rng_state,
     swap_tensors_in,
 )
-from memfit.tracing.optimizers import OptimizerSpec, build_optimizer
+from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
 from memfit.tracing.recorder import StorageRecorder
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
@@ -261,7 +261,8 @@ def _one_step(
     recorder.mark(step, Phase.OPTIMIZER)
     with _failure("optimizer step", model, batch, paths):
         if optimizer is not None:
-            optimizer.step()
+            with stepping(optimizer):  # the step-size reads some optimizers make (Adafactor), answered
+                optimizer.step()
             for state in optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):

@@ -153,19 +153,41 @@ def label_names(model: torch.nn.Module, args: TrainingArguments) -> list[str]:
     return list(args.label_names) if args.label_names is not None else find_labels(type(_base_model(model)))
 
 
+# ``args.optim`` values whose update runs inside backward (hooks on each parameter, or the fused
+# LOMO step): memfit's trace steps an optimizer after backward, so it refuses them, with what to plan instead.
+_STEPS_IN_BACKWARD = {
+    "lomo": "sgd",
+    "adalomo": "adafactor",
+}
+
+
 def trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
     """The optimizer ``args.optim`` names, built as ``Trainer.create_optimizer`` builds it: weights
     with weight decay in one group, biases and norms without in another (single-tensor optimizers
     step group by group, which changes the step's peak). Nothing is allocated until its first step."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim.endswith("layerwise") or optim in _STEPS_IN_BACKWARD:
+        instead = _STEPS_IN_BACKWARD.get(optim) or optim.removesuffix("_layerwise")
+        raise InvalidInputError(
+            f"memfit cannot trace optim={optim!r}: it updates each parameter inside backward (per-parameter "
+            f"hooks), and memfit's trace runs the optimizer step after backward. Plan with optim={instead!r}, "
+            "whose memory is an upper bound for it (its state, and every gradient alive at once)"
+        )
     try:
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     except Exception as error:
-        raise InvalidInputError(f"cannot build the optimizer {args.optim!r} to trace it: {error}") from error
+        raise InvalidInputError(
+            f"cannot build optim={optim!r} to trace it, as transformers cannot here ({type(error).__name__}: "
+            f"{error}); install what it needs, or plan with an optimizer that keeps the same state (optim="
+            "'adamw_torch' for the AdamW variants), or use memfit.estimate_from_counts() for a formula estimate"
+        ) from error
+    if "params" in optimizer_kwargs and isinstance(optimizer_cls, type):  # GaLore, APOLLO: groups of their own
+        return optimizer_cls(**optimizer_kwargs)
     if not {"params", "model"} & set(optimizer_kwargs) and isinstance(optimizer_cls, type):
         try:
             decay = set(Trainer.get_decay_parameter_names(None, model))  # reads nothing of the Trainer
             trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            return optimizer_cls(
+            optimizer = optimizer_cls(
                 [
                     {"params": [p for name, p in trainable if name in decay], "weight_decay": args.weight_decay},
                     {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0},
@@ -173,14 +195,37 @@ def trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
                 **optimizer_kwargs,
             )
         except Exception as error:  # the class over all parameters, as before; only the grouping is lost
-            degrade(f"memfit traces {args.optim!r} over all parameters in one group ({type(error).__name__}: {error})",
+            degrade(f"memfit traces {optim!r} over all parameters in one group ({type(error).__name__}: {error})",
                     error, quiet=True)  # fmt: skip
+        else:
+            if "bitsandbytes" in str(optimizer_cls) and optimizer_kwargs.get("optim_bits") == 8:
+                _embeddings_in_32_bits(optimizer, model)
+            return optimizer
 
     def build(params: Any) -> torch.optim.Optimizer:
         return optimizer_cls(params, **optimizer_kwargs)
 
-    build.__name__ = getattr(optimizer_cls, "__name__", str(args.optim))
+    build.__name__ = getattr(optimizer_cls, "__name__", optim)
     return build
+
+
+def _embeddings_in_32_bits(optimizer: Any, model: torch.nn.Module) -> None:
+    """Keep embeddings' state in 32 bits, as ``Trainer.create_optimizer`` does for bitsandbytes 8-bit.
+
+    The Trainer registers that override in bitsandbytes' process-wide manager; this optimizer gets a
+    manager of its own with the same overrides (and whatever was registered before), so planning
+    leaves the process's manager as it was. The trace rebuilds the optimizer with a copy of it.
+    """
+    shared = optimizer.mng
+    private = type(shared).__new__(type(shared))
+    private.initialize()
+    private.module_weight_config_triple = list(shared.module_weight_config_triple)
+    private.pid2config = dict(shared.pid2config)
+    private.uses_config_override = shared.uses_config_override
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            private.register_module_override(module, "weight", {"optim_bits": 32})
+    optimizer.mng = private
 
 
 def running_optimizer(args: TrainingArguments, model: torch.nn.Module, optimizer: Any) -> Any:
