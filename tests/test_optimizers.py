@@ -165,7 +165,7 @@ def test_documented_optimizer_names_are_the_registry() -> None:
     api = next(line for line in (DOCS / "core-api.md").read_text().splitlines() if line.startswith("| `optimizer` |"))
     assert set(re.findall(r'`"([a-z0-9-]+)"`', api)) == set(OPTIMIZERS)
     cli = (DOCS / "cli.md").read_text()
-    listed = re.search(r"\(`memfit\.tracing\.optimizers\.OPTIMIZERS`[^)]*\):\s*(.*?)\n\(", cli, re.S)
+    listed = re.search(r"\(`memfit\.tracing\.optimizers\.OPTIMIZERS`[^)]*\):\s*(.*?)\s\(", cli, re.S)
     assert listed is not None
     assert re.findall(r"`([a-z0-9-]+)`", listed.group(1)) == list(OPTIMIZERS)
 
