@@ -168,3 +168,18 @@ def test_model_is_restored_after_a_failure_mid_trace() -> None:
         memfit.estimate(case.model, case.batch, loss_fn=lambda out, batch: out.logits)  # not a scalar
     assert {name: id(p) for name, p in case.model.named_parameters()} == parameters
     assert not model_checkpointing(case.model)
+
+
+def test_a_failing_op_is_one_error_not_a_logged_torch_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """torch's fake-tensor module logs a traceback for an op that fails on fake tensors; memfit says it in one error."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(5, 2))  # the second layer does not take the first's output
+    with caplog.at_level("DEBUG", logger="torch._subclasses.fake_tensor"), pytest.raises(TraceError, match="forward"):
+        memfit.estimate(model, torch.zeros(2, 8), device="cpu", loss_fn=lambda out, batch: out.sum())
+    logged = [r for r in caplog.records if r.name.startswith("torch._subclasses") and r.levelname == "ERROR"]
+    assert not logged
+
+
+def test_sizes_that_cannot_be_read_are_memfit_input_errors() -> None:
+    for bad in ("12 gigs", -1, "1.5.2GiB"):
+        with pytest.raises(InvalidInputError):
+            memfit.parse_bytes(bad)

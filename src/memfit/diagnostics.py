@@ -35,6 +35,7 @@ __all__ = [
     "is_rank_zero",
     "is_strict",
     "logger",
+    "raise_if_strict",
     "rank",
     "warn_once",
 ]
@@ -121,6 +122,13 @@ def degrade(
         info(message)
     else:
         warn_once(key or message, message, seen=seen, all_ranks=all_ranks, stacklevel=stacklevel + 1)
+
+
+def raise_if_strict(message: str, error: BaseException) -> None:
+    """Under ``MEMFIT_STRICT`` raise as :func:`degrade` does; otherwise nothing (the caller reports the
+    failure once, itself, e.g. after every rank has learned of it)."""
+    if is_strict():
+        raise StrictModeError(f"{message} [raised because {STRICT_ENV}=1; unset it to warn and go on]") from error
 
 
 def forget_warnings() -> None:

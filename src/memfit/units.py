@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from memfit.errors import InvalidInputError
+
 __all__ = ["format_bytes", "parse_bytes"]
 
 KiB = 1024
@@ -40,21 +42,21 @@ def parse_bytes(value: int | float | str) -> int:
     ``GB`` means 10**9 and ``GiB`` 2**30, as on the spec sheets; a bare ``G`` is read as GiB.
     """
     if isinstance(value, bool):
-        raise ValueError(f"expected a number of bytes or a size such as '20GiB', got {value!r}")
+        raise InvalidInputError(f"expected a number of bytes or a size such as '20GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a size in bytes cannot be negative, got {value!r}")
+            raise InvalidInputError(f"a size in bytes cannot be negative, got {value!r}")
         return value
     if isinstance(value, float):
         if value < 0 or value != value:
-            raise ValueError(f"a size in bytes must be a non-negative number, got {value!r}")
+            raise InvalidInputError(f"a size in bytes must be a non-negative number, got {value!r}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"expected a number of bytes or a size such as '20GiB', got {value!r}")
+        raise InvalidInputError(f"expected a number of bytes or a size such as '20GiB', got {value!r}")
     match = _PATTERN.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
+        raise InvalidInputError(
             f"could not read {value!r} as a size; use bytes or a number with a unit such as '20GiB', '512MiB' or '16GB'"
         )
     return int(float(match.group(1)) * _UNITS[unit])

@@ -15,6 +15,7 @@ with the window's gradients alive, then the optimizer step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,19 @@ class StepTrace:
     compiled: bool = False  # the model holds torch.compile'd modules, traced eagerly
 
 
+@contextlib.contextmanager
+def fake_tensor_errors_unlogged() -> Iterator[None]:
+    """Keep torch's fake-tensor module from logging a traceback for an op that fails on fake tensors:
+    the error reaches memfit, which says in one line what failed and where (``TraceError``)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def trace_steps(
     model: nn.Module,
     sample: Sample,
@@ -136,6 +150,7 @@ def trace_steps(
         preserved_module_state(model),
         preserved_rng_state(),
         onednn_disabled(),
+        fake_tensor_errors_unlogged(),
         branch,
         compilation_suspended(model) as model,
     ):

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from memfit.diagnostics import degrade
-from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
+from memfit.diagnostics import degrade, raise_if_strict
+from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.integrations.lightning.internals import LightningInternals
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
@@ -290,7 +290,10 @@ class MemoryPlannerBase:
             return _Decision(None, None, None, error=str(error), insufficient_memory=True)
         except Exception as error:  # never let memfit end the run (one warning once every rank knows)
             reason = str(error) if isinstance(error, MemfitError) else f"{type(error).__name__}: {error}"
-            degrade(f"memfit could not plan this run ({reason})", error, quiet=True)
+            if isinstance(error, ValueDependentError):
+                reason += (" In a LightningModule, skip such reads while memfit traces: they see fake tensors, "
+                           "which `torch._subclasses.fake_tensor.is_fake(tensor)` tells apart.")  # fmt: skip
+            raise_if_strict(f"memfit could not plan this run ({reason})", error)
             return _Decision(None, None, None, error=reason)
 
     def _decide(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
