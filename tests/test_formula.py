@@ -201,7 +201,7 @@ def test_default_is_fp32_adamw_batch_one() -> None:
 def test_trainable_fraction_scales_only_trained_state() -> None:
     est = estimate_from_counts(parameters=1000, precision="16-mixed", optimizer="adam", trainable_fraction=0.25)
     assert est.trainable_parameters == 250
-    assert est.parameters_bytes == 1000 * 2  # every weight is still stored
+    assert est.parameters_bytes == 250 * 2 + 750 * 4  # every weight is still stored; autocast keeps frozen ones fp32
     assert est.gradients_bytes == 250 * 2
     assert est.master_weights_bytes == 250 * 4
     assert est.optimizer_state_bytes == 250 * 8
@@ -216,7 +216,7 @@ def test_trainable_fraction_rounds_to_nearest_parameter() -> None:
 def test_frozen_model_has_weights_only() -> None:
     est = estimate_from_counts(parameters=1000, precision="bf16-mixed", optimizer="adamw", trainable_fraction=0)
     assert est.components() == {
-        "parameters_bytes": 2000,
+        "parameters_bytes": 4000,  # autocast keeps frozen weights in fp32
         "gradients_bytes": 0,
         "master_weights_bytes": 0,
         "optimizer_state_bytes": 0,
@@ -357,3 +357,19 @@ def test_invalid_input_error_is_a_value_error() -> None:
 def test_arguments_are_keyword_only() -> None:
     with pytest.raises(TypeError):
         estimate_from_counts(10)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_frozen_weights_under_mixed_precision_count_as_the_trace_does(precision: str) -> None:
+    """Autocast keeps weights in fp32: a frozen base (LoRA) is 4 B per parameter, as memfit's trace counts it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
+    for layer in list(model)[:-1]:
+        layer.weight.requires_grad_(False)
+    traced = memfit.estimate(model, torch.randn(2, 64), precision=precision, optimizer="sgd", device="cpu",
+                             loss_fn=lambda out, batch: out.float().sum())  # fmt: skip
+    counted = memfit.estimate_from_counts(parameters=8 * 64 * 64, precision=precision, trainable_fraction=1 / 8)
+    # the trace's fp32 weights: the frozen ones, and the trainable ones the formula calls master weights
+    half_working_copies = counted.trainable_parameters * 2
+    fp32_weights = counted.parameters_bytes - half_working_copies + counted.master_weights_bytes
+    assert fp32_weights == traced.breakdown[memfit.Category.PARAMETERS]

@@ -8,7 +8,9 @@ questions, asked before any code or weights exist.
 Accounting rules (bytes per parameter; *trainable* = ``round(parameters * trainable_fraction)``):
 
 * **Parameters** (every parameter): fp32 4 B; pure fp16/bf16 (``16-true`` / ``bf16-true``) 2 B;
-  mixed (``16-mixed`` / ``bf16-mixed``) 2 B for the half-precision working copy.
+  mixed (``16-mixed`` / ``bf16-mixed``) 2 B for a trainable parameter's half-precision working copy
+  and 4 B for a frozen one: autocast leaves the weights in fp32, and only trainable ones are
+  accounted as working copy + master (frozen weights have no master; LoRA's frozen base is fp32).
 * **Master weights** (trainable, mixed precision only): 4 B, the fp32 copy the optimizer updates,
   as in the ZeRO paper's accounting (2 + 2 + 12 = 16 B per parameter for mixed-precision Adam).
 * **Gradients** (trainable): in the weight dtype, so 4 B for fp32 and 2 B for pure or mixed half.
@@ -130,8 +132,9 @@ def estimate_from_counts(
     state_size = _HALF_BYTES if pure_half else _FP32_BYTES
     activation_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
 
+    frozen_size = _FP32_BYTES if precision.is_mixed else weight_size
     return FormulaEstimate(
-        parameters_bytes=parameters * weight_size,
+        parameters_bytes=trainable * weight_size + (parameters - trainable) * frozen_size,
         gradients_bytes=trainable * weight_size,
         master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
         optimizer_state_bytes=trainable * optimizer_info(optimizer).state_bytes(state_size),
