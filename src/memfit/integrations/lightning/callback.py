@@ -134,8 +134,8 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     (rank 0, once each): measured reserved above predicted by more than the margin (CUDA); peaks
     growing in each of three windows in a row after the first window (a leak; on CPU by 64 MiB at
     least, as the process's resident memory moves with its allocator), each with the step range,
-    the figures and a metric (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is saved in checkpoints and
-    restored on resume.
+    the figures and a metric (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is
+    saved in checkpoints and restored on resume.
     """
 
 __all__ = ["MANUAL_OPTIMIZATION", "MemoryPlannerBase"]
