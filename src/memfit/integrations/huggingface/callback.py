@@ -306,11 +306,13 @@ class MemoryPlannerCallback(TrainerCallback):
             warn=self._warn,
         )
         if self.verbose:
-            self._info(
-                f"memfit: predicted peak reserved {format_bytes(peak.reserved_bytes)} (allocated "
-                f"{format_bytes(peak.allocated_bytes)}) at micro batch {micro}"
-                + (f"; plan: {self.plan.summary()}" if self.plan else "")
+            figure = (
+                f"reserved {format_bytes(peak.reserved_bytes)} (allocated {format_bytes(peak.allocated_bytes)})"
+                if device.type == "cuda"
+                else f"{format_bytes(peak.allocated_bytes)} of tensors"
             )
+            plan = f"; plan: {self.plan.summary()}" if self.plan else ""
+            self._info(f"memfit: predicted peak {figure} at micro batch {micro}{plan}")
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
         """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""
