@@ -66,8 +66,8 @@ def main() -> None:
     trainer.train()
     last = callback.monitor.history[-1] if callback.monitor and callback.monitor.history else None
     if last is not None:
+        # the callback printed its final line: drift on a GPU, the process's resident memory on a CPU
         print(f"last window (step {last.step}): {last.metrics()}")
-        print(callback.monitor.final_line())  # drift on a GPU; the process's resident memory on a CPU
 
 
 if __name__ == "__main__":

@@ -75,10 +75,9 @@ def main() -> None:
     print(f"\nplan: {plan.summary() if plan else 'none (see the warnings above)'}")
     print(f"trained {trainer.global_step} optimizer steps with micro batch {module.batch_size} and "
           f"accumulate_grad_batches={trainer.accumulate_grad_batches}")  # fmt: skip
-    if planner.monitor is not None and (line := planner.monitor.final_line()):
-        # on a GPU: the reserved peak against the prediction (drift); on a CPU: the process's resident
-        # memory, which also holds the interpreter and libraries, so it is not compared with the prediction
-        print(line)
+    # The callback printed its final line above: on a GPU the reserved peak against the prediction
+    # (drift); on a CPU the process's resident memory, which also holds the interpreter and the
+    # libraries, so it is not compared with the prediction.
     print(f"all memfit metrics: {Path(logger.log_dir) / 'metrics.csv'}")
 
 
