@@ -4,8 +4,9 @@
 
 ``plan_training_arguments`` picks per_device_train_batch_size, gradient_accumulation_steps and
 activation_checkpointing for the budget while keeping the effective batch (32); the Trainer is
-built from the planned arguments; ``attach`` puts memfit's callback first, so it logs predicted vs
-measured memory to every ``report_to`` tracker, and lets it recover from out-of-memory errors. On a
+built from the planned arguments; ``attach`` puts memfit's callback first, so it logs predicted and
+measured memory to every ``report_to`` tracker (on a CPU the process's resident memory, not
+compared with the prediction), and lets it recover from out-of-memory errors. On a
 GPU, drop --budget to plan for the device's free memory.
 """
 
@@ -65,7 +66,8 @@ def main() -> None:
     trainer.train()
     last = callback.monitor.history[-1] if callback.monitor and callback.monitor.history else None
     if last is not None:
-        print(f"last drift window (step {last.step}): {last.metrics()}")
+        # the callback printed its final line: drift on a GPU, the process's resident memory on a CPU
+        print(f"last window (step {last.step}): {last.metrics()}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+import memfit
 from memfit import Category, Phase, Precision, Target
 from memfit.cli.main import main
 from memfit.planning.gpu_report import GpuPlan, PlanReport
@@ -23,7 +25,7 @@ from memfit.planning.planner import Plan
 from memfit.prediction.estimator import MemoryEstimate, PhaseModel
 from memfit.presets import PRESETS, from_hf_config
 from memfit.reporting.tables import plan_table
-from memfit.units import GiB, MiB
+from memfit.units import GiB, MiB, format_bytes
 
 GOLDEN = Path(__file__).parent / "golden" / "plan_table.txt"
 
@@ -119,12 +121,54 @@ def test_plan_table_golden_output() -> None:
         (_synthetic_row("H100", 80 * GiB, 12), _synthetic_row("T4", 15 * GiB, 3),
          GpuPlan("RTX4090", 24 * GiB, None, None, error="micro batch 1 does not fit")),
     )  # fmt: skip
-    console = Console(width=160, record=True, color_system=None, file=open("/dev/null", "w"))  # noqa: SIM115
+    # as wide as `memfit plan` prints when stdout is not a terminal
+    console = Console(width=200, record=True, color_system=None, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(plan_table(report))
     rendered = console.export_text()
     if not GOLDEN.exists():  # first run writes it; review it and commit
         GOLDEN.write_text(rendered)
     assert rendered == GOLDEN.read_text()
+
+
+def test_plan_table_names_gradients_and_a_missed_target() -> None:
+    row = _synthetic_row("H100", 80 * GiB, 12)
+    why = "micro batch 12 fits; the effective batch 24 differs from the target 23: why"
+    missed_plan = dataclasses.replace(row.plan, target_batch_size=23, reasons=(why,))
+    missed = GpuPlan("H100", row.capacity_bytes, missed_plan, row.estimate)
+    console = Console(width=400, record=True, color_system=None, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(plan_table(PlanReport("tiny", 123_000_000, "bf16-mixed", "adamw", 512, (missed,))))
+    rendered = " ".join(console.export_text().split())
+    assert "effective" in rendered and "24 (target 23)" in rendered
+    assert f"H100: {why}" in rendered
+    assert "params+grads+optim" not in rendered and "grads" in rendered and "optim state" in rendered
+
+
+def test_summary_says_when_the_target_is_missed_and_what_the_peak_holds() -> None:
+    plan = _synthetic_row("H100", 80 * GiB, 12).plan
+    context = 500 * MiB
+    reserved = plan.predicted_peak_bytes - context
+    exact = dataclasses.replace(plan, predicted_reserved_bytes=reserved).summary()
+    assert "= 24 (target 24)" in exact and "not the target" not in exact
+    assert f"(reserved {format_bytes(reserved)} + CUDA context {format_bytes(context)})" in exact
+    missed = dataclasses.replace(plan, target_batch_size=23, predicted_reserved_bytes=plan.predicted_peak_bytes)
+    assert "= 24, not the target 23" in missed.summary() and "CUDA context" not in missed.summary()
+
+
+def test_text_output_says_when_the_effective_batch_misses_the_target(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import memfit.planning.gpu_report as gpu_report
+
+    estimate = _synthetic_row("T4", 15 * GiB, 3).estimate
+    chosen = memfit.plan(estimate, 15 * GiB, target_batch_size=13, allow_checkpointing=False)
+    assert chosen.effective_batch_size != 13
+    report = PlanReport("tiny", 123_000_000, "bf16-mixed", "adamw", 512, (GpuPlan("T4", 15 * GiB, chosen, estimate),))
+    monkeypatch.setattr(gpu_report, "plan_for_gpus", lambda **kwargs: report)
+    assert main(["plan", "--hf-config", "gpt2", "--gpu", "t4", "--target-batch-size", "13"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{chosen.effective_batch_size} (target 13)" in text
+    assert f"T4: micro batch {chosen.largest_micro_batch} is the largest that fits" in text
+    assert f"the effective batch {chosen.effective_batch_size} differs from the target 13" in text
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -20,7 +20,8 @@ from memfit.integrations.huggingface.arguments import checkpointing_switch, mode
 SEQ = 32
 VOCAB = 500
 MARGIN = 0.05
-DRIFT_KEYS = {"memfit/predicted_peak_allocated_bytes", "memfit/measured_peak_rss_bytes", "memfit/drift_rss_pct"}
+# On CPU: the prediction and the process's resident memory, never a drift between the two
+DRIFT_KEYS = {"memfit/predicted_peak_allocated_bytes", "memfit/measured_peak_rss_bytes"}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -155,14 +156,15 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     assert {f"train/{key}" for key in DRIFT_KEYS} <= scalars  # HF's TensorBoard callback prefixes train/
-    assert [e.step for e in events.Scalars("train/memfit/drift_rss_pct")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("train/memfit/measured_peak_rss_bytes")] == [2, 4, 6]
+    assert not [key for key in scalars if "drift_" in key or "from_rss" in key]
 
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("memfit-hf")
     (run,) = client.search_runs([experiment.experiment_id])
     assert set(run.data.metrics) >= DRIFT_KEYS  # "/" is kept by HF's MLflow key sanitiser
     assert run.data.metrics["memfit/micro_batch_size"] == 12
-    history = client.get_metric_history(run.info.run_id, "memfit/drift_rss_pct")
+    history = client.get_metric_history(run.info.run_id, "memfit/measured_peak_rss_bytes")
     assert [m.step for m in history] == [2, 4, 6]
     if importlib.util.find_spec("matplotlib"):  # the pictures: MLflow artifacts, TensorBoard images, output_dir
         assert {a.path for a in client.list_artifacts(run.info.run_id, "memfit")} == {
@@ -410,3 +412,18 @@ def test_a_callback_that_is_not_attached_measures_but_says_what_it_cannot_do(tmp
     assert sum("not attached" in str(w.message) for w in caught) == 1
     assert callback.estimate is not None and [d.step for d in callback.monitor.history] == [2]
     assert callback.recovery is None and "training_step" not in vars(trainer)
+
+
+def test_the_plan_and_the_callback_quote_one_peak_and_cpu_logs_no_drift(tmp_path: Path) -> None:
+    """The callback measures against the figure the plan quotes (``at`` the micro batch), not a second one."""
+    model, data = tiny_gpt2(), Tokens()
+    planned = plan_training_arguments(model, training_args(tmp_path, max_steps=4, logging_steps=1), data, budget="1GiB")
+    trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+    callback = attach(trainer, plan=planned.plan)
+    trainer.train()
+    windows = callback.monitor.history
+    assert len(windows) == 4 and not [kind for window in windows for kind in window.alarm_kinds]  # no leak in 4 steps
+    assert {w.predicted_reserved_bytes for w in windows} == {planned.plan.predicted_reserved_bytes}
+    assert {w.predicted_allocated_bytes for w in windows} == {planned.plan.predicted_allocated_bytes}
+    assert memfit.format_bytes(planned.plan.predicted_peak_bytes) in callback.monitor.final_line()
+    assert all(w.drift_pct is None and "memfit/drift_rss_pct" not in w.metrics() for w in windows)

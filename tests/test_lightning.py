@@ -21,12 +21,8 @@ from memfit.integrations.huggingface.arguments import model_checkpointing
 from memfit.lightning import MemoryPlanner
 
 MARGIN = 0.05
-DRIFT_KEYS = {
-    "memfit/predicted_peak_allocated_bytes",
-    "memfit/measured_peak_rss_bytes",
-    "memfit/measured_tensor_bytes_from_rss",
-    "memfit/drift_rss_pct",
-}
+# On CPU: the prediction and the process's resident memory, never a drift between the two
+DRIFT_KEYS = {"memfit/predicted_peak_allocated_bytes", "memfit/measured_peak_rss_bytes"}
 
 
 def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12, **loop: Any) -> int:
@@ -92,13 +88,14 @@ def test_csv_tensorboard_and_mlflow_receive_the_documented_keys(tmp_path: Path) 
     callback = MemoryPlanner(budget=budget_for_micro_batch(module, 4), margin=MARGIN)
     trainer(tmp_path, callback, loggers=[csv_logger, tb_logger, mlflow_logger]).fit(module)
 
-    rows = [r for r in read_csv_metrics(csv_logger) if r.get("memfit/drift_rss_pct")]
+    rows = [r for r in read_csv_metrics(csv_logger) if r.get("memfit/measured_peak_rss_bytes")]
     assert {int(r["step"]) for r in rows} == {2, 4, 6}
     assert set(rows[0]) >= DRIFT_KEYS
+    assert not [key for key in rows[0] if key.startswith("memfit/drift_") or "from_rss" in key]
     for row in rows:
         assert int(float(row["memfit/predicted_peak_allocated_bytes"])) == callback._decision.predicted_allocated_bytes
         assert float(row["memfit/measured_peak_rss_bytes"]) > 50 * 2**20  # a Python process with torch loaded
-        assert math.isfinite(float(row["memfit/drift_rss_pct"]))
+        assert math.isfinite(float(row["memfit/measured_peak_rss_bytes"]))
     hparams = (Path(csv_logger.log_dir) / "hparams.yaml").read_text()
     assert "memfit/micro_batch_size: 4" in hparams and "memfit/accumulate_grad_batches: 3" in hparams
 
@@ -106,7 +103,7 @@ def test_csv_tensorboard_and_mlflow_receive_the_documented_keys(tmp_path: Path) 
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     assert scalars >= DRIFT_KEYS
-    assert [e.step for e in events.Scalars("memfit/drift_rss_pct")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("memfit/measured_peak_rss_bytes")] == [2, 4, 6]
 
     run = mlflow.tracking.MlflowClient(tracking_uri=uri).get_run(mlflow_logger.run_id)
     assert set(run.data.metrics) >= DRIFT_KEYS
@@ -121,7 +118,7 @@ def test_observe_mode_changes_nothing_and_still_logs(tmp_path: Path) -> None:
     fit.fit(module)
     assert module.batch_size == 12 and fit.accumulate_grad_batches == 1
     assert set(module.seen_batch_sizes) == {12}
-    rows = [r for r in read_csv_metrics(fit.logger) if r.get("memfit/drift_rss_pct")]
+    rows = [r for r in read_csv_metrics(fit.logger) if r.get("memfit/measured_peak_rss_bytes")]
     assert len(rows) == 2
 
 
@@ -345,3 +342,73 @@ def test_an_untested_lightning_release_turns_recovery_off_and_leaves_the_run_alo
     assert (int(lightning.pytorch.__version__.split(".")[0]), int(lightning.pytorch.__version__.split(".")[1])) in (
         TESTED_VERSIONS
     )
+
+
+class TwoOptimizerGAN(L.LightningModule):
+    """A GAN-like module with manual optimization: training_step steps a generator and a discriminator."""
+
+    def __init__(self, batch_size: int = 16, width: int = 64) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.batch_size = batch_size
+        self.generator = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 16))
+        self.discriminator = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.seen_batch_sizes: list[int] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        self.seen_batch_sizes.append(real.shape[0])
+        opt_g, opt_d = self.optimizers()
+        noise = torch.randn(real.shape[0], 8)
+        fake = self.generator(noise)
+        d_loss = (
+            torch.nn.functional.softplus(-self.discriminator(real)).mean()
+            + torch.nn.functional.softplus(self.discriminator(fake.detach())).mean()
+        )
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = torch.nn.functional.softplus(-self.discriminator(self.generator(noise))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(self.generator.parameters()), torch.optim.Adam(self.discriminator.parameters())]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("mode", ["plan", "observe"])
+def test_manual_optimization_with_two_optimizers_trains_as_configured_and_logs_measured_memory(
+    tmp_path: Path, mode: str
+) -> None:
+    module = TwoOptimizerGAN(batch_size=16)
+    callback = MemoryPlanner(budget="64MiB", mode=mode)
+    fit = trainer(tmp_path, callback, max_steps=8, log_every_n_steps=2)
+    with pytest.warns(UserWarning, match="does not trace manual optimization yet") as caught:
+        fit.fit(module)
+    assert not [w for w in caught if "could not plan" in str(w.message)]
+    assert callback.plan is None and module.batch_size == 16 and set(module.seen_batch_sizes) == {16}
+    assert fit.global_step == 8  # two optimizer steps per batch
+    rows = [r for r in read_csv_metrics(fit.logger) if r.get("memfit/measured_peak_rss_bytes")]
+    assert {int(r["step"]) for r in rows} == {2, 4, 6, 8}
+    assert not [key for key in rows[0] if key.startswith("memfit/predicted_") or key.startswith("memfit/drift_")]
+    assert all(float(r["memfit/measured_peak_rss_bytes"]) > 50 * 2**20 for r in rows)
+    assert "no prediction" in callback.monitor.final_line()
+
+
+def test_the_plan_and_the_final_line_quote_the_same_peak_and_the_line_names_the_process_rss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN)
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, callback, max_steps=2).fit(module)
+    peak = memfit.format_bytes(callback.plan.predicted_peak_bytes)
+    (plan_line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit plan:")]
+    (final_line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit: process RSS")]
+    assert f"predicted peak {peak} of" in plan_line
+    assert f"predicted peak {peak} of tensors" in final_line and "drift" not in final_line

@@ -49,7 +49,7 @@ def test_ddp_ranks_apply_the_plan_of_the_smallest_budget(tmp_path: Path) -> None
     metrics = list((tmp_path / "logs").rglob("metrics.csv"))
     assert len(metrics) == 1  # only rank 0 writes
     with open(metrics[0]) as handle:
-        rows = [row for row in csv.DictReader(handle) if row.get("memfit/drift_rss_pct")]
+        rows = [row for row in csv.DictReader(handle) if row.get("memfit/measured_peak_rss_bytes")]
     assert [int(row["step"]) for row in rows] == [2, 4]
 
 

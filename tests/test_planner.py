@@ -200,6 +200,19 @@ def test_an_exact_split_beats_the_fewest_steps() -> None:
     assert any("differs from the target 31" in reason for reason in odd.reasons)
 
 
+def test_the_reasons_of_a_missed_target_say_what_runs_and_never_that_it_keeps_the_target() -> None:
+    estimate = linear_estimate(1 * GiB, 1 * GiB, context=None)
+    odd = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=13)  # 7 fit; 13 is prime
+    assert odd.effective_batch_size != 13
+    assert not [reason for reason in odd.reasons if "keep the effective batch" in reason]
+    (why,) = [reason for reason in odd.reasons if "target" in reason]
+    assert f"effective batch {odd.effective_batch_size} differs from the target 13" in why
+    assert "micro batch 1 x 13 steps" in why and "under half the largest that fits" in why
+    devices = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=13, world_size=2)
+    assert "13 is not a multiple of 2 devices" in " ".join(devices.reasons)
+    assert ", not the target 13;" in odd.summary()
+
+
 def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_optimistic() -> None:
     optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says 9 samples fit in 10 GiB
     calls = []

@@ -121,6 +121,39 @@ def test_the_final_line_compares_the_worst_window_with_the_prediction_it_was_mea
     assert steps == [10, 20] and predicted == first and measured[1] == 2 * estimate.at(8).reserved_bytes
 
 
+class RssSampler:
+    """Stands in for PeakSampler on CPU: the process's peak resident memory of each window."""
+
+    def __init__(self, rss: list[int]) -> None:
+        self.rss = list(rss)
+
+    def sample(self) -> MemorySample:
+        return MemorySample(None, None, None, self.rss.pop(0))
+
+
+def test_on_cpu_the_final_line_names_the_process_rss_and_quotes_the_plans_peak() -> None:
+    """CPU measures the whole process, not tensors: the line says so and shows no drift percentage."""
+    plan_peak = 300 * 2**20
+    drift = DriftMonitor(predicted_allocated_bytes=plan_peak, predicted_reserved_bytes=plan_peak, margin=0.05)
+    monitor = RunMonitor(RssSampler([2 * GiB, 3 * GiB]), drift, estimate=None, warn=lambda key, message: None)
+    assert "memfit/drift_rss_pct" not in monitor.observe(5) and monitor.observe(10)
+    line = monitor.final_line()
+    assert line.startswith("memfit: process RSS up to 3.00 GiB over 2 window(s)")
+    assert "drift" not in line and "%" not in line and memfit.format_bytes(plan_peak) in line
+    steps, predicted, measured = monitor.drift_series()
+    assert steps == [5, 10] and predicted is None and measured == [2 * GiB, 3 * GiB]
+
+
+def test_without_a_prediction_the_monitor_logs_and_summarises_the_measured_peaks() -> None:
+    drift = DriftMonitor(predicted_allocated_bytes=None, predicted_reserved_bytes=None, margin=0.05)
+    monitor = RunMonitor(FakeSampler([GiB, 2 * GiB]), drift, estimate=None, warn=lambda key, message: None)
+    measured = {"memfit/measured_peak_allocated_bytes": GiB, "memfit/measured_peak_reserved_bytes": GiB}
+    assert monitor.observe(5) == measured
+    monitor.observe(10)
+    assert monitor.final_line() == "memfit: peak reserved up to 2.00 GiB over 2 window(s) (no prediction)"
+    assert monitor.drift_series()[1] is None
+
+
 def test_a_failing_sampler_stops_measuring_and_raises_under_the_strict_switch() -> None:
     class Broken:
         def sample(self) -> MemorySample:

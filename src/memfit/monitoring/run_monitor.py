@@ -5,12 +5,14 @@ step and logging cadence) and where the metrics go (``trainer.loggers``, the HF 
 So they hand this class the step number and forward what it returns:
 
     monitor = RunMonitor.start(device, predicted_allocated_bytes=..., predicted_reserved_bytes=...,
-                               estimate=estimate, margin=0.05, resident_bytes=model_bytes, warn=warn)
+                               estimate=estimate, margin=0.05, warn=warn)
     metrics = monitor.observe(step)     # at the end of a logging window: the memfit/* metrics, or None
     metrics = monitor.recovered(record, recovery)   # after an out-of-memory recovery
-    line = monitor.final_line()         # "memfit drift: predicted peak ..., measured up to ..."
+    line = monitor.final_line()         # "memfit drift: predicted peak reserved ..., measured ..."
 
-A failure to measure stops measuring (one warning), never the run.
+The predictions are ``None`` for a run memfit measures without predicting (measured peaks only).
+On CPU the measure is the process's resident memory, which is never presented as drift (see
+``memfit.monitoring.drift``). A failure to measure stops measuring (one warning), never the run.
 """
 
 from __future__ import annotations
@@ -21,20 +23,14 @@ import torch
 
 from memfit.diagnostics import degrade
 from memfit.monitoring.drift import Drift, DriftMonitor
-from memfit.monitoring.measure import PeakSampler, current_rss_bytes
+from memfit.monitoring.measure import PeakSampler
 from memfit.monitoring.recovery import OOMRecovery, Recovery
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import format_bytes
 
-__all__ = ["RunMonitor", "resident_bytes"]
+__all__ = ["RunMonitor"]
 
 Warn = Callable[[str, str], None]  # warn(key, message): the adapter's once-per-key, rank-zero warning
-
-
-def resident_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers: on CPU they are resident before training starts,
-    so the process's memory growth plus these is what compares with the predicted tensor bytes."""
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 class RunMonitor:
@@ -62,20 +58,20 @@ class RunMonitor:
         cls,
         device: torch.device | str,
         *,
-        predicted_allocated_bytes: int,
+        predicted_allocated_bytes: int | None,
         predicted_reserved_bytes: int | None,
         estimate: MemoryEstimate | None,
         margin: float,
-        resident_bytes: int,
         warn: Warn,
     ) -> RunMonitor:
-        """Start measuring on ``device`` against the predicted peaks at the micro batch that runs."""
+        """Start measuring on ``device`` against the predicted peaks at the micro batch that runs
+        (``None``: no prediction, the measured peaks only)."""
+        if predicted_reserved_bytes is None:
+            predicted_reserved_bytes = predicted_allocated_bytes
         drift = DriftMonitor(
             predicted_allocated_bytes=predicted_allocated_bytes,
-            predicted_reserved_bytes=predicted_reserved_bytes or predicted_allocated_bytes,
+            predicted_reserved_bytes=predicted_reserved_bytes,
             margin=margin,
-            baseline_rss_bytes=current_rss_bytes(),
-            resident_bytes=resident_bytes,
         )
         return cls(PeakSampler(device), drift, estimate=estimate, warn=warn)
 
@@ -109,24 +105,44 @@ class RunMonitor:
         return recovery_metrics(record, recovery)
 
     def final_line(self) -> str | None:
-        """The run in one line: the worst window against the prediction in force in that window."""
-        measured = [d for d in self.history if d.drift_pct is not None]
-        if not measured:
+        """The run in one line: on CUDA with a prediction, the worst window against the prediction in
+        force in that window; otherwise the highest measured peak, named for what it is."""
+        records = [d for d in self.history if d.compared_bytes is not None]
+        if not records:
             return None
-        worst = max(measured, key=lambda d: d.drift_pct)
-        predicted = _compared_prediction(worst)
+        compared = [d for d in records if d.drift_pct is not None]
+        if compared:
+            worst = max(compared, key=lambda d: d.drift_pct)
+            return (
+                f"memfit drift: predicted peak reserved {format_bytes(worst.predicted_reserved_bytes)}, measured peak "
+                f"reserved up to {format_bytes(worst.compared_bytes)} ({worst.drift_pct:+.1f}%) over "
+                f"{len(compared)} window(s)"
+            )
+        highest = max(records, key=lambda d: d.compared_bytes)
+        windows = f"over {len(records)} window(s)"
+        if highest.sample.reserved_bytes is not None:
+            return f"memfit: peak reserved up to {format_bytes(highest.compared_bytes)} {windows} (no prediction)"
+        predicted = highest.predicted_reserved_bytes
+        against = (
+            f"so it is not compared with the predicted peak {format_bytes(predicted)} of tensors"
+            if predicted is not None
+            else "no prediction"
+        )
         return (
-            f"memfit drift: predicted peak {format_bytes(predicted)}, measured up to "
-            f"{format_bytes(worst.compared_bytes)} ({worst.drift_pct:+.1f}%) over {len(measured)} window(s)"
+            f"memfit: process RSS up to {format_bytes(highest.compared_bytes)} {windows} (CPU: the whole process's "
+            f"resident memory, interpreter, libraries and data included, {against})"
         )
 
-    def drift_series(self) -> tuple[list[int], int, list[int | None]] | None:
-        """``(steps, predicted, measured)`` for ``memfit.plot.plot_drift``: the plan's prediction (the
-        first window's) against each window's measured peak; ``None`` before any window."""
+    def drift_series(self) -> tuple[list[int], int | None, list[int | None]] | None:
+        """``(steps, predicted, measured)`` for ``memfit.plot.plot_drift``: each window's measured peak and
+        the plan's prediction (the first window's), or ``None`` for it where the two measure different
+        things (CPU's process RSS) or nothing was predicted; ``None`` before any window."""
         records = self.history
         if not records:
             return None
-        return [d.step for d in records], _compared_prediction(records[0]), [d.compared_bytes for d in records]
+        first = records[0]
+        predicted = first.predicted_reserved_bytes if first.sample.reserved_bytes is not None else None
+        return [d.step for d in records], predicted, [d.compared_bytes for d in records]
 
 
 def recovery_metrics(record: Recovery, recovery: OOMRecovery) -> dict[str, float]:
@@ -136,10 +152,3 @@ def recovery_metrics(record: Recovery, recovery: OOMRecovery) -> dict[str, float
         "memfit/micro_batch_size": float(record.chunk_after),
         "memfit/gradient_checkpointing": float(recovery.checkpointing_on),
     }
-
-
-def _compared_prediction(record: Drift) -> int:
-    """The prediction a window was compared with: reserved on CUDA, tensor bytes elsewhere."""
-    return record.predicted_reserved_bytes if record.sample.reserved_bytes is not None else (
-        record.predicted_allocated_bytes
-    )  # fmt: skip

@@ -93,13 +93,28 @@ class Plan:
         return dataclasses.replace(self, reasons=(*self.reasons, reason))
 
     def summary(self) -> str:
-        """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``."""
-        target = f" (target {self.target_batch_size})" if self.target_batch_size else ""
+        """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``.
+
+        The peak is ``predicted_peak_bytes``, the figure compared with the budget; where it includes
+        the CUDA context, its reserved part (what ``max_memory_reserved`` measures, and what the run's
+        drift is measured against) is named beside it.
+        """
+        target = ""
+        if self.target_batch_size and self.target_batch_size != self.effective_batch_size:
+            target = f", not the target {self.target_batch_size}"
+        elif self.target_batch_size:
+            target = f" (target {self.target_batch_size})"
         ckpt = ", checkpointing on" if self.gradient_checkpointing else ""
+        context = self.predicted_peak_bytes - self.predicted_reserved_bytes
+        parts = (
+            f" (reserved {format_bytes(self.predicted_reserved_bytes)} + CUDA context {format_bytes(context)})"
+            if self.predicted_reserved_bytes and context > 0
+            else ""
+        )
         return (
             f"micro batch {self.micro_batch_size} x accumulation {self.accumulate_grad_batches} x "
             f"{self.world_size} device(s) = {self.effective_batch_size}{target}{ckpt}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)} budget"
+            f"{format_bytes(self.predicted_peak_bytes)}{parts} of {format_bytes(self.budget_bytes)} budget"
         )
 
 
@@ -426,23 +441,35 @@ def _fit_confirmed(question: _Question, candidate: _Candidate, confirm: Confirm)
 
 
 def _explain(question: _Question, split: _Split) -> list[str]:
-    """How the split keeps the target, and where integer arithmetic cannot hit it."""
-    if question.per_device_target is None:
-        reasons = [f"largest micro batch that fits: {split.micro}"]
-    elif split.accumulation > 1:
-        reasons = [
-            f"micro batch {split.largest_micro} is the largest that fits; {split.accumulation} accumulation "
-            f"steps of {split.micro} keep the effective batch"
-        ]
-    else:
-        reasons = [f"the target fits in one micro batch of {split.micro}"]
+    """How the split keeps the target, or, where it does not, what it runs instead and why."""
     effective = split.micro * split.accumulation * question.world_size
-    if question.target_batch_size is not None and effective != question.target_batch_size:
-        reasons.append(
-            f"effective batch {effective} differs from the target {question.target_batch_size}: integer micro "
-            f"batches x {split.accumulation} steps x {question.world_size} device(s) cannot hit it exactly"
-        )
-    return reasons
+    target = question.target_batch_size
+    if question.per_device_target is None or target is None:
+        return [f"largest micro batch that fits: {split.micro}"]
+    if effective != target:
+        return [
+            f"micro batch {split.largest_micro} is the largest that fits; with {split.accumulation} accumulation "
+            f"step(s) of {split.micro} x {question.world_size} device(s) the effective batch {effective} differs "
+            f"from the target {target}: {_why_not_exact(target, question.world_size, split.largest_micro)}"
+        ]
+    if split.accumulation > 1:
+        return [
+            f"micro batch {split.largest_micro} is the largest that fits; {split.accumulation} accumulation "
+            f"steps of {split.micro} keep the effective batch of {target}"
+        ]
+    return [f"the target fits in one micro batch of {split.micro}"]
+
+
+def _why_not_exact(target: int, world_size: int, largest: int) -> str:
+    """Why no split hits ``target`` exactly: the devices do not divide it, or the exact split is too slow."""
+    if target % world_size:
+        return f"{target} is not a multiple of {world_size} devices"
+    per_device = target // world_size
+    micro = max(d for d in range(1, min(largest, per_device) + 1) if per_device % d == 0)
+    exact = f"micro batch {micro} x {per_device // micro} steps"
+    if 2 * micro < largest:
+        return f"hitting it exactly takes {exact}, under half the largest that fits, so a few more samples run instead"
+    return f"the exact split, {exact}, does not fit"
 
 
 def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan:

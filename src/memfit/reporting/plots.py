@@ -152,17 +152,19 @@ def plot_plan(
     return _save(figure, path)
 
 
-def plot_drift(steps: Sequence[int], predicted_bytes: int, measured_bytes: Sequence[int | None], *,
+def plot_drift(steps: Sequence[int], predicted_bytes: int | None, measured_bytes: Sequence[int | None], *,
                label: str = "measured peak", path: str | Path | None = None) -> Any:  # fmt: skip
-    """Measured peak per logging window against the prediction."""
+    """Measured peak per logging window against the prediction (``None``: no comparable prediction,
+    such as CPU runs, where the process's resident memory is measured; the measured peaks alone)."""
     figure, axes = _figure(height=3.5)
     axis = axes[0]
     pairs = [(s, m) for s, m in zip(steps, measured_bytes, strict=True) if m is not None]
     if pairs:
         axis.plot([s for s, _ in pairs], [m / _UNIT for _, m in pairs], "o-", label=label)
-    axis.axhline(predicted_bytes / _UNIT, color="black", linestyle="--", label="predicted")
+    if predicted_bytes is not None:
+        axis.axhline(predicted_bytes / _UNIT, color="black", linestyle="--", label="predicted")
     axis.set_xlabel("step")
     axis.set_ylabel("GiB")
-    axis.set_title("memory: predicted vs measured")
+    axis.set_title("memory: predicted vs measured" if predicted_bytes is not None else "memory: measured peak")
     axis.legend(fontsize=8)
     return _save(figure, path)

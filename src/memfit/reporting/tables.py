@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from memfit.categories import Category
+from memfit.categories import Category, Phase
 from memfit.planning.gpu_report import PlanReport
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.formula import FormulaEstimate
@@ -60,8 +60,14 @@ def formula_table(estimate: FormulaEstimate) -> Table:
     return _sizes_table(title, estimate.components(), estimate.total_bytes, caption)
 
 
-# What the "params+grads+optim" column of a plan counts: the state every step carries.
-_STATE_CATEGORIES = (Category.PARAMETERS, Category.GRADIENTS, Category.GRADIENT_BUCKETS, Category.OPTIMIZER_STATE)
+# The plan table's columns for the state a step carries, each at the predicted peak: gradients get their
+# own column (with DDP's buckets, copies of them) so that a peak before backward, where they are freed,
+# reads as "0 B of gradients at the peak", not as gradients left uncounted.
+_STATE_COLUMNS: dict[str, tuple[Category, ...]] = {
+    "params": (Category.PARAMETERS,),
+    "grads": (Category.GRADIENTS, Category.GRADIENT_BUCKETS),
+    "optim state": (Category.OPTIMIZER_STATE,),
+}
 _CATEGORY_LABELS: dict[Category, str] = {
     Category.PARAMETERS: "Parameters",
     Category.BUFFERS: "Buffers",
@@ -138,24 +144,43 @@ def phases_table(estimate: MemoryEstimate) -> Table:
 
 
 def plan_table(report: PlanReport) -> Table:
-    """One row per GPU: does it fit, with what micro batch, accumulation and checkpointing, at what peak."""
+    """One row per GPU: does it fit, with what micro batch, accumulation and checkpointing, at what peak.
+
+    The sizes are those at the predicted peak. The caption says where the effective batch differs
+    from the target, where gradients are freed at the peak, and why a GPU does not fit.
+    """
     what = "inference (forward only)" if report.inference else f"optimizer {report.optimizer}"
     title = (
         f"{report.model}: {report.parameters / 1e9:.2f} B parameters, {report.precision}, {what}, seq {report.seq_len}"
     )
     table = Table(title=title)
     for column in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
-                   "params+grads+optim", "activations", "other", "peak in"):  # fmt: skip
+                   *_STATE_COLUMNS, "activations", "other", "peak in"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("GPU", "fits", "peak in") else "right")
+    notes: list[str] = []
     for row in report.rows:
         name = row.gpu + (" (approx.)" if row.approximate else "")
         if row.plan is None or row.estimate is None:
-            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * 8, "")
+            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * 10, "")
             continue
         plan, breakdown = row.plan, row.estimate.breakdown
-        state = sum(breakdown.get(c, 0) for c in _STATE_CATEGORIES)
+        state = {column: sum(breakdown.get(c, 0) for c in kinds) for column, kinds in _STATE_COLUMNS.items()}
         activations = breakdown.get(Category.ACTIVATIONS, 0)
-        other = row.estimate.peak_bytes - state - activations
+        other = row.estimate.peak_bytes - sum(state.values()) - activations
+        effective = str(plan.effective_batch_size)
+        if plan.target_batch_size is not None and plan.effective_batch_size != plan.target_batch_size:
+            effective += f" (target {plan.target_batch_size})"
+            why = next((r for r in plan.reasons if "differs from the target" in r), None)
+            notes.append(f"{row.gpu}: " + (why or (
+                f"effective batch {plan.effective_batch_size} = {plan.micro_batch_size} x "
+                f"{plan.accumulate_grad_batches} steps x {plan.world_size} device(s), not the target "
+                f"{plan.target_batch_size}"
+            )))  # fmt: skip
+        if not report.inference and not state["grads"] and row.estimate.peak_phase is Phase.FORWARD:
+            notes.append(
+                f"{row.gpu}: gradients are 0 B at the peak ({row.estimate.peak_phase.value} of step "
+                f"{row.estimate.peak_step}): they are freed after each optimizer step and counted where they live"
+            )
         table.add_row(
             name,
             format_bytes(row.capacity_bytes),
@@ -163,16 +188,15 @@ def plan_table(report: PlanReport) -> Table:
             str(plan.micro_batch_size),
             str(plan.accumulate_grad_batches),
             "on" if plan.gradient_checkpointing else "off",
-            str(plan.effective_batch_size),
+            effective,
             format_bytes(plan.predicted_peak_bytes),
-            format_bytes(state),
+            *(format_bytes(size) for size in state.values()),
             format_bytes(activations),
             format_bytes(other),
             f"step {row.estimate.peak_step} {row.estimate.peak_phase.value}",
         )
-    said = [
-        f"{row.gpu}: {'; '.join(filter(None, (row.note, row.error)))}" for row in report.rows if row.error or row.note
-    ]
-    if said:
-        table.caption = "\n".join(said)
+    notes.extend(f"{row.gpu}: {'; '.join(filter(None, (row.note, row.error)))}" for row in report.rows
+                 if row.error or row.note)  # fmt: skip
+    if notes:
+        table.caption = "\n".join(notes)
     return table

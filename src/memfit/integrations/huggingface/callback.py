@@ -47,7 +47,7 @@ from memfit.monitoring.recovery import (
     check_on_oom,
     is_out_of_memory,
 )
-from memfit.monitoring.run_monitor import RunMonitor, resident_bytes
+from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.planner import Plan
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -135,11 +135,12 @@ class MemoryPlannerCallback(TrainerCallback):
     ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,
     ``memfit/measured_peak_reserved_bytes``, ``memfit/drift_allocated_pct``,
     ``memfit/drift_reserved_pct``, ``memfit/measured_device_used_bytes`` (CUDA; NVML with
-    ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes``, ``memfit/measured_tensor_bytes_from_rss``,
-    ``memfit/drift_rss_pct`` (CPU); ``memfit/alarm_over_margin``, ``memfit/alarm_leak`` (1 in the
-    window an alarm is raised). With a plan, the first log also carries ``memfit/micro_batch_size``,
-    ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing`` and
-    ``memfit/effective_batch_size``.
+    ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes`` (CPU: the whole process's resident
+    memory, not comparable with the predicted tensor bytes, so no drift on CPU);
+    ``memfit/alarm_over_margin``, ``memfit/alarm_leak`` (1 in the window an alarm is raised). The
+    predicted peaks are ``MemoryEstimate.at(micro batch)``, the figures a plan quotes. With a plan,
+    the first log also carries ``memfit/micro_batch_size``, ``memfit/accumulate_grad_batches``,
+    ``memfit/gradient_checkpointing`` and ``memfit/effective_batch_size``.
 
     Out-of-memory errors in a training step (``on_oom="replan"``, the default, when attached): the
     failed batch is retried in chunks whose losses are weighted by their share of the batch, and
@@ -295,21 +296,23 @@ class MemoryPlannerCallback(TrainerCallback):
             self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
                        f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
         self.estimate = traced = traced.with_notes(*notes)
+        peak = traced.at(micro)  # the figure a plan quotes for this micro batch, so the two agree
         self.monitor = RunMonitor.start(
             device,
-            predicted_allocated_bytes=traced.peak_allocated_bytes,
-            predicted_reserved_bytes=traced.peak_reserved_bytes,
+            predicted_allocated_bytes=peak.allocated_bytes,
+            predicted_reserved_bytes=peak.reserved_bytes,
             estimate=traced,
             margin=self.margin,
-            resident_bytes=resident_bytes(model),
             warn=self._warn,
         )
         if self.verbose:
-            self._info(
-                f"memfit: predicted peak {format_bytes(traced.peak_reserved_bytes)} reserved, "
-                f"{format_bytes(traced.peak_allocated_bytes)} allocated at micro batch {micro}"
-                + (f" (plan: {self.plan.summary()})" if self.plan else "")
+            figure = (
+                f"reserved {format_bytes(peak.reserved_bytes)} (allocated {format_bytes(peak.allocated_bytes)})"
+                if device.type == "cuda"
+                else f"{format_bytes(peak.allocated_bytes)} of tensors"
             )
+            plan = f"; plan: {self.plan.summary()}" if self.plan else ""
+            self._info(f"memfit: predicted peak {figure} at micro batch {micro}{plan}")
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
         """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""

@@ -34,7 +34,7 @@ from memfit.monitoring.recovery import (
     check_on_oom,
     is_out_of_memory,
 )
-from memfit.monitoring.run_monitor import RunMonitor, resident_bytes
+from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.planner import Plan
@@ -120,13 +120,16 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     ``trainer.loggers``, rank 0 only; peaks are per window, the counters reset after each read):
 
     * ``memfit/predicted_peak_allocated_bytes``: predicted ``max_memory_allocated`` (CPU: tensor bytes)
-    * ``memfit/predicted_peak_reserved_bytes`` (CUDA): predicted ``max_memory_reserved``
+    * ``memfit/predicted_peak_reserved_bytes`` (CUDA): predicted ``max_memory_reserved``, the plan's peak
+      without the CUDA context
     * ``memfit/measured_peak_allocated_bytes``, ``memfit/measured_peak_reserved_bytes`` (CUDA)
     * ``memfit/drift_allocated_pct``, ``memfit/drift_reserved_pct`` (CUDA): 100 x (measured - predicted) / predicted
     * ``memfit/measured_device_used_bytes`` (CUDA with ``nvidia-ml-py``): NVML used memory of the device
-    * ``memfit/measured_peak_rss_bytes`` (CPU): the process's peak resident memory
-    * ``memfit/measured_tensor_bytes_from_rss``, ``memfit/drift_rss_pct`` (CPU): RSS growth since training
-      started plus the model's bytes, against the predicted tensor bytes (coarse)
+    * ``memfit/measured_peak_rss_bytes`` (CPU): the process's peak resident memory (interpreter, libraries and
+      data included): not comparable with the predicted tensor bytes, so no drift is computed on CPU
+
+    With manual optimization (``automatic_optimization = False``) nothing is predicted yet: the
+    callback warns once, plans nothing, and logs the measured keys only (``MANUAL_OPTIMIZATION`` says why).
 
     Lightning privates (the loop's closure, the dataloader source) are used through
     ``memfit.integrations.lightning.internals`` only; on a Lightning release it was not tested on,
@@ -135,13 +138,24 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     The plan is logged once as hyperparameters ``memfit/micro_batch_size``,
     ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing``, ``memfit/effective_batch_size``,
     ``memfit/target_batch_size``, ``memfit/predicted_peak_bytes``, ``memfit/budget_bytes``, ... Warnings
-    (rank 0, once each): measured above predicted by more than the margin; peaks growing over three
-    windows in a row (a leak), each with the step range, the figures and a metric
-    (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is saved in checkpoints and
-    restored on resume.
+    (rank 0, once each): measured reserved above predicted by more than the margin (CUDA); peaks
+    growing in each of three windows in a row after the first window (a leak; on CPU by 64 MiB at
+    least, as the process's resident memory moves with its allocator), each with the step range,
+    the figures and a metric (``memfit/alarm_over_margin``, ``memfit/alarm_leak``). The plan is
+    saved in checkpoints and restored on resume.
     """
 
-__all__ = ["MemoryPlannerBase"]
+__all__ = ["MANUAL_OPTIMIZATION", "MemoryPlannerBase"]
+
+# Why a module with manual optimization is measured, not planned. Tracing it would take fake copies
+# of every optimizer behind ``self.optimizers()``, ``self.manual_backward`` running backward inside
+# the traced ``training_step``, and a trace whose backward and optimizer steps happen inside the
+# forward call (the tracer marks phases and counts gradients and optimizer state around them).
+MANUAL_OPTIMIZATION = (
+    "memfit does not trace manual optimization yet (automatic_optimization=False: training_step steps its "
+    "optimizers itself): it plans and predicts nothing for this run and logs the measured peaks only "
+    "(memfit/measured_peak_*). Set the batch size yourself."
+)
 
 Mode = Literal["plan", "observe"]
 
@@ -155,6 +169,7 @@ class _Decision:
     predicted_reserved_bytes: int | None
     error: str | None = None
     insufficient_memory: bool = False  # the error is the verdict that nothing fits: it stops the fit
+    measured_only: bool = False  # nothing predicted (manual optimization): log the measured peaks alone
 
 
 class MemoryPlannerBase:
@@ -219,7 +234,6 @@ class MemoryPlannerBase:
         self._decision: _Decision | None = None
         self._restored_plan: dict[str, Any] | None = None
         self._trainer_module: tuple[Any, Any] | None = None
-        self._resident_bytes = 0
         self._steps_seen = 0
         self._last_logged_step = -1
         self._hparams_logged = False
@@ -302,7 +316,8 @@ class MemoryPlannerBase:
         if isinstance(planning, InvalidInputError):  # a target the run cannot be planned for: warn, train as configured
             raise planning
         if not getattr(pl_module, "automatic_optimization", True):
-            raise InvalidInputError("manual optimization is not traced yet; use mode='observe' or plan by hand")
+            self._warn("manual-optimization", MANUAL_OPTIMIZATION)
+            return _Decision(None, None, None, measured_only=True)
         self._sample_notes = [note] if (note := planning.note(device)) else []
         sample = self.sample if self.sample is not None else self._sample_batch(trainer)
         configured = self._configured_batch(pl_module) or (infer_batch_size(sample) if not callable(sample) else None)
@@ -311,7 +326,6 @@ class MemoryPlannerBase:
                 f"cannot tell the batch size: the module has no `{self.batch_arg_name}` attribute and the sample "
                 "is a callable; set batch_arg_name"
             )
-        self._resident_bytes = resident_bytes(pl_module)
         session = PlanningSession(
             self._step_tracer(trainer, pl_module, sample, planning.target),
             batch_size=configured,
@@ -581,7 +595,7 @@ class MemoryPlannerBase:
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
         decision = self._decision
-        if decision is None or decision.predicted_allocated_bytes is None:
+        if decision is None or (decision.predicted_allocated_bytes is None and not decision.measured_only):
             return
         try:
             self.monitor = RunMonitor.start(
@@ -590,7 +604,6 @@ class MemoryPlannerBase:
                 predicted_reserved_bytes=decision.predicted_reserved_bytes,
                 estimate=self.estimate,
                 margin=self.margin,
-                resident_bytes=self._resident_bytes,
                 warn=self._warn,
             )
         except Exception as error:
