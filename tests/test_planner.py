@@ -373,3 +373,24 @@ def test_the_search_over_confirming_traces_finds_the_largest_that_fits(
     assert real(chosen.micro_batch_size).peak_bytes == chosen.predicted_peak_bytes <= capacity
     assert len(calls) == len(set(calls))  # each configuration traced once
     assert len(calls) <= 2 * math.log2(largest + 1) + 6
+
+
+def test_a_split_over_budget_once_traced_falls_back_to_the_fewest_steps_then_searches_below() -> None:
+    estimate = linear_estimate(1 * GiB, 1 * GiB, context=None)
+
+    def confirm_over_at(*over: tuple[int, int]):
+        def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+            held = 8 * GiB if (micro, accumulation) in over else 0  # as if that window held far more batches
+            return linear_estimate(1 * GiB + held, 1 * GiB, batch=micro, context=None)
+
+        return confirm
+
+    # 7 samples fit in 8 GiB: the exact split 4 x 8 is over once traced, the fewest steps 7 x 5 are not
+    exact_over = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=32, confirm=confirm_over_at((4, 8)))
+    assert (exact_over.micro_batch_size, exact_over.accumulate_grad_batches) == (7, 5)
+    assert exact_over.largest_micro_batch == 7
+    # 9 samples fit in 10 GiB, but its split 8 x 5 does not: the search goes on below 9
+    split_over = plan(estimate, 10 * GiB, margin=0.0, target_batch_size=40, confirm=confirm_over_at((8, 5)))
+    assert (split_over.micro_batch_size, split_over.accumulate_grad_batches) == (5, 8)
+    assert split_over.largest_micro_batch == 7
+    assert any("micro batch 9 fits, but not its split" in reason for reason in split_over.reasons)

@@ -431,10 +431,11 @@ def _largest_confirmed(
     """The largest micro batch up to ``cap`` whose full trace fits: it fits and the next one does not (or it
     is ``cap``). Each micro batch runs with the fewest accumulation steps its target needs.
 
-    A bracketing search over full traces: it starts at the interpolation's answer, steps by the overshoot
-    or the room left over the per-sample growth (the interpolation's at first, then the traces' own), at
-    least doubling its step when it keeps going the same way, and bisects when a step inside the bracket
-    did not halve it. A handful of traces: a linear step needs two (the answer and the one above).
+    A bracketing search over full traces (``_Bracket``): it starts at the interpolation's answer, steps by
+    the room left or the overshoot over the per-sample growth (the interpolation's at first, then the
+    traces' own) until a trace fits and a larger one does not, then closes the bracket the same way,
+    bisecting where that does not converge. A handful of traces: where the interpolation is right, two
+    (its answer and the one above).
     """
     search = _Bracket(question, candidate, confirm, cap)
     guess = probe = min(max(candidate.largest_micro, question.min_batch_size), cap)
