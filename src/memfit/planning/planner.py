@@ -458,12 +458,13 @@ def _largest_confirmed(
             f"micro batch {over} does not fit: a trace at that size predicts "
             f"{format_bytes(search.peaks[over])} against {question.against()}."
         )
-    largest = search.fits
+    largest, budget = search.fits, question.budget
     if search.over is not None:
         interpolated = "" if largest == guess else f" (the interpolation said {guess})"
         reasons.append(
             f"micro batch {largest} fits once traced ({format_bytes(search.peaks[largest])}); {largest + 1} does "
-            f"not ({format_bytes(search.peaks[largest + 1])}){interpolated}"
+            f"not ({format_bytes(search.peaks[largest + 1])}, {format_bytes(search.peaks[largest + 1] - budget)} "
+            f"over){interpolated}"
         )
     return largest
 
