@@ -329,3 +329,81 @@ def test_with_reason_adds_one_reason_and_keeps_the_rest() -> None:
     restored = chosen.with_reason("restored from the checkpoint")
     assert restored.reasons == (*chosen.reasons, "restored from the checkpoint")
     assert {**restored.to_dict(), "reasons": None} == {**chosen.to_dict(), "reasons": None}
+
+
+def test_confirming_traces_step_the_micro_batch_up_when_interpolation_was_pessimistic() -> None:
+    pessimistic = linear_estimate(2 * GiB, 1 * GiB, context=None)  # says 8 samples fit in 10 GiB
+    calls = []
+
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        calls.append(micro)
+        return linear_estimate(1 * GiB, 1 * GiB, batch=micro, context=None)  # the real step: 9 fit
+
+    chosen = plan(pessimistic, 10 * GiB, margin=0.0, target_batch_size="max", confirm=confirm)
+    assert chosen.micro_batch_size == chosen.largest_micro_batch == 9
+    assert calls == [8, 9, 10]  # the guess, the answer, and the one above it that does not fit
+    assert any("micro batch 9 fits once traced" in r and "10 does not" in r and "interpolation said 8" in r
+               for r in chosen.reasons)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed=st.integers(1 * GiB, 20 * GiB),
+    linear=st.floats(1 * MiB, 2 * GiB),
+    curvature=st.floats(0.0, 0.2),
+    error=st.floats(0.25, 4.0),
+    capacity=st.integers(2 * GiB, 200 * GiB),
+    target=st.one_of(st.just("max"), st.integers(1, 4096)),
+    max_batch=st.one_of(st.none(), st.integers(1, 512)),
+)
+def test_the_search_over_confirming_traces_finds_the_largest_that_fits(
+    fixed, linear, curvature, error, capacity, target, max_batch
+):
+    """Against a brute-force scan of a convex "real" step (the interpolation's slope off by ``error``):
+    the largest micro batch fits once traced, the next does not unless capped, in a few traces."""
+
+    def real(micro: int) -> MemoryEstimate:  # peak = fixed + linear x b + curvature x linear x b^2
+        return linear_estimate(fixed + round(curvature * linear * micro * micro), linear, batch=micro, context=None)
+
+    calls = []
+
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        calls.append((micro, accumulation))
+        return real(micro)
+
+    guess = linear_estimate(fixed, linear * error, context=None)
+    per_device = None if target == "max" else target
+    cap = min(max_batch or 1 << 31, per_device or 1 << 31)
+    try:
+        chosen = plan(guess, capacity, margin=0.0, target_batch_size=target, max_batch_size=max_batch,
+                      allow_checkpointing=False, confirm=confirm)  # fmt: skip
+    except InsufficientMemoryError:
+        assert guess.at(1).device_bytes > capacity or real(1).peak_bytes > capacity
+        return
+    largest = chosen.largest_micro_batch
+    assert real(largest).peak_bytes <= capacity
+    assert largest == cap or real(largest + 1).peak_bytes > capacity
+    assert real(chosen.micro_batch_size).peak_bytes == chosen.predicted_peak_bytes <= capacity
+    assert len(calls) == len(set(calls))  # each configuration traced once
+    assert len(calls) <= 2 * math.log2(largest + 1) + 6
+
+
+def test_a_split_over_budget_once_traced_falls_back_to_the_fewest_steps_then_searches_below() -> None:
+    estimate = linear_estimate(1 * GiB, 1 * GiB, context=None)
+
+    def confirm_over_at(*over: tuple[int, int]):
+        def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+            held = 8 * GiB if (micro, accumulation) in over else 0  # as if that window held far more batches
+            return linear_estimate(1 * GiB + held, 1 * GiB, batch=micro, context=None)
+
+        return confirm
+
+    # 7 samples fit in 8 GiB: the exact split 4 x 8 is over once traced, the fewest steps 7 x 5 are not
+    exact_over = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=32, confirm=confirm_over_at((4, 8)))
+    assert (exact_over.micro_batch_size, exact_over.accumulate_grad_batches) == (7, 5)
+    assert exact_over.largest_micro_batch == 7
+    # 9 samples fit in 10 GiB, but its split 8 x 5 does not: the search goes on below 9
+    split_over = plan(estimate, 10 * GiB, margin=0.0, target_batch_size=40, confirm=confirm_over_at((8, 5)))
+    assert (split_over.micro_batch_size, split_over.accumulate_grad_batches) == (5, 8)
+    assert split_over.largest_micro_batch == 7
+    assert any("micro batch 9 fits, but not its split" in reason for reason in split_over.reasons)

@@ -2,7 +2,10 @@
 
 Pure arithmetic over ``MemoryEstimate`` objects: no framework, no device. The rules:
 
-* budget = capacity x (1 - margin); a micro batch fits when its predicted peak is within budget;
+* budget = capacity x (1 - margin); a micro batch fits when its predicted peak is within budget, and
+  the plan takes the largest that fits: given traces of the whole step (``confirm``), the largest
+  whose trace fits while the next one's does not (the interpolation in the batch is only the guess
+  the search starts from);
 * the effective batch (micro x accumulation x world size) is a hyperparameter: keep the target
   (by default what the user configured) with the fewest accumulation steps that fit, taking a few
   more steps when that splits the target exactly, and say so when integer arithmetic cannot hit
@@ -148,16 +151,20 @@ def plan(
             demand (only called when checkpointing is considered, at most once).
         include_context: ``False`` when ``capacity_bytes`` was measured after CUDA started in this
             process, so the context is already outside it.
-        confirm: ``confirm(micro_batch, checkpointing, accumulation_steps)`` traces the step at the chosen
-            micro batch and accumulation; the plan then uses that exact prediction instead of the
-            interpolation, and steps down while it is over budget (interpolating below the traced batch
-            can underestimate, and accumulation keeps gradients alive through later micro batches).
+        confirm: ``confirm(micro_batch, checkpointing, accumulation_steps)`` traces the whole step at that
+            configuration. The plan then decides on these traces alone, the interpolation only giving the
+            first guess: ``largest_micro_batch`` fits once traced (with the fewest accumulation steps its
+            target needs) and the next micro batch does not, unless the target or ``max_batch_size`` caps
+            it; the split of the target is traced and fits too. The interpolation errs both ways (below
+            the traced batch it can underestimate; the allocator's rounding is not linear) and accumulation
+            keeps gradients alive through later micro batches. Each configuration is traced once per call.
             Without it, a plan that accumulates from an estimate traced without accumulation keeps
             room for the gradients on top (an upper bound).
 
     The steps: the question (budget, bounds, target), the candidates (without checkpointing, and with
-    it when it is needed or pays), the fit of the chosen one's split (confirmed when ``confirm`` is
-    given), checkpointing as the fallback when that fit misses, and the reasons.
+    it when it is needed or pays), the fit of the chosen one's split (with ``confirm``: a bracketing
+    search over full traces, ``_largest_confirmed``), checkpointing as the fallback when that fit misses,
+    and the reasons.
 
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
@@ -166,6 +173,7 @@ def plan(
         estimate, capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size, include_context
     )
     with_checkpointing = functools.cache(lambda: _resolve(checkpointed) if allow_checkpointing else None)
+    confirm = functools.cache(confirm) if confirm is not None else None  # the search and the split share traces
     candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
     if isinstance(candidates, _Miss):
         raise InsufficientMemoryError(candidates.message)
@@ -413,31 +421,159 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
 
 
 def _fit_confirmed(question: _Question, candidate: _Candidate, confirm: Confirm) -> _Fit:
-    """Trace the split at its size and accumulation; while over budget, step the micro batch down by the
-    overshoot over the per-sample growth (at least one sample at a time)."""
-    source, largest = candidate.source, candidate.largest_micro
-    reasons = []
+    """The largest micro batch that fits by a full trace, split against the target.
+
+    ``_largest_confirmed`` finds it (it fits once traced, the next does not, unless the cap stops it);
+    the split of the target it gives (``_split``: an exact split may take a smaller micro batch and more
+    steps) is traced too. Should that split not fit once traced (it holds more batches), the fewest
+    steps are tried, then the search goes on below the micro batch found.
+    """
+    cap, reasons = question.cap, []
     while True:
-        micro, accumulation = _split(question.per_device_target, largest)
-        exact = confirm(micro, candidate.checkpointing, accumulation)
-        traced = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
-        predicted = question.predicted(traced)
-        if predicted <= question.budget:
-            return _Fit(_Split(micro, accumulation, largest, traced, candidate.checkpointing), tuple(reasons))
-        if micro - 1 < question.min_batch_size:
-            message = (
-                f"micro batch {micro} does not fit: a trace at that size predicts {format_bytes(predicted)} "
-                f"against {question.against()}."
-            )
-            return _Fit(_Miss(message), tuple(reasons))
-        low = source.at(1)
-        growth = (source.at(micro).reserved_bytes - low.reserved_bytes) / max(1, micro - 1)
-        step = max(1, math.ceil((predicted - question.budget) / growth)) if growth > 0 else 1
-        largest = max(question.min_batch_size, micro - step)
+        found = _largest_confirmed(question, candidate, confirm, cap, reasons)
+        if isinstance(found, _Miss):
+            return _Fit(found, tuple(reasons))
+        largest = found
+        splits = dict.fromkeys([
+            _split(question.per_device_target, largest), _fewest_steps_split(question.per_device_target, largest)
+        ])  # fmt: skip
+        for micro, accumulation in splits:
+            traced = _traced(question, confirm, micro, candidate.checkpointing, accumulation)
+            if question.predicted(traced) <= question.budget:
+                return _Fit(_Split(micro, accumulation, largest, traced, candidate.checkpointing), tuple(reasons))
         reasons.append(
-            f"a trace at micro batch {micro} predicts {format_bytes(predicted)}, over the budget the "
-            f"interpolation allowed; trying {largest}"
+            f"micro batch {largest} fits, but not its split of the target once traced "
+            f"({' or '.join(f'{m} x {a}' for m, a in splits)}); searching below it"
         )
+        if largest - 1 < question.min_batch_size:
+            message = f"micro batch {largest} does not fit once split against the target; {question.against()}."
+            return _Fit(_Miss(message), tuple(reasons))
+        cap = largest - 1
+
+
+def _largest_confirmed(
+    question: _Question, candidate: _Candidate, confirm: Confirm, cap: int, reasons: list[str]
+) -> int | _Miss:
+    """The largest micro batch up to ``cap`` whose full trace fits: it fits and the next one does not (or it
+    is ``cap``). Each micro batch runs with the fewest accumulation steps its target needs.
+
+    A bracketing search over full traces (``_Bracket``): it starts at the interpolation's answer, steps by
+    the room left or the overshoot over the per-sample growth (the interpolation's at first, then the
+    traces' own) until a trace fits and a larger one does not, then closes the bracket the same way,
+    bisecting where that does not converge. A handful of traces: where the interpolation is right, two
+    (its answer and the one above).
+    """
+    search = _Bracket(question, candidate, confirm, cap)
+    guess = probe = min(max(candidate.largest_micro, question.min_batch_size), cap)
+    while True:
+        fits = search.trace(probe)
+        if search.done():
+            break
+        if search.fits is None and search.over is not None and search.over <= question.min_batch_size:
+            break
+        following = search.next_probe()
+        if not fits and len(search.peaks) == 1:
+            reasons.append(
+                f"a trace at micro batch {probe} predicts {format_bytes(search.peaks[probe])}, over the budget the "
+                f"interpolation allowed; trying {following}"
+            )
+        probe = following
+    if search.fits is None:
+        over = search.over
+        return _Miss(
+            f"micro batch {over} does not fit: a trace at that size predicts "
+            f"{format_bytes(search.peaks[over])} against {question.against()}."
+        )
+    largest, budget = search.fits, question.budget
+    if search.over is not None:
+        interpolated = "" if largest == guess else f" (the interpolation said {guess})"
+        reasons.append(
+            f"micro batch {largest} fits once traced ({format_bytes(search.peaks[largest])}); {largest + 1} does "
+            f"not ({format_bytes(search.peaks[largest + 1])}, {format_bytes(search.peaks[largest + 1] - budget)} "
+            f"over){interpolated}"
+        )
+    return largest
+
+
+class _Bracket:
+    """The traces of a search for the largest micro batch that fits: ``fits`` is the largest traced within
+    the budget, ``over`` the smallest over it; every probe lies strictly between them, so the search ends."""
+
+    RUN_BEFORE_DOUBLING = 3  # probes the same way (all fit, or none) after which the step at least doubles
+
+    def __init__(self, question: _Question, candidate: _Candidate, confirm: Confirm, cap: int) -> None:
+        self.question, self.candidate, self.confirm, self.cap = question, candidate, confirm, cap
+        self.peaks: dict[int, int] = {}  # micro batch -> the figure compared with the budget
+        self.fits: int | None = None
+        self.over: int | None = None
+        self._order: list[int] = []
+        self._inside: list[bool] = []  # whether each probe inside the bracket fitted
+        self._last_step = 0
+
+    def trace(self, micro: int) -> bool:
+        accumulation = _fewest_steps(self.question.per_device_target, micro)
+        peak = _traced(self.question, self.confirm, micro, self.candidate.checkpointing, accumulation)
+        self.peaks[micro] = self.question.predicted(peak)
+        self._order.append(micro)
+        fits = self._fits(micro)
+        if self.fits is not None and self.over is not None:
+            self._inside.append(fits)
+        if fits:
+            self.fits = max(micro, self.fits or 0)
+        else:
+            self.over = micro if self.over is None else min(micro, self.over)
+        return fits
+
+    def done(self) -> bool:
+        return self.fits is not None and (self.fits >= self.cap or self.over == self.fits + 1)
+
+    def next_probe(self) -> int:
+        """Inside the bracket, where the growth between its ends reaches the budget, or its middle when the
+        last two probes there fell on the same side (a curve far from linear); outside, step up or down by
+        the room or the overshoot over the growth, at most doubling or halving the micro batch."""
+        budget, fits, over = self.question.budget, self.fits, self.over
+        growth = self._growth()
+        if fits is not None and over is not None:
+            stuck = len(self._inside) >= 2 and self._inside[-1] == self._inside[-2]
+            if stuck or growth <= 0:
+                probe = (fits + over) // 2
+            else:
+                probe = fits + math.floor((budget - self.peaks[fits]) / growth)
+            return min(max(probe, fits + 1), over - 1)
+        doubling = 2 * self._last_step if self._run() >= self.RUN_BEFORE_DOUBLING else 0
+        if fits is not None:  # everything traced fits: step up
+            room = (budget - self.peaks[fits]) / growth if growth > 0 else fits
+            self._last_step = min(max(1, math.floor(room), doubling), max(1, fits))
+            return min(fits + self._last_step, self.cap)
+        assert over is not None  # everything traced is over: step down
+        overshoot = (self.peaks[over] - budget) / growth if growth > 0 else over
+        self._last_step = min(max(1, math.ceil(overshoot), doubling), over // 2 or 1)
+        return max(over - self._last_step, self.question.min_batch_size)
+
+    def _fits(self, micro: int) -> bool:
+        return self.peaks[micro] <= self.question.budget
+
+    def _run(self) -> int:
+        """How many of the last probes went the same way (all fit, or none did)."""
+        outcomes = [self._fits(micro) for micro in reversed(self._order)]
+        return next((i for i, outcome in enumerate(outcomes) if outcome != outcomes[0]), len(outcomes))
+
+    def _growth(self) -> float:
+        """Bytes per sample: between the traces nearest the budget once there are two, else the interpolation's."""
+        points = [p for p in (self.fits, self.over) if p is not None]
+        if len(points) < 2 and len(self._order) >= 2:
+            points = self._order[-2:]
+        if len(points) == 2:
+            low, high = sorted(points)
+            return (self.peaks[high] - self.peaks[low]) / (high - low)
+        source, micro = self.candidate.source, self._order[-1]
+        predicted = self.question.predicted
+        return (predicted(source.at(2 * micro + 1)) - predicted(source.at(micro))) / (micro + 1)
+
+
+def _traced(question: _Question, confirm: Confirm, micro: int, checkpointing: bool, accumulation: int) -> BatchPeak:
+    exact = confirm(micro, checkpointing, accumulation)
+    return BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
 
 
 def _explain(question: _Question, split: _Split) -> list[str]:
@@ -507,6 +643,17 @@ def _split(per_device_target: int | None, largest: int) -> tuple[int, int]:
         return largest, 1
     accumulation = _accumulation_steps(per_device_target, largest)
     return math.ceil(per_device_target / accumulation), accumulation  # same steps, smallest micro batch
+
+
+def _fewest_steps(per_device_target: int | None, micro: int) -> int:
+    """Accumulation steps micro batch ``micro`` needs on its own to reach the target (1 for "max")."""
+    return 1 if per_device_target is None else math.ceil(per_device_target / micro)
+
+
+def _fewest_steps_split(per_device_target: int | None, largest: int) -> tuple[int, int]:
+    """The split with the fewest steps (no exact-split preference): the one holding the fewest batches."""
+    accumulation = _fewest_steps(per_device_target, largest)
+    return (largest if per_device_target is None else math.ceil(per_device_target / accumulation)), accumulation
 
 
 def _accumulation_steps(per_device_target: int, largest: int) -> int:

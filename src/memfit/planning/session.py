@@ -11,8 +11,10 @@ function and returns a ``Decision``:
     decision = session.decide(PlanRequest(capacity_bytes=..., target_batch_size=16))
     decision.plan, decision.estimate  # the plan, and the trace of the step it will run
 
-Traces are cached per ``(micro batch, checkpointing, accumulation)``: the search and the
-confirmation often ask for the same one.
+The plan's micro batch is the largest whose whole-step trace fits: ``memfit.plan`` searches on
+``trace_at`` (bracketing from the interpolation's answer) until a micro batch fits and the next one
+does not. Traces are cached per ``(micro batch, checkpointing, accumulation)``: the search and the
+confirmation often ask for the same one; ``traced`` lists them in the order they were taken.
 """
 
 from __future__ import annotations
@@ -76,13 +78,24 @@ class PlanningSession:
     ) -> None:
         self.batch_size = batch_size
         self.accumulation_steps = accumulation_steps
-        self._trace_at = functools.cache(trace_at)
+        self._traced: list[tuple[int, bool, int]] = []
+
+        def traced_once(micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+            self._traced.append((micro_batch, checkpointing, accumulation_steps))
+            return trace_at(micro_batch, checkpointing, accumulation_steps)
+
+        self._trace_at = functools.cache(traced_once)
         self._search_at = functools.cache(search_at) if search_at is not None else self._trace_at
 
     @property
     def baseline(self) -> MemoryEstimate:
         """The step as configured (no checkpointing unless the trace itself turns it on)."""
         return self._trace_at(self.batch_size, False, self.accumulation_steps)
+
+    @property
+    def traced(self) -> tuple[tuple[int, bool, int], ...]:
+        """The configurations ``trace_at`` has traced (each once), in order: what planning cost in traces."""
+        return tuple(self._traced)
 
     def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
         """The whole step traced at that configuration (cached)."""
@@ -93,7 +106,11 @@ class PlanningSession:
         return self._search_at(micro_batch, checkpointing, accumulation_steps)
 
     def decide(self, request: PlanRequest) -> Decision:
-        """Search, confirm on whole traces, and return the plan with the trace of the step it runs.
+        """Search on whole traces, and return the plan with the trace of the step it runs.
+
+        The plan's ``largest_micro_batch`` fits by ``trace_at`` (with the fewest accumulation steps its
+        target needs) and the next micro batch does not, unless the target or ``max_batch_size`` caps it;
+        its split of the target (``micro_batch_size`` x ``accumulate_grad_batches``) fits by ``trace_at`` too.
 
         Raises:
             InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.

@@ -156,6 +156,13 @@ class MemoryEstimate:
 
         ``include_context=False`` when the capacity was measured after CUDA started in this
         process (``torch.cuda.mem_get_info`` then already excludes the context).
+
+        This reads ``at()``, the interpolation from the two batch sizes traced, so it can be off by a
+        few samples either way (the allocator's rounding and the step's phases are not linear in the
+        batch). A plan made with traces of the whole step (``memfit.plan(..., confirm=)``, the planning
+        session the callbacks and ``memfit plan`` use) starts from this answer and then traces its way to
+        the micro batch that fits while the next does not: where the two differ, the plan is right, and
+        its reasons say what the interpolation said.
         """
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
