@@ -155,6 +155,9 @@ class module_path_tracker:
     def __init__(self, model: nn.Module) -> None:
         self._names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
         self.stack: list[str] = []
+        # classes of the model's own tensors that fake tensors cannot stand in for (the tracer notes them
+        # before the swap), so a failure can blame those rather than the sample
+        self.foreign_tensor_types: list[str] = []
         self._handles: list[Any] = []
 
     @property

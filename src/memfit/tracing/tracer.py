@@ -48,6 +48,13 @@ from memfit.tracing.model_state import (
     swap_tensors_in,
 )
 from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
+from memfit.tracing.quantized import (
+    bind_quantized_modules,
+    dequantized_gemm,
+    fake_quantized_parameter,
+    is_quantized_parameter,
+    refuse_unsupported_quantization,
+)
 from memfit.tracing.recorder import StorageRecorder
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
@@ -133,6 +140,7 @@ def trace_steps(
     ``sample`` is a real (or meta) batch of ``sample_batch`` samples, or a callable
     ``batch_size -> batch``; only its shapes and dtypes are used.
     """
+    refuse_unsupported_quantization(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = StorageRecorder(workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0)
     autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
@@ -168,8 +176,9 @@ def trace_steps(
         elif already_on:
             checkpointing = "the model's own checkpointing, as configured"
         paths = module_path_tracker(model)
-        with fake_mode, recorder, paths:
-            fakes = swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
+        paths.foreign_tensor_types = _foreign_tensor_types(model)
+        with fake_mode, recorder, dequantized_gemm(model), paths:
+            fakes = _swap_in_fakes(model, settings, recorder)
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
 
             def fake_batch() -> Any:
@@ -212,9 +221,10 @@ def _trace_inference(
     the end, as a caller holding the outputs would keep it."""
     model.eval()
     paths = module_path_tracker(model)
+    paths.foreign_tensor_types = _foreign_tensor_types(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode, recorder, paths, torch.no_grad():
-        swap_tensors_in(model, lambda t, is_param: _fake_like(t, is_param, settings, recorder))
+    with fake_mode, recorder, dequantized_gemm(model), paths, torch.no_grad():
+        _swap_in_fakes(model, settings, recorder)
 
         def fake_batch() -> Any:
             batch = rebatch(
@@ -392,6 +402,15 @@ def _failure(stage: str, model: nn.Module, batch: Any, paths: module_path_tracke
         ) from exc
     except Exception as exc:
         where = f" in module `{paths.current}`" if paths.current and stage == "forward" else ""
+        foreign, message = paths.foreign_tensor_types, str(exc)
+        if "Tensor subclass" in message or (foreign and "FakeTensor" in message):
+            # the model's own tensors (subclasses that fake tensors cannot stand in for), not the sample
+            kinds = ", ".join(foreign) or "a tensor subclass"
+            raise TraceError(
+                f"the {stage} of {type(model).__name__} failed{where}: {type(exc).__name__}: {str(exc).strip()}. "
+                f"The model holds {kinds}, which fake tensors cannot stand in for; use `memfit estimate` or "
+                "memfit.estimate_from_counts() for a formula estimate."
+            ) from exc
         hint = {
             "forward": f"check that the sample matches what the model expects (got {describe(batch)}); "
             "pass forward_fn=lambda model, batch: ... if the model is called another way",
@@ -403,6 +422,16 @@ def _failure(stage: str, model: nn.Module, batch: Any, paths: module_path_tracke
         raise TraceError(
             f"the {stage} of {type(model).__name__} failed{where}: {type(exc).__name__}: {detail}. {hint}."
         ) from exc
+
+
+def _foreign_tensor_types(model: nn.Module) -> list[str]:
+    """Names of the parameter and buffer classes of ``model`` that the trace has no stand-in for."""
+    kinds = {
+        type(t).__name__
+        for t in [*model.parameters(), *model.buffers()]
+        if type(t) not in (torch.Tensor, nn.Parameter) and not is_quantized_parameter(t)
+    }
+    return sorted(kinds)
 
 
 def _op_of(exc: Exception) -> str:
@@ -443,9 +472,41 @@ def _builtin_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+def _swap_in_fakes(model: nn.Module, settings: TraceSettings, recorder: StorageRecorder) -> dict[int, Any]:
+    """Stand fake tensors in for the model's parameters and buffers (and bitsandbytes' quantization state).
+
+    A failure here is about the model's own tensors, never the sample, and says so.
+    """
+    states: dict[int, torch.Tensor] = {}  # quantization-state tensors shared between weights stay shared
+
+    def make_state(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in states:
+            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=settings.device)
+            recorder.track(fake, Category.PARAMETERS)  # part of the frozen quantized weight
+            states[id(tensor)] = fake
+        return states[id(tensor)]
+
+    def make(tensor: torch.Tensor, is_param: bool) -> Any:
+        fake = _fake_like(tensor, is_param, settings, recorder)
+        return fake_quantized_parameter(tensor, fake, make_state) if is_param else fake
+
+    try:
+        fakes = swap_tensors_in(model, make)
+        bind_quantized_modules(model, make_state)
+    except MemfitError:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"memfit could not stand fake tensors in for the parameters and buffers of {type(model).__name__}: "
+            f"{type(exc).__name__}: {exc}. It traces plain tensors and bitsandbytes weights; use `memfit estimate` "
+            "or memfit.estimate_from_counts() for a formula estimate"
+        ) from exc
+    return fakes
+
+
 def _fake_like(tensor: torch.Tensor, is_param: bool, settings: TraceSettings, recorder: StorageRecorder) -> Any:
     dtype = tensor.dtype
-    if tensor.is_floating_point() and settings.precision.converts_to_half:
+    if tensor.is_floating_point() and settings.precision.converts_to_half and not is_quantized_parameter(tensor):
         dtype = settings.precision.parameter_dtype  # Lightning's "*-true" converts the module
     fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=settings.device)
     if is_param:

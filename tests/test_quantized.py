@@ -1,0 +1,217 @@
+"""bitsandbytes 4-bit and 8-bit models are traced (``memfit.tracing.quantized``), and other quantization
+libraries are refused with what to use instead.
+
+The accuracy check runs the real training step on CPU (bitsandbytes has CPU kernels) and compares the
+traced CPU-target peak with the peak the CPU allocator reports to ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+import memfit
+from integrations.accuracy.reference import profiled_cpu_peak
+from memfit import Category, InvalidInputError, TraceError
+
+# CPU tensors are allocated at their exact size, so a right model is off by a few scalars at most
+# (the measured run's loss and optimizer step counters); 1 KiB is far below one dequantized weight
+# (the smallest here, v_proj in bf16, is 64 KiB), so a missing temporary cannot pass.
+EXACT = 1024
+BATCH, SEQUENCE, VOCAB = 4, 64, 256
+TARGETS = ["q_proj", "v_proj", "up_proj"]
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """bitsandbytes warns about its optional CPU kernels and dtype casts on every import and call."""
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama saved once: ``from_pretrained`` with a quantization config quantizes it on load."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+QUANTIZATIONS: dict[str, dict[str, Any]] = {
+    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16},
+    "fp4-double": {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "fp4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": torch.bfloat16,
+    },
+    "nf4-double-kbit": {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": torch.bfloat16,
+    },
+    "int8": {"load_in_8bit": True},
+}
+
+
+def quantized_lora(checkpoint: Path, case: str) -> nn.Module:
+    model = LlamaForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[case]), device_map="cpu"
+    )
+    if case.endswith("kbit"):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS))
+
+
+def tokens() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def bnb_state(model: nn.Module) -> list[tuple[Any, ...]]:
+    """Every parameter object with its dtype, and each bitsandbytes weight's quantization state (objects and values)."""
+    out: list[tuple[Any, ...]] = []
+    for name, param in model.named_parameters():
+        state = param.__dict__.get("quant_state")
+        tensors = [] if state is None else [state.absmax, state.code, *([state.state2.absmax] if state.nested else [])]
+        out.append((name, param, param.dtype, param.requires_grad, state, [(t, t.clone()) for t in tensors],
+                    param.__dict__.get("CB"), param.__dict__.get("SCB")))  # fmt: skip
+    for name, module in model.named_modules():
+        if hasattr(module, "state") and hasattr(module.state, "CB"):
+            out.append((name, module.state, module.state.CB, module.state.SCB))
+    return out
+
+
+def assert_same(before: list[tuple[Any, ...]], after: list[tuple[Any, ...]]) -> None:
+    assert len(before) == len(after)
+    for old, new in zip(before, after, strict=True):
+        for a, b in zip(old, new, strict=True):
+            if isinstance(a, list):  # quantization-state tensors: the same objects with the same values
+                assert [t for t, _ in a] == [t for t, _ in b]
+                assert all(t is u and torch.equal(t, v) for (t, v), (u, _) in zip(a, b, strict=True))
+            elif isinstance(a, (torch.dtype, bool, str)):
+                assert a == b
+            else:
+                assert a is b
+
+
+@pytest.mark.parametrize("case", QUANTIZATIONS)
+def test_quantized_lora_peaks_where_the_cpu_allocator_does(checkpoint: Path, case: str) -> None:
+    model = quantized_lora(checkpoint, case)
+    before = bnb_state(model)
+    estimate = memfit.estimate(model, tokens(), target=memfit.Target("cpu"))
+    assert_same(before, bnb_state(model))  # the user's model is untouched: objects, dtypes, quantization state
+
+    # frozen quantized weights get no gradients and no optimizer state: only the LoRA adapters do
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters)
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    assert estimate.gradient_bytes == adapter_bytes
+    last_step = [phase for phase in estimate.phases if phase.phase is memfit.Phase.OPTIMIZER][-1]
+    assert last_step.breakdown[Category.OPTIMIZER_STATE] >= 2 * adapter_bytes  # AdamW's two moments (+ steps)
+    assert last_step.breakdown[Category.OPTIMIZER_STATE] <= 2 * adapter_bytes + 64 * len(adapters)
+
+    # the real step: the model exists before the measurement, so its weights are not in the measured peak
+    at_peak = next(p for p in estimate.phases if p.allocated_bytes == estimate.peak_allocated_bytes)
+    static_bytes = at_peak.breakdown[Category.PARAMETERS] + at_peak.breakdown[Category.BUFFERS]
+    model.train()  # as the trace (and every trainer) runs it; from_pretrained returns the model in eval mode
+
+    def run() -> None:
+        batch = tokens()
+        optimizer = torch.optim.AdamW(adapters)
+        for _ in range(2):
+            loss = model(**batch).loss
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad()
+
+    measured = profiled_cpu_peak(run)
+    assert abs(estimate.peak_allocated_bytes - static_bytes - measured) <= EXACT
+
+
+def test_quantized_weights_count_their_packed_bytes_and_state(checkpoint: Path) -> None:
+    """4-bit: numel/2 bytes packed plus fp32 absmax per block of 64 and the 16-entry code, all parameters."""
+    model = quantized_lora(checkpoint, "nf4")
+    estimate = memfit.estimate(model, tokens(), target=memfit.Target("cpu"))
+    expected = 0
+    for param in model.parameters():
+        state = param.__dict__.get("quant_state")
+        expected += param.numel() * param.element_size()
+        if state is not None:
+            rows, columns = state.shape
+            assert param.numel() * param.element_size() == rows * columns // 2
+            assert state.absmax.numel() == rows * columns // 64 and state.absmax.dtype == torch.float32
+            expected += state.absmax.numel() * 4 + state.code.numel() * 4
+    assert estimate.phases[0].breakdown[Category.PARAMETERS] == expected
+
+
+# ------------------------------------------------------------------------------------ refused inputs
+def _class_from(package: str, name: str, base: type = nn.Linear) -> type:
+    return type(name, (base,), {"__module__": package})
+
+
+@pytest.mark.parametrize(
+    ("package", "library"),
+    [
+        ("auto_gptq.nn_modules.qlinear.qlinear_cuda", "GPTQ"),
+        ("awq.modules.linear.gemm", "AWQ"),
+        ("torchao.quantization.linear_activation_quantized_tensor", "torchao"),
+    ],
+)
+def test_other_quantization_libraries_are_refused_by_name(package: str, library: str) -> None:
+    model = nn.Sequential(_class_from(package, "QuantLinear")(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(InvalidInputError, match=rf"quantized with {library}.*`memfit estimate`") as raised:
+        memfit.estimate(model, torch.randn(2, 8), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
+    assert "sample" not in str(raised.value)
+
+
+@pytest.mark.parametrize(("method", "library"), [("gptq", "GPTQ"), ("awq", "AWQ"), ("torchao", "torchao")])
+def test_a_config_quant_method_is_refused_by_name(method: str, library: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 2))
+    model.config = type("Config", (), {"quantization_config": {"quant_method": method}})()
+    with pytest.raises(InvalidInputError, match=rf"quantized with {library}.*formula tier"):
+        memfit.estimate(model, torch.randn(2, 8), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
+
+
+class _ScaledParameter(nn.Parameter):
+    """A parameter subclass whose module reads an attribute off it, as quantized weights do."""
+
+
+class _ScaledLinear(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.weight = _ScaledParameter(self.weight.data)
+        self.weight.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.weight.scale
+
+
+def test_a_failure_on_the_models_own_tensors_does_not_blame_the_sample() -> None:
+    model = nn.Sequential(_ScaledLinear())
+    with pytest.raises(TraceError, match=r"_ScaledParameter.*fake tensors cannot stand in for") as raised:
+        memfit.estimate(model, torch.randn(2, 8), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
+    assert "sample" not in str(raised.value)
+    assert type(model[0].weight) is _ScaledParameter and model[0].weight.scale == 2.0
