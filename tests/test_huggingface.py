@@ -65,7 +65,9 @@ def budget_between(estimate: memfit.MemoryEstimate, micro: int) -> int:
 def accumulating_estimate(model: torch.nn.Module, args: TrainingArguments, data: Any) -> memfit.MemoryEstimate:
     """The step as the Trainer runs it with accumulation: later micro batches keep the gradients."""
     accumulating = dataclasses.replace(args, gradient_accumulation_steps=4)
-    return plan_training_arguments(model, accumulating, data, budget="1GiB").estimate
+    planned = plan_training_arguments(model, accumulating, data, budget="1GiB", max_batch_size=12)
+    assert (planned.plan.micro_batch_size, planned.plan.accumulate_grad_batches) == (12, 4)
+    return planned.estimate
 
 
 class BatchSizes:

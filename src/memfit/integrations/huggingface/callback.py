@@ -311,8 +311,9 @@ class MemoryPlannerCallback(TrainerCallback):
                 if device.type == "cuda"
                 else f"{format_bytes(peak.allocated_bytes)} of tensors"
             )
-            plan = f"; plan: {self.plan.summary()}" if self.plan else ""
-            self._info(f"memfit: predicted peak {figure} at micro batch {micro}{plan}")
+            plan = f"; the plan it runs: {self.plan.summary()}" if self.plan else ""
+            run = device.type.upper()
+            self._info(f"memfit: predicted peak of this {run} run {figure} at micro batch {micro}{plan}")
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
         """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""

@@ -40,9 +40,9 @@ PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back
 
 
 class PlannedArguments(NamedTuple):
-    """``TrainingArguments`` with the plan applied, the plan, the estimate of the step as configured
-    (the plan's search starts from it; ``plan.predicted_*`` are the planned step's), and the predicted
-    evaluation pass (``None`` without an ``eval_dataset``)."""
+    """``TrainingArguments`` with the plan applied, the plan, the trace of the step the plan runs (its
+    micro batch, accumulation and checkpointing), and the predicted evaluation pass (``None`` without
+    an ``eval_dataset``)."""
 
     args: TrainingArguments
     plan: Plan
@@ -153,7 +153,7 @@ def plan_training_arguments(
             changes["eval_accumulation_steps"] = flush_every
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
-    return PlannedArguments(dataclasses.replace(args, **changes), chosen, session.baseline, evaluation)
+    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:
