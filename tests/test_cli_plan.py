@@ -518,3 +518,10 @@ def test_the_console_script_imports_a_factory_from_the_current_directory(tmp_pat
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(result.stdout)["gpus"]
     assert row["fits"] and row["effective_batch_size"] == 4
+
+
+def test_the_title_counts_parameters_as_people_do_and_names_a_sequence_only_when_there_is_one() -> None:
+    small = PlanReport("cnn", 77_310, "bf16-mixed", "adamw", None, ())
+    large = PlanReport("llama", 8_030_261_248, "bf16-mixed", "adamw", 2048, ())
+    assert plan_table(small).title == "cnn: 77.3K parameters, bf16-mixed, optimizer adamw"
+    assert plan_table(large).title == "llama: 8.03B parameters, bf16-mixed, optimizer adamw, seq 2048"

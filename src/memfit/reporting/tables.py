@@ -150,9 +150,8 @@ def plan_table(report: PlanReport) -> Table:
     from the target, where gradients are freed at the peak, and why a GPU does not fit.
     """
     what = "inference (forward only)" if report.inference else f"optimizer {report.optimizer}"
-    title = (
-        f"{report.model}: {report.parameters / 1e9:.2f} B parameters, {report.precision}, {what}, seq {report.seq_len}"
-    )
+    seq = f", seq {report.seq_len}" if report.seq_len else ""
+    title = f"{report.model}: {_count(report.parameters)} parameters, {report.precision}, {what}{seq}"
     table = Table(title=title)
     for column in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
                    *_STATE_COLUMNS, "activations", "other", "peak in"):  # fmt: skip
@@ -200,3 +199,11 @@ def plan_table(report: PlanReport) -> Table:
     if notes:
         table.caption = "\n".join(notes)
     return table
+
+
+def _count(parameters: int) -> str:
+    """A parameter count as people say it, to three digits: ``77.3K``, ``124M``, ``8.03B``."""
+    for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if parameters >= scale:
+            return f"{parameters / scale:.3g}{suffix}"
+    return str(parameters)
