@@ -164,3 +164,29 @@ def test_a_failing_sampler_stops_measuring_and_raises_under_the_strict_switch() 
     with pytest.raises(memfit.errors.StrictModeError, match="stopped measuring"):
         monitor.observe(1)
     assert not monitor.measuring
+
+
+def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
+    """The sample batch is real memory on the run's device: nothing may keep it past planning but the caller."""
+    import gc
+    import weakref
+
+    model = mlp()
+
+    def plan_once() -> weakref.ref:
+        sample = torch.zeros(4, 256)
+
+        def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
+            return memfit.estimate(model, sample, device="cpu", batch_size=micro, optimizer="sgd",
+                                   loss_fn=lambda out, batch: out.sum())  # fmt: skip
+
+        PlanningSession(trace_at, batch_size=4).decide(PlanRequest(capacity_bytes=1 * GiB, max_batch_size=8))
+        return weakref.ref(sample)
+
+    plan_once()  # torch keeps the stack of its first fake-tensor mode alive once per process (a cached import error)
+    gc.collect()
+    gc.disable()  # freed by reference counting when planning returns, not by a later collection
+    try:
+        assert plan_once()() is None
+    finally:
+        gc.enable()

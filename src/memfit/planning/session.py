@@ -78,10 +78,13 @@ class PlanningSession:
     ) -> None:
         self.batch_size = batch_size
         self.accumulation_steps = accumulation_steps
-        self._traced: list[tuple[int, bool, int]] = []
+        traced: list[tuple[int, bool, int]] = []
+        self._traced = traced
 
         def traced_once(micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-            self._traced.append((micro_batch, checkpointing, accumulation_steps))
+            # no reference to the session here: a cycle would keep the traced sample batch (real tensors
+            # on the run's device) alive into training until the garbage collector ran
+            traced.append((micro_batch, checkpointing, accumulation_steps))
             return trace_at(micro_batch, checkpointing, accumulation_steps)
 
         self._trace_at = functools.cache(traced_once)
