@@ -565,8 +565,10 @@ def extrapolate_depth(
     A stack of identical blocks adds the same parameters, gradients, optimizer state and saved
     activations per block, so every phase's peak is affine in the depth, and so is each term of its
     fit in the batch: each is extended along the line through the two traces. The peak phase is
-    chosen again at the new depth, since two affine peaks can cross. Allocator ratios are the deeper
-    trace's; the timeline is stretched to the new depth (``memfit.simulation.replay.extrapolate_timeline``).
+    chosen again at the new depth, since two affine peaks can cross. What the allocator holds beyond
+    the tensors is extended in bytes, bounded by what it sits on, never as a ratio
+    (``_extrapolated_ratios``), and no phase reserves less than the one before; the timeline is
+    stretched to the new depth (``memfit.simulation.replay.extrapolate_timeline``).
     """
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
@@ -584,17 +586,24 @@ def extrapolate_depth(
     def breakdown(a: Mapping[Category, int], b: Mapping[Category, int]) -> dict[Category, int]:
         return {c: line(a.get(c, 0), b.get(c, 0)) for c in dict.fromkeys([*a, *b])}
 
-    phases = tuple(
-        PhasePeak(
-            p.step,
-            p.phase,
-            line(p.allocated_bytes, q.allocated_bytes),
-            line(p.reserved_bytes, q.reserved_bytes),
-            breakdown(p.breakdown, q.breakdown),
-            line(p.tensor_bytes, q.tensor_bytes),
-        )
-        for p, q in zip(shallow.phases, deeper.phases, strict=True)
-    )
+    def overhead(a: int, b: int, below_a: int, below_b: int) -> int:
+        """What the allocator holds beyond ``below`` (the tensors, or the allocated blocks) at the new depth.
+
+        Cached free blocks are blocks the step freed: per block of depth they grow at most as fast as
+        what they sit on, and they never shrink below what either trace shows. Between two shallow
+        traces they jump by whole segments (20 MiB, 2 MiB rounding), which a line would multiply."""
+        growth = min(b - a, max(0, below_b - below_a))
+        return max(a, b, round(b + growth * (t - 1)))
+
+    phases: list[PhasePeak] = []
+    reserved = 0  # the caching allocator keeps what it reserved: no phase reserves less than the one before
+    for p, q in zip(shallow.phases, deeper.phases, strict=True):
+        allocated = line(p.allocated_bytes, q.allocated_bytes)
+        slack = overhead(p.reserved_bytes - p.allocated_bytes, q.reserved_bytes - q.allocated_bytes,
+                         p.allocated_bytes, q.allocated_bytes)  # fmt: skip
+        reserved = max(reserved, allocated + slack)
+        tensors = line(p.tensor_bytes, q.tensor_bytes)
+        phases.append(PhasePeak(p.step, p.phase, allocated, reserved, breakdown(p.breakdown, q.breakdown), tensors))
     models = tuple(
         PhaseModel(m.step, m.phase, line(m.fixed_bytes, n.fixed_bytes),
                    m.per_sample_bytes + (n.per_sample_bytes - m.per_sample_bytes) * t)
@@ -602,16 +611,22 @@ def extrapolate_depth(
     )  # fmt: skip
     peak = max(phases, key=lambda p: p.allocated_bytes)
     peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
+    peak_reserved = max(p.reserved_bytes for p in phases)
+    allocated_ratio, reserved_ratio = _extrapolated_ratios(
+        shallow, deeper, overhead, models, peak.allocated_bytes, peak_reserved
+    )
     return dataclasses.replace(
         deeper,
         peak_allocated_bytes=peak.allocated_bytes,
-        peak_reserved_bytes=max(p.reserved_bytes for p in phases),
+        peak_reserved_bytes=peak_reserved,
+        allocated_to_tensor_ratio=allocated_ratio,
+        reserved_to_allocated_ratio=reserved_ratio,
         peak_step=peak.step,
         peak_phase=peak.phase,
         breakdown=dict(peak.breakdown),
         fixed_bytes=peak_model.fixed_bytes,
         per_sample_bytes=round(peak_model.per_sample_bytes),
-        phases=phases,
+        phases=tuple(phases),
         phase_models=models,
         trace_seconds=shallow.trace_seconds + deeper.trace_seconds,
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
@@ -619,3 +634,50 @@ def extrapolate_depth(
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),
     )  # fmt: skip
+
+
+def _allocator_bytes(estimate: MemoryEstimate, batch_size: int) -> tuple[int, int, int]:
+    """Tensor, allocated and reserved bytes ``estimate`` gives at ``batch_size``: its traced peaks at its own
+    batch, else what ``at()`` scales its fit by (the worst ratios of the two batches it was traced at)."""
+    tensors = max(m.at(batch_size) for m in estimate.phase_models)
+    if batch_size == estimate.batch_size:
+        return tensors, estimate.peak_allocated_bytes, estimate.peak_reserved_bytes
+    allocated = tensors * estimate.allocated_to_tensor_ratio
+    return tensors, round(allocated), round(allocated * estimate.reserved_to_allocated_ratio)
+
+
+def _extrapolated_ratios(
+    shallow: MemoryEstimate,
+    deeper: MemoryEstimate,
+    overhead: Callable[[int, int, int, int], int],
+    models: Sequence[PhaseModel],
+    peak_allocated_bytes: int,
+    peak_reserved_bytes: int,
+) -> tuple[float, float]:
+    """``at()``'s allocator ratios at the new depth, from the overhead in bytes extended along the depth.
+
+    The allocator's overhead (block rounding, cached free blocks) is set by the largest blocks and the
+    step's transients (logits, loss, the optimizer's temporaries), which barely grow with the depth,
+    while the peak it divides grows by every block's parameters, gradients, optimizer state and saved
+    activations. A ratio taken at a few blocks and applied to the whole model therefore scales that
+    overhead with the depth: under checkpointing the shallow traces hold little but those transients,
+    their ratio is the largest, and checkpointing came out above no checkpointing where full traces
+    say the opposite. So at both batches a ratio is the worst of (the traced one and its double), the
+    overhead bytes of each depth are extended in depth (``overhead``: bounded by the growth of what they
+    sit on) and divided by the extrapolated peaks again; at the traced batch ``at()`` still covers the
+    extrapolated peaks.
+    """
+    if shallow.batch_size != deeper.batch_size:
+        raise EstimationError("the two depths were traced at different batch sizes; trace the full model instead")
+    allocated_ratio, reserved_ratio = 1.0, 1.0
+    for batch in (deeper.batch_size, 2 * deeper.batch_size):
+        (t_a, a_a, r_a), (t_b, a_b, r_b) = _allocator_bytes(shallow, batch), _allocator_bytes(deeper, batch)
+        tensors = max(1, max(m.at(batch) for m in models))
+        if batch == deeper.batch_size:
+            allocated, reserved = peak_allocated_bytes, peak_reserved_bytes
+        else:
+            allocated = tensors + overhead(a_a - t_a, a_b - t_b, t_a, t_b)
+            reserved = allocated + overhead(r_a - a_a, r_b - a_b, a_a, a_b)
+        allocated_ratio = max(allocated_ratio, allocated / tensors)
+        reserved_ratio = max(reserved_ratio, reserved / max(1, math.ceil(tensors * allocated_ratio)))
+    return allocated_ratio, reserved_ratio
