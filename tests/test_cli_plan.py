@@ -258,6 +258,7 @@ def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, caps
     assert report["depth_extrapolated_from"] == [2, 4]
     (row,) = report["gpus"]
     assert not row["fits"] and "checkpointing cannot help" in row["error"]
+    assert "extrapolated in depth from traces at 2 and 4 blocks" in row["error"]  # a far "no", and it says so
     assert _png_size(picture) == (1100, 990)  # the timeline is the extrapolated one: no full trace is needed
 
 

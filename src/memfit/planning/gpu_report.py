@@ -27,10 +27,11 @@ __all__ = ["EXTRAPOLATION_DEPTHS", "EXTRAPOLATION_ERROR_BAND", "GpuPlan", "PlanR
 # the chosen plan is then confirmed on a trace of the whole model.
 EXTRAPOLATION_DEPTHS = (2, 4)
 EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds anyway
-# How far an extrapolated peak may sit from the whole model's: twice the worst reserved error that
-# benchmarks/depth_extrapolation.py measures on the billion-parameter configs the CLI extrapolates (under 5 %).
+# How far an extrapolated peak may sit above the whole model's: twice the worst error of the search's figure
+# (at(batch) with the CUDA context) that benchmarks/depth_extrapolation.py measures (about +10 %: TinyLlama
+# without checkpointing, where a segment the 4-block trace adds in one phase is extended over 18 more blocks).
 # A "no" whose smallest extrapolated peak is within this of the budget is decided again on whole traces.
-EXTRAPOLATION_ERROR_BAND = 0.10
+EXTRAPOLATION_ERROR_BAND = 0.20
 
 
 @dataclass(frozen=True)

@@ -570,6 +570,8 @@ def extrapolate_depth(
     (``_extrapolated_ratios``), and no phase reserves less than the one before; the timeline is
     stretched to the new depth (``memfit.simulation.replay.extrapolate_timeline``).
     """
+    if shallow.batch_size != deeper.batch_size:
+        raise EstimationError("the two depths were traced at different batch sizes; trace the full model instead")
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
     keys = [(p.step, p.phase) for p in shallow.phases]
@@ -612,9 +614,7 @@ def extrapolate_depth(
     peak = max(phases, key=lambda p: p.allocated_bytes)
     peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
     peak_reserved = max(p.reserved_bytes for p in phases)
-    allocated_ratio, reserved_ratio = _extrapolated_ratios(
-        shallow, deeper, overhead, models, peak.allocated_bytes, peak_reserved
-    )
+    allocated_ratio, reserved_ratio = _extrapolated_ratios(deeper, phases, models)
     return dataclasses.replace(
         deeper,
         peak_allocated_bytes=peak.allocated_bytes,
@@ -636,48 +636,28 @@ def extrapolate_depth(
     )  # fmt: skip
 
 
-def _allocator_bytes(estimate: MemoryEstimate, batch_size: int) -> tuple[int, int, int]:
-    """Tensor, allocated and reserved bytes ``estimate`` gives at ``batch_size``: its traced peaks at its own
-    batch, else what ``at()`` scales its fit by (the worst ratios of the two batches it was traced at)."""
-    tensors = max(m.at(batch_size) for m in estimate.phase_models)
-    if batch_size == estimate.batch_size:
-        return tensors, estimate.peak_allocated_bytes, estimate.peak_reserved_bytes
-    allocated = tensors * estimate.allocated_to_tensor_ratio
-    return tensors, round(allocated), round(allocated * estimate.reserved_to_allocated_ratio)
-
-
 def _extrapolated_ratios(
-    shallow: MemoryEstimate,
-    deeper: MemoryEstimate,
-    overhead: Callable[[int, int, int, int], int],
-    models: Sequence[PhaseModel],
-    peak_allocated_bytes: int,
-    peak_reserved_bytes: int,
+    deeper: MemoryEstimate, phases: Sequence[PhasePeak], models: Sequence[PhaseModel]
 ) -> tuple[float, float]:
-    """``at()``'s allocator ratios at the new depth, from the overhead in bytes extended along the depth.
+    """``at()``'s allocator ratios at the new depth, from the extrapolated peaks rather than copied.
 
-    The allocator's overhead (block rounding, cached free blocks) is set by the largest blocks and the
-    step's transients (logits, loss, the optimizer's temporaries), which barely grow with the depth,
-    while the peak it divides grows by every block's parameters, gradients, optimizer state and saved
-    activations. A ratio taken at a few blocks and applied to the whole model therefore scales that
-    overhead with the depth: under checkpointing the shallow traces hold little but those transients,
-    their ratio is the largest, and checkpointing came out above no checkpointing where full traces
-    say the opposite. So at both batches a ratio is the worst of (the traced one and its double), the
-    overhead bytes of each depth are extended in depth (``overhead``: bounded by the growth of what they
-    sit on) and divided by the extrapolated peaks again; at the traced batch ``at()`` still covers the
-    extrapolated peaks.
-    """
-    if shallow.batch_size != deeper.batch_size:
-        raise EstimationError("the two depths were traced at different batch sizes; trace the full model instead")
-    allocated_ratio, reserved_ratio = 1.0, 1.0
-    for batch in (deeper.batch_size, 2 * deeper.batch_size):
-        (t_a, a_a, r_a), (t_b, a_b, r_b) = _allocator_bytes(shallow, batch), _allocator_bytes(deeper, batch)
-        tensors = max(1, max(m.at(batch) for m in models))
-        if batch == deeper.batch_size:
-            allocated, reserved = peak_allocated_bytes, peak_reserved_bytes
-        else:
-            allocated = tensors + overhead(a_a - t_a, a_b - t_b, t_a, t_b)
-            reserved = allocated + overhead(r_a - a_a, r_b - a_b, a_a, a_b)
-        allocated_ratio = max(allocated_ratio, allocated / tensors)
-        reserved_ratio = max(reserved_ratio, reserved / max(1, math.ceil(tensors * allocated_ratio)))
+    The allocator's overhead (block rounding, cached free blocks) does not grow with the depth as the
+    peak does: under checkpointing a shallow trace holds little but the head's and the loss's
+    transients, so its reserved-to-allocated ratio is the largest, and copied to the whole model it
+    scaled that overhead with every block, putting checkpointing above no checkpointing where whole
+    traces put it below. So the ratios at the traced batch are those of the extrapolated peaks (each
+    phase's overhead extended in bytes); only how they change from that batch to its double (each
+    estimate's ratio is the worse of the two) is taken from the deeper trace. As in ``_build_estimate``,
+    ``at()`` of the traced batch still covers the extrapolated peaks."""
+    tensors = max(1, max(m.at(deeper.batch_size) for m in models))
+    allocated = max(p.allocated_bytes for p in phases)
+    reserved = max(p.reserved_bytes for p in phases)
+    batch_a = deeper.allocated_to_tensor_ratio / max(1e-9, _ratio(deeper.phases, "allocated_bytes", "tensor_bytes"))
+    batch_r = deeper.reserved_to_allocated_ratio / max(1e-9, _ratio(deeper.phases, "reserved_bytes", "allocated_bytes"))
+    allocated_ratio = max(1.0, _ratio(phases, "allocated_bytes", "tensor_bytes") * batch_a, allocated / tensors)
+    reserved_ratio = max(
+        1.0,
+        _ratio(phases, "reserved_bytes", "allocated_bytes") * batch_r,
+        reserved / math.ceil(tensors * allocated_ratio),
+    )
     return allocated_ratio, reserved_ratio
