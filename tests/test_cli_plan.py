@@ -277,14 +277,14 @@ def _narrow_llama(tmp_path: Path) -> str:
     return str(path)
 
 
-def _whole(config: str, checkpointing: bool, layers: int | None = None) -> MemoryEstimate:
+def _whole(config: str, checkpointing: bool, layers: int | None = None, batch: int = 1) -> MemoryEstimate:
     """The step traced as a budget row of ``memfit plan`` traces it (bf16-mixed AdamW, CUDA semantics)."""
     from memfit.prediction.estimator import estimate_for_runtimes
     from memfit.simulation.runtime import CudaRuntime
 
     spec = from_hf_config(config, seq_len=NARROW_SEQ, layers=layers)
     (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
-                                      batch_size=1, precision="bf16-mixed", gradient_checkpointing=checkpointing,
+                                      batch_size=batch, precision="bf16-mixed", gradient_checkpointing=checkpointing,
                                       target=Target("cuda"))  # fmt: skip
     return result
 
@@ -333,7 +333,8 @@ def test_extrapolated_checkpointing_is_not_above_no_checkpointing_where_whole_tr
     guesses, wholes = {}, {}
     for checkpointing in (False, True):
         shallow, deeper = (_whole(config, checkpointing, layers) for layers in (low, high))
-        guesses[checkpointing] = extrapolate_depth(shallow, deeper, low, high, depth)
+        doubled = tuple(_whole(config, checkpointing, layers, batch=2) for layers in (low, high))
+        guesses[checkpointing] = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
         wholes[checkpointing] = _whole(config, checkpointing)
     for batch in (1, 2, 4):
         if wholes[True].at(batch).reserved_bytes < wholes[False].at(batch).reserved_bytes:

@@ -27,9 +27,9 @@ __all__ = ["EXTRAPOLATION_DEPTHS", "EXTRAPOLATION_ERROR_BAND", "GpuPlan", "PlanR
 # the chosen plan is then confirmed on a trace of the whole model.
 EXTRAPOLATION_DEPTHS = (2, 4)
 EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds anyway
-# How far an extrapolated peak may sit above the whole model's: twice the worst error of the search's figure
-# (at(batch) with the CUDA context) that benchmarks/depth_extrapolation.py measures (about +10 %: TinyLlama
-# without checkpointing, where a segment the 4-block trace adds in one phase is extended over 18 more blocks).
+# How far an extrapolated peak may sit above the whole model's: the search's figure (at(batch) with the CUDA
+# context) is within +-3 % of the whole trace's on the billion-parameter configs benchmarks/depth_extrapolation.py
+# measures, and +17 % at worst on any (GPT-2 with checkpointing, which the CLI traces whole).
 # A "no" whose smallest extrapolated peak is within this of the budget is decided again on whole traces.
 EXTRAPOLATION_ERROR_BAND = 0.20
 
@@ -205,8 +205,13 @@ def _extrapolating(tracers: list[Any], depths: tuple[int, int], depth: int, full
     @functools.cache
     def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
         shallow, deeper = (tracer(batch, checkpointing, accumulation) for tracer in tracers)
+        # at twice the batch too: at()'s allocator ratios come from both, as a whole trace's do
+        shallow2, deeper2 = (tracer(2 * batch, checkpointing, accumulation) for tracer in tracers)
         try:
-            return [extrapolate_depth(a, b, *depths, depth) for a, b in zip(shallow, deeper, strict=True)]
+            return [
+                extrapolate_depth(a, b, *depths, depth, doubled=(a2, b2))
+                for a, b, a2, b2 in zip(shallow, deeper, shallow2, deeper2, strict=True)
+            ]
         except EstimationError:
             return full_trace(batch, checkpointing, accumulation)
 
