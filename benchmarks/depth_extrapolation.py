@@ -1,11 +1,13 @@
 """Depth extrapolation vs the full trace: how far ``memfit plan``'s fast path is from tracing the whole model.
 
 ``memfit plan --hf-config`` traces deep models at 2 and 4 blocks and extrapolates in depth
-(``memfit.estimate.extrapolate_depth``). This prints both predictions side by side for the presets,
+(``memfit.prediction.estimator.extrapolate_depth``). This prints both predictions side by side for the presets,
 with the time each took, and the highest point of the timeline ``--plot`` draws (extrapolated vs
 traced), and writes ``benchmarks/results/depth_extrapolation.json``.
 
-    python benchmarks/depth_extrapolation.py [--only llama-3-8b] [--seq-len 2048]
+    python benchmarks/depth_extrapolation.py [--only llama-3-8b] [--seq-len 2048] [--batch 1]
+
+``CONFIGS`` adds TinyLlama-1.1B and Qwen2-0.5B, whose vocabulary head is much of a shallow trace.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,11 +31,32 @@ from memfit.tracing.config import Target
 from memfit.units import format_bytes
 
 PRESETS = ["gpt2", "bert-base", "t5-base", "vit-base", "qwen2.5-7b", "llama-3-8b"]
+# Small models whose head over a large vocabulary is much of a shallow trace, extrapolated far in depth
+# (2 and 4 blocks to 22 or 24): configs as published, written to a temporary config.json.
+CONFIGS: dict[str, dict] = {
+    "tinyllama-1.1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+                       "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    "qwen2-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                   "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+}  # fmt: skip
+DEFAULT = [*PRESETS, *CONFIGS]
 RESULTS = Path(__file__).parent / "results" / "depth_extrapolation.json"
 
 
+def _config(name: str) -> str:
+    """A preset's name, or the path of a temporary config.json for one of ``CONFIGS``."""
+    if name not in CONFIGS:
+        return name
+    path = Path(tempfile.gettempdir()) / f"memfit-{name}" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(CONFIGS[name]))
+    return str(path)
+
+
 def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing: bool) -> tuple:
-    spec = from_hf_config(name, seq_len=seq_len, layers=layers)
+    spec = from_hf_config(_config(name), seq_len=seq_len, layers=layers)
     started = time.perf_counter()
     (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
                                       batch_size=batch, precision="bf16-mixed", optimizer="adamw",
@@ -52,23 +76,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
     rows = []
-    for name in args.only or PRESETS:
+    for name in args.only or DEFAULT:
         for checkpointing in (False, True):
             exact, exact_seconds, spec = trace(name, args.seq_len, None, args.batch, checkpointing)
             depth = model_depth(spec.model)
             low, high = EXTRAPOLATION_DEPTHS
             shallow, low_seconds, _ = trace(name, args.seq_len, low, args.batch, checkpointing)
             deeper, high_seconds, _ = trace(name, args.seq_len, high, args.batch, checkpointing)
-            guess = extrapolate_depth(shallow, deeper, low, high, depth)
+            doubled_traces = [trace(name, args.seq_len, d, 2 * args.batch, checkpointing) for d in (low, high)]
+            doubled = (doubled_traces[0][0], doubled_traces[1][0])  # at()'s ratios at twice the batch
+            guess = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
             row = {"model": name, "depth": depth, "checkpointing": checkpointing, "batch": args.batch,
                    "exact_allocated": exact.peak_allocated_bytes, "extrapolated_allocated": guess.peak_allocated_bytes,
                    "exact_reserved": exact.peak_reserved_bytes, "extrapolated_reserved": guess.peak_reserved_bytes,
                    "exact_peak_phase": f"{exact.peak_step}/{exact.peak_phase.value}",
                    "extrapolated_peak_phase": f"{guess.peak_step}/{guess.peak_phase.value}",
                    "exact_timeline_peak": _timeline_peak(exact), "extrapolated_timeline_peak": _timeline_peak(guess),
+                   # what the plan's search compares with the budget: at(batch) with the CUDA context
+                   "exact_at_batch": exact.at(args.batch).device_bytes,
+                   "extrapolated_at_batch": guess.at(args.batch).device_bytes,
                    "exact_seconds": round(exact_seconds, 2),
-                   "extrapolated_seconds": round(low_seconds + high_seconds, 2)}  # fmt: skip
-            for kind in ("allocated", "reserved", "timeline_peak"):
+                   "extrapolated_seconds": round(low_seconds + high_seconds + sum(d[1] for d in doubled_traces),
+                                                 2)}  # fmt: skip
+            for kind in ("allocated", "reserved", "timeline_peak", "at_batch"):
                 row[f"{kind}_error_pct"] = round(
                     100 * (row[f"extrapolated_{kind}"] - row[f"exact_{kind}"]) / row[f"exact_{kind}"], 3
                 )
@@ -85,6 +115,7 @@ def main() -> None:
                       f"{r['exact_peak_phase']} / {r['extrapolated_peak_phase']}",
                       f"{r['exact_seconds']:.1f} s", f"{r['extrapolated_seconds']:.1f} s")  # fmt: skip
     Console(width=200).print(table)
+    _check_order(rows)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {"torch": torch.__version__, "machine": platform.machine(), "cpus": torch.get_num_threads(),
                "seq_len": args.seq_len, "rows": rows}  # fmt: skip
@@ -92,6 +123,20 @@ def main() -> None:
         kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in args.only]
         payload["rows"] = kept + rows
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _check_order(rows: list[dict]) -> None:
+    """Say where checkpointing is extrapolated above no checkpointing although the whole traces put it below."""
+    by_model: dict[str, dict[bool, dict]] = {}
+    for row in rows:
+        by_model.setdefault(row["model"], {})[row["checkpointing"]] = row
+    for model, pair in by_model.items():
+        if len(pair) < 2:
+            continue
+        whole = pair[True]["exact_reserved"] < pair[False]["exact_reserved"]
+        guess = pair[True]["extrapolated_at_batch"] < pair[False]["extrapolated_at_batch"]
+        if whole and not guess:
+            print(f"{model}: checkpointing extrapolated above no checkpointing, whole traces put it below")
 
 
 if __name__ == "__main__":

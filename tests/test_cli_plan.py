@@ -357,7 +357,91 @@ def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, caps
     assert report["depth_extrapolated_from"] == [2, 4]
     (row,) = report["gpus"]
     assert not row["fits"] and "checkpointing cannot help" in row["error"]
+    assert "extrapolated in depth from traces at 2 and 4 blocks" in row["error"]  # a far "no", and it says so
     assert _png_size(picture) == (1100, 990)  # the timeline is the extrapolated one: no full trace is needed
+
+
+# A TinyLlama-shaped causal LM, narrow and 12 blocks deep so that a whole trace takes seconds: like TinyLlama
+# (22 blocks of 2048), its head over a 32k vocabulary is a large part of a shallow trace, so the traces at 2 and 4
+# blocks are extrapolated far (t = 5) in depth.
+NARROW_LLAMA = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,
+                "num_attention_heads": 8, "num_key_value_heads": 1, "vocab_size": 32000,
+                "max_position_embeddings": 1024}  # fmt: skip
+NARROW_SEQ = 1024
+
+
+def _narrow_llama(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(NARROW_LLAMA))
+    return str(path)
+
+
+def _whole(config: str, checkpointing: bool, layers: int | None = None, batch: int = 1) -> MemoryEstimate:
+    """The step traced as a budget row of ``memfit plan`` traces it (bf16-mixed AdamW, CUDA semantics)."""
+    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.simulation.runtime import CudaRuntime
+
+    spec = from_hf_config(config, seq_len=NARROW_SEQ, layers=layers)
+    (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
+                                      batch_size=batch, precision="bf16-mixed", gradient_checkpointing=checkpointing,
+                                      target=Target("cuda"))  # fmt: skip
+    return result
+
+
+def test_a_no_near_the_budget_is_decided_on_the_whole_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget that micro batch 1 with checkpointing just fits by whole traces: the plan must say "fits" (as
+    ``--exact`` does), not "does not fit even with checkpointing" from the extrapolated figures."""
+    from memfit.planning import gpu_report
+
+    monkeypatch.setattr(gpu_report, "EXTRAPOLATION_MIN_PARAMETERS", 0)  # extrapolate this small model too
+    config = _narrow_llama(tmp_path)
+    checkpointed = _whole(config, True)  # without checkpointing micro batch 1 needs more
+    needed = max(checkpointed.peak_bytes, checkpointed.at(1).device_bytes)  # what the exact search asks of micro 1
+    capacity = math.ceil(needed / 0.95)
+    report = gpu_report.plan_for_gpus(hf_config=config, model=None, gpus=[], budget=f"{capacity}B",
+                                      seq_len=NARROW_SEQ, margin=0.05)  # fmt: skip
+    assert report.depth_extrapolated_from == gpu_report.EXTRAPOLATION_DEPTHS
+    (row,) = report.rows
+    assert row.fits, row.error
+    assert (row.plan.micro_batch_size, row.plan.gradient_checkpointing) == (1, True)
+    assert row.estimate.peak_bytes <= row.plan.budget_bytes and "extrapolated" not in " ".join(row.estimate.notes)
+
+
+def test_a_far_no_from_the_extrapolation_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.planning import gpu_report
+
+    monkeypatch.setattr(gpu_report, "EXTRAPOLATION_MIN_PARAMETERS", 0)
+    config = _narrow_llama(tmp_path)
+    floor = _whole(config, True, layers=2).peak_bytes  # the whole model needs more than its 2-block trace
+    report = gpu_report.plan_for_gpus(hf_config=config, model=None, gpus=[], budget=f"{floor // 2}B",
+                                      seq_len=NARROW_SEQ)  # fmt: skip
+    (row,) = report.rows
+    assert not row.fits and "extrapolated in depth from traces at 2 and 4 blocks" in row.error
+    assert "--exact" in row.error
+
+
+def test_extrapolated_checkpointing_is_not_above_no_checkpointing_where_whole_traces_say_so(tmp_path: Path) -> None:
+    """The allocator's overhead does not grow with the depth as the peak does: copied as a ratio from the
+    deeper shallow trace, it made checkpointing (whose shallow traces hold little but the head's transients)
+    extrapolate above no checkpointing at micro batch 1, where whole traces put it below."""
+    from memfit.planning.gpu_report import EXTRAPOLATION_DEPTHS
+    from memfit.prediction.estimator import extrapolate_depth
+
+    config = _narrow_llama(tmp_path)
+    depth, (low, high) = NARROW_LLAMA["num_hidden_layers"], EXTRAPOLATION_DEPTHS
+    guesses, wholes = {}, {}
+    for checkpointing in (False, True):
+        shallow, deeper = (_whole(config, checkpointing, layers) for layers in (low, high))
+        doubled = tuple(_whole(config, checkpointing, layers, batch=2) for layers in (low, high))
+        guesses[checkpointing] = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
+        wholes[checkpointing] = _whole(config, checkpointing)
+    for batch in (1, 2, 4):
+        if wholes[True].at(batch).reserved_bytes < wholes[False].at(batch).reserved_bytes:
+            assert guesses[True].at(batch).reserved_bytes < guesses[False].at(batch).reserved_bytes, batch
+    for checkpointing, guess in guesses.items():  # and both stay near the whole trace
+        whole = wholes[checkpointing]
+        assert guess.at(1).reserved_bytes == pytest.approx(whole.at(1).reserved_bytes, rel=0.08), checkpointing
+        assert guess.peak_reserved_bytes >= guess.peak_allocated_bytes
 
 
 def _ramp(levels: list[tuple[Phase, list[int]]]) -> list[Any]:

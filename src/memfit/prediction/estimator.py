@@ -565,43 +565,49 @@ def _build_estimate(
 
 
 def extrapolate_depth(
-    shallow: MemoryEstimate, deeper: MemoryEstimate, shallow_depth: int, deeper_depth: int, depth: int
+    shallow: MemoryEstimate,
+    deeper: MemoryEstimate,
+    shallow_depth: int,
+    deeper_depth: int,
+    depth: int,
+    *,
+    doubled: tuple[MemoryEstimate, MemoryEstimate] | None = None,
 ) -> MemoryEstimate:
     """The estimate of a ``depth``-block model from traces of the same model at two smaller depths.
 
     A stack of identical blocks adds the same parameters, gradients, optimizer state and saved
     activations per block, so every phase's peak is affine in the depth, and so is each term of its
     fit in the batch: each is extended along the line through the two traces. The peak phase is
-    chosen again at the new depth, since two affine peaks can cross. Allocator ratios are the deeper
-    trace's; the timeline is stretched to the new depth (``memfit.simulation.replay.extrapolate_timeline``).
+    chosen again at the new depth, since two affine peaks can cross. What the allocator holds beyond
+    the tensors is extended in bytes, bounded by what it sits on, and no phase reserves less than
+    the one before (``_extrapolated_phases``); the timeline is stretched to the new depth
+    (``memfit.simulation.replay.extrapolate_timeline``).
+
+    ``at()``'s allocator ratios are those of the extrapolated peaks, never the shallow traces' own:
+    the allocator's overhead does not grow with the depth as the peak does, and under checkpointing a
+    shallow trace holds little but the head's and the loss's transients, so its ratio is the largest;
+    copied to the whole model it scaled that overhead with every block and put checkpointing above no
+    checkpointing where whole traces put it below. ``doubled`` (the same two depths traced at twice
+    the batch) gives the ratios at that batch too, as a whole estimate's come from its two batches;
+    without it they are the traced batch's alone.
     """
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
-    keys = [(p.step, p.phase) for p in shallow.phases]
-    model_keys = [(m.step, m.phase) for m in shallow.phase_models]
-    if keys != [(p.step, p.phase) for p in deeper.phases] or model_keys != [
-        (m.step, m.phase) for m in deeper.phase_models
-    ]:
-        raise EstimationError("the two depths traced different phases; trace the full model instead")
+    pairs = [(shallow, deeper), *([doubled] if doubled is not None else [])]
+    for a, b in pairs:
+        model_keys = [(m.step, m.phase) for m in a.phase_models]
+        if [(p.step, p.phase) for p in a.phases] != [(p.step, p.phase) for p in b.phases] or model_keys != [
+            (m.step, m.phase) for m in b.phase_models
+        ]:
+            raise EstimationError("the two depths traced different phases; trace the full model instead")
+        if a.batch_size != b.batch_size:
+            raise EstimationError("the two depths were traced at different batch sizes; trace the full model instead")
     t = (depth - shallow_depth) / (deeper_depth - shallow_depth)
 
     def line(a: float, b: float) -> int:
         return max(0, round(a + (b - a) * t))
 
-    def breakdown(a: Mapping[Category, int], b: Mapping[Category, int]) -> dict[Category, int]:
-        return {c: line(a.get(c, 0), b.get(c, 0)) for c in dict.fromkeys([*a, *b])}
-
-    phases = tuple(
-        PhasePeak(
-            p.step,
-            p.phase,
-            line(p.allocated_bytes, q.allocated_bytes),
-            line(p.reserved_bytes, q.reserved_bytes),
-            breakdown(p.breakdown, q.breakdown),
-            line(p.tensor_bytes, q.tensor_bytes),
-        )
-        for p, q in zip(shallow.phases, deeper.phases, strict=True)
-    )
+    phases = _extrapolated_phases(shallow, deeper, t)
     models = tuple(
         PhaseModel(m.step, m.phase, line(m.fixed_bytes, n.fixed_bytes),
                    m.per_sample_bytes + (n.per_sample_bytes - m.per_sample_bytes) * t)
@@ -609,20 +615,61 @@ def extrapolate_depth(
     )  # fmt: skip
     peak = max(phases, key=lambda p: p.allocated_bytes)
     peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
+    peak_reserved = max(p.reserved_bytes for p in phases)
+    traced = [phases, *([_extrapolated_phases(*doubled, t)] if doubled is not None else [])]
+    allocated_ratio = max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in traced)
+    reserved_ratio = max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in traced)
+    tensors = max(1, max(m.at(deeper.batch_size) for m in models))  # at() of the traced batch covers its peaks
+    allocated_ratio = max(1.0, allocated_ratio, peak.allocated_bytes / tensors)
+    reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
     return dataclasses.replace(
         deeper,
         peak_allocated_bytes=peak.allocated_bytes,
-        peak_reserved_bytes=max(p.reserved_bytes for p in phases),
+        peak_reserved_bytes=peak_reserved,
+        allocated_to_tensor_ratio=allocated_ratio,
+        reserved_to_allocated_ratio=reserved_ratio,
         peak_step=peak.step,
         peak_phase=peak.phase,
         breakdown=dict(peak.breakdown),
         fixed_bytes=peak_model.fixed_bytes,
         per_sample_bytes=round(peak_model.per_sample_bytes),
-        phases=phases,
+        phases=tuple(phases),
         phase_models=models,
-        trace_seconds=shallow.trace_seconds + deeper.trace_seconds,
+        trace_seconds=sum(e.trace_seconds for pair in pairs for e in pair),
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
         timeline=extrapolate_timeline(shallow.timeline, deeper.timeline, t),
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),
     )  # fmt: skip
+
+
+def _extrapolated_phases(shallow: MemoryEstimate, deeper: MemoryEstimate, t: float) -> list[PhasePeak]:
+    """Each phase's peaks at ``t`` on the line through the two depths (0: ``shallow``, 1: ``deeper``).
+
+    Allocated and tensor bytes follow the line. What the allocator reserves beyond the allocated
+    blocks (cached free blocks) is extended in bytes, never as a ratio: those blocks are blocks the
+    step freed, so per block of depth they grow at most as fast as the allocated peak they sit on,
+    and at most in the share of it the deeper trace wastes (part of that waste is the head's and the
+    loss's, which does not repeat per block); they never shrink below what either trace shows.
+    Between two shallow traces they jump by whole segments (20 MiB, 2 MiB rounding), which the line
+    alone would multiply. The caching allocator keeps what it reserved, so no phase reserves less
+    than the one before."""
+
+    def line(a: float, b: float) -> int:
+        return max(0, round(a + (b - a) * t))
+
+    def breakdown(a: Mapping[Category, int], b: Mapping[Category, int]) -> dict[Category, int]:
+        return {c: line(a.get(c, 0), b.get(c, 0)) for c in dict.fromkeys([*a, *b])}
+
+    phases: list[PhasePeak] = []
+    reserved = 0
+    for p, q in zip(shallow.phases, deeper.phases, strict=True):
+        allocated = line(p.allocated_bytes, q.allocated_bytes)
+        slack_a, slack_b = p.reserved_bytes - p.allocated_bytes, q.reserved_bytes - q.allocated_bytes
+        growth = min(slack_b - slack_a, max(0, q.allocated_bytes - p.allocated_bytes))
+        extended = slack_b + growth * (t - 1)
+        proportional = slack_b * allocated / max(1, q.allocated_bytes)  # the deeper trace's share of waste, at most
+        reserved = max(reserved, allocated + max(slack_a, slack_b, round(min(extended, proportional))))
+        tensors = line(p.tensor_bytes, q.tensor_bytes)
+        phases.append(PhasePeak(p.step, p.phase, allocated, reserved, breakdown(p.breakdown, q.breakdown), tensors))
+    return phases
