@@ -609,3 +609,18 @@ def test_the_title_counts_parameters_as_people_do_and_names_a_sequence_only_when
     large = PlanReport("llama", 8_030_261_248, "bf16-mixed", "adamw", 2048, ())
     assert plan_table(small).title == "cnn: 77.3K parameters, bf16-mixed, optimizer adamw"
     assert plan_table(large).title == "llama: 8.03B parameters, bf16-mixed, optimizer adamw, seq 2048"
+
+
+def test_a_config_saved_in_bf16_is_planned_in_the_precision_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Published configs carry "torch_dtype": "bfloat16"; bf16-mixed still means fp32 weights and fp32 Adam state."""
+    plain, saved_in_bf16 = tmp_path / "plain.json", tmp_path / "bf16.json"
+    plain.write_text(json.dumps(LLAMA))
+    saved_in_bf16.write_text(json.dumps({**LLAMA, "torch_dtype": "bfloat16"}))
+    one = ["--seq-len", "64", "--target-batch-size", "1", "--budget", "4GiB", "--precision", "bf16-mixed"]
+    (reference,) = _plan_json(capsys, "--hf-config", str(plain), *one)["gpus"]
+    report = _plan_json(capsys, "--hf-config", str(saved_in_bf16), *one)
+    (row,) = report["gpus"]
+    assert row["breakdown_bytes"] == reference["breakdown_bytes"]
+    assert row["breakdown_bytes"]["parameters"] >= 4 * report["parameters"]

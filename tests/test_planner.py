@@ -407,3 +407,23 @@ def test_a_split_over_budget_once_traced_falls_back_to_the_fewest_steps_then_sea
     assert (split_over.micro_batch_size, split_over.accumulate_grad_batches) == (5, 8)
     assert split_over.largest_micro_batch == 7
     assert any("micro batch 9 fits, but not its split" in reason for reason in split_over.reasons)
+
+
+def test_a_hopeless_verdict_quotes_the_optimizer_step_at_the_batch_it_judges() -> None:
+    """The optimizer step of a trace at a large batch also holds that batch: it cannot stand for batch 1."""
+    import re
+
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(), nn.Linear(512, 512))
+    traced = memfit.estimate(model, torch.randn(1024, 512), optimizer="adamw", device="cpu",
+                             loss_fn=lambda out, batch: out.pow(2).mean())  # fmt: skip
+    with pytest.raises(InsufficientMemoryError) as verdict:
+        plan(traced, 40 * MiB, target_batch_size=1024, include_context=False)
+    message = str(verdict.value)
+    sizes = [memfit.parse_bytes(size.replace(" ", "")) for size in re.findall(r"(\d+\.\d+ [KMG]iB)", message)]
+    assert "optimizer step alone holds" in message
+    peak, optimizer_step = sizes[0], sizes[1]
+    assert optimizer_step <= peak  # a part of the peak at micro batch 1, not the traced batch's figure

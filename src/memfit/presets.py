@@ -85,9 +85,18 @@ def from_hf_config(
         _set_depth(config, layers)
     if image_size is not None and hasattr(config, "image_size"):
         config.image_size = image_size
+    _built_in_fp32(config)
     with torch.device("meta"):
         model = getattr(transformers, _TASK_MODELS[task]).from_config(config)
     return ModelSpec(name_or_path, model, _sample_for(task, config, seq_len, image_size))
+
+
+def _built_in_fp32(config: Any) -> None:
+    """Build the weights in fp32 whatever dtype the config was saved in (``"torch_dtype": "bfloat16"`` in
+    most published LLM configs): transformers builds a model in its config's dtype, and memfit's precision
+    decides the run's dtypes (``bf16-mixed`` keeps fp32 weights, ``bf16-true`` casts them)."""
+    field = "dtype" if "dtype" in dir(type(config)) or "dtype" in vars(config) else "torch_dtype"
+    setattr(config, field, torch.float32)
 
 
 def from_factory(target: str, *, seq_len: int = 1024) -> ModelSpec:

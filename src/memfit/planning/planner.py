@@ -316,7 +316,8 @@ def _candidates(
     without it, or when it buys a markedly larger micro batch for a run that would otherwise crawl."""
     plain = _Candidate(estimate, question.largest(estimate), False)
     micro, minimum = plain.largest_micro, question.min_batch_size
-    floor = _optimizer_step_floor(estimate) + ((estimate.cuda_context_bytes or 0) if question.include_context else 0)
+    context = (estimate.cuda_context_bytes or 0) if question.include_context else 0
+    floor = _optimizer_step_floor(estimate, minimum) + context
     hopeless = floor > question.budget  # checkpointing saves activations, not what the optimizer step holds
     chosen, checkpointed, reasons = plain, None, []
     small = allow_checkpointing and micro < SMALL_MICRO_BATCH and micro < question.cap
@@ -669,8 +670,14 @@ def _accumulation_steps(per_device_target: int, largest: int) -> int:
     return fewest
 
 
-def _optimizer_step_floor(estimate: MemoryEstimate) -> int:
-    """Allocated bytes of the optimizer step: no checkpointing or smaller batch brings a step below them."""
+def _optimizer_step_floor(estimate: MemoryEstimate, batch_size: int) -> int:
+    """Allocated bytes of the optimizer step at ``batch_size``: checkpointing does not bring a step below them.
+
+    At that batch, not the traced one: the step also holds what scales with the batch (the batch itself,
+    batches the loop keeps), so the traced batch's figure can exceed the whole peak at a smaller one."""
+    fitted = [m.at(batch_size) for m in estimate.phase_models if m.phase is Phase.OPTIMIZER]
+    if fitted:
+        return max(fitted)
     return max((p.allocated_bytes for p in estimate.phases if p.phase is Phase.OPTIMIZER), default=0)
 
 
