@@ -624,3 +624,12 @@ def test_a_config_saved_in_bf16_is_planned_in_the_precision_asked_for(
     (row,) = report["gpus"]
     assert row["breakdown_bytes"] == reference["breakdown_bytes"]
     assert row["breakdown_bytes"]["parameters"] >= 4 * report["parameters"]
+
+
+def test_a_request_no_card_can_run_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--target-batch-size", "8"]
+    assert main([*small, "--gpu", "t4", "--precision", "bf16-mixed", "--json"]) == 2
+    captured = capsys.readouterr()
+    (row,) = json.loads(captured.out)["gpus"]
+    assert row["refused"] and not row["fits"]
+    assert captured.err.count("\n") == 1 and "no bf16" in captured.err

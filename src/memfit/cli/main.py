@@ -145,6 +145,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")
         if args.plot:
             console.print(f"pictures: {args.plot}")
+    if report.rows and all(row.refused for row in report.rows):  # nothing asked for could be planned
+        print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
+        return _EXIT_USAGE
     return 0
 
 

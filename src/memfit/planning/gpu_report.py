@@ -49,13 +49,18 @@ class GpuPlan:
     note: str | None = None  # why the precision is not the report's
 
     @property
+    def refused(self) -> bool:
+        """The card cannot run what was asked (its ``error`` says why): nothing was planned for it."""
+        return self.precision is None and self.plan is None and self.error is not None
+
+    @property
     def fits(self) -> bool:
         return self.plan is not None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu": self.gpu, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                                "approximate": self.approximate, "error": self.error, "precision": self.precision,
-                               "note": self.note}  # fmt: skip
+                               "note": self.note, "refused": self.refused}  # fmt: skip
         if self.plan is not None:
             out.update({k: v for k, v in self.plan.to_dict().items() if k not in ("capacity_bytes",)})
         if self.estimate is not None:
