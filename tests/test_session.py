@@ -190,3 +190,22 @@ def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
         assert plan_once()() is None
     finally:
         gc.enable()
+
+
+def test_a_cpu_run_planned_for_a_gpu_names_what_its_prediction_is() -> None:
+    """A plan for a named GPU on a CPU box: the final line must not call the GPU's reserved peak "tensors"."""
+    estimate = memfit.estimate(mlp(), torch.zeros(8, 256), device="cuda", optimizer="adamw",
+                               loss_fn=lambda out, batch: out.float().pow(2).mean())  # fmt: skip
+    peak = estimate.at(8)
+    drift = DriftMonitor(predicted_allocated_bytes=peak.allocated_bytes, predicted_reserved_bytes=peak.reserved_bytes,
+                         margin=0.05)  # fmt: skip
+
+    class CpuSampler:
+        def sample(self) -> MemorySample:
+            return MemorySample(None, None, None, 600 * 2**20)
+
+    monitor = RunMonitor(CpuSampler(), drift, estimate=estimate, warn=lambda key, message: None)
+    monitor.observe(1)
+    line = monitor.final_line()
+    assert "process RSS" in line and "reserved on the CUDA device the plan was made for" in line
+    assert "of tensors" not in line

@@ -123,8 +123,10 @@ class RunMonitor:
         if highest.sample.reserved_bytes is not None:
             return f"memfit: peak reserved up to {format_bytes(highest.compared_bytes)} {windows} (no prediction)"
         predicted = highest.predicted_reserved_bytes
+        planned_for_cuda = self.estimate is not None and self.estimate.device == "cuda"
+        what = "reserved on the CUDA device the plan was made for" if planned_for_cuda else "of tensors"
         against = (
-            f"so it is not compared with the predicted peak {format_bytes(predicted)} of tensors"
+            f"so it is not compared with the predicted peak {format_bytes(predicted)} {what}"
             if predicted is not None
             else "no prediction"
         )
