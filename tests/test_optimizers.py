@@ -188,6 +188,7 @@ NEEDS_PACKAGE = {
     "schedule_free_sgd": "schedulefree",
     "apollo_adamw": "apollo_torch",
     "stable_adamw": "optimi",
+    "adamw_apex_fused": "apex",  # NVIDIA apex (transformers 4.x lists it)
 }
 # Values whose update runs inside backward (LOMO's fused step; per-parameter hooks for the layerwise
 # ones, which transformers registers on the model's parameters as it builds them): memfit's trace
