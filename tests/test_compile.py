@@ -10,6 +10,7 @@ on a CPU without changing what is compared; the core test uses inductor on a tin
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,12 +35,17 @@ COMPILED_NOTE = "torch.compile'd"
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> Iterator[None]:
-    """Every test starts from, and leaves, a dynamo with no compiled or skipped code."""
+    """Every test starts from, and leaves, a dynamo with no compiled or skipped code, and the environment
+    as it found it: transformers 4.x sets accelerate's ACCELERATE_DYNAMO_* variables for the whole process
+    from ``torch_compile=True``, which would compile every later Trainer's model."""
+    environment = dict(os.environ)
     torch._dynamo.reset()
     counters.clear()
     yield
     torch._dynamo.reset()
     counters.clear()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def compiled(run: Callable[[], object]) -> dict[str, int]:
