@@ -8,7 +8,7 @@ from typing import Any
 
 from memfit.diagnostics import degrade
 
-__all__ = ["log_figure", "matplotlib_available"]
+__all__ = ["drawn", "log_figure", "matplotlib_available"]
 
 
 def matplotlib_available() -> bool:
@@ -17,6 +17,16 @@ def matplotlib_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def drawn(make: Any, name: str, *, seen: set[str]) -> Any | None:
+    """The figure ``make()`` draws, or ``None`` after one warning per ``name`` (a picture is never worth a run)."""
+    try:
+        return make()
+    except Exception as error:
+        degrade(f"memfit could not draw {name} ({type(error).__name__}: {error})", error, key=f"figure-{name}",
+                seen=seen)  # fmt: skip
+        return None
 
 
 def log_figure(

@@ -52,7 +52,7 @@ from memfit.planning.capacity import free_device_bytes
 from memfit.planning.planner import Plan
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
-from memfit.reporting.figures import log_figure, matplotlib_available
+from memfit.reporting.figures import drawn, log_figure, matplotlib_available
 from memfit.tracing.batch import batch_examples
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
@@ -440,11 +440,8 @@ class MemoryPlannerCallback(TrainerCallback):
         ``output_dir``; skipped without matplotlib."""
         if not matplotlib_available():
             return
-        try:
-            figure = make()
-        except Exception as error:
-            degrade(f"memfit could not draw {name} ({type(error).__name__}: {error})", error, key=f"figure-{name}",
-                    seen=self._warned)  # fmt: skip
+        figure = drawn(make, name, seen=self._warned)
+        if figure is None:
             return
         callbacks = self._trainer.callback_handler.callbacks if self._trainer is not None else []
         writer = next((getattr(cb, "tb_writer", None) for cb in callbacks if hasattr(cb, "tb_writer")), None)

@@ -42,7 +42,7 @@ from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
-from memfit.reporting.figures import log_figure, matplotlib_available
+from memfit.reporting.figures import drawn, log_figure, matplotlib_available
 from memfit.tracing.batch import infer_batch_size, longest_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
@@ -661,11 +661,8 @@ class MemoryPlannerBase:
 
     def _log_figure(self, trainer: Any, name: str, make: Any) -> None:
         """Draw once and send to every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
-        try:
-            figure = make()
-        except Exception as error:
-            degrade(f"memfit could not draw {name} ({type(error).__name__}: {error})", error, key=f"figure-{name}",
-                    seen=self._warned)  # fmt: skip
+        figure = drawn(make, name, seen=self._warned)
+        if figure is None:
             return
         loggers = self._pl.loggers
         for logger in trainer.loggers:
