@@ -188,8 +188,9 @@ NEEDS_PACKAGE = {
     "schedule_free_sgd": "schedulefree",
     "apollo_adamw": "apollo_torch",
     "stable_adamw": "optimi",
-    "adamw_apex_fused": "apex",  # NVIDIA apex (transformers 4.x lists it)
 }
+if "adamw_apex_fused" in {optim.value for optim in OptimizerNames}:  # NVIDIA apex: transformers 4.x lists it
+    NEEDS_PACKAGE["adamw_apex_fused"] = "apex"
 # Values whose update runs inside backward (LOMO's fused step; per-parameter hooks for the layerwise
 # ones, which transformers registers on the model's parameters as it builds them): memfit's trace
 # steps the optimizer after backward, so it refuses them whatever is installed, before building anything.
