@@ -1,0 +1,147 @@
+"""LoRA and DoRA on a 3B-class Llama: memfit's prediction beside the measured CUDA peak.
+
+    python benchmarks/lora_gpu.py            # every configuration (needs a CUDA GPU with ~60 GB)
+    python benchmarks/lora_gpu.py --only dora
+
+The model is a Llama 3.2 3B-shaped ``LlamaForCausalLM`` with random bf16 weights (nothing is
+downloaded), trained without autocast at batch 4, sequence 768, with ``torch.optim.AdamW``. peft
+keeps its adapters in fp32 (``autocast_adapter_dtype=True``, its default). memfit predicts from the
+same model built on ``meta``; each measurement runs two real steps in a fresh process and reads
+``torch.cuda.max_memory_allocated/reserved``. Raw rows go to ``benchmarks/results/lora-gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH, SEQUENCE, VOCAB = 4, 768, 128256
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "full fine-tuning": None,
+    "lora r16 q,v": {"r": 16, "target_modules": ["q_proj", "v_proj"]},
+    "lora r16 gate,up,down": {"r": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "lora r64 all linear": {"r": 64, "target_modules": "all-linear"},
+    "dora r16 q,v": {"r": 16, "target_modules": ["q_proj", "v_proj"], "use_dora": True},
+}
+
+
+def build(name: str, device: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    adapter = CONFIGS[name]
+    if adapter is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(lora_alpha=2 * adapter["r"], lora_dropout=0.0, **adapter))
+    return model
+
+
+def batch(size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (size, SEQUENCE), generator=torch.Generator().manual_seed(size))
+    return {"input_ids": ids, "labels": ids}
+
+
+def predict(name: str) -> dict[str, Any]:
+    model = build(name, "meta")
+    started = time.perf_counter()
+    estimate = memfit.estimate(model, batch, batch_size=BATCH, optimizer="adamw", precision="fp32", device="cuda")
+    data = estimate.to_dict()
+    return {
+        "estimate_seconds": round(time.perf_counter() - started, 3),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "predicted_peak_allocated_bytes": data["peak_allocated_bytes"],
+        "predicted_peak_reserved_bytes": data["peak_reserved_bytes"],
+        "predicted_breakdown_bytes": data["breakdown_bytes"],
+        "peak_phase": f"step {estimate.peak_step} {estimate.peak_phase.value}",
+    }
+
+
+def measure(name: str, steps: int = 2) -> dict[str, Any]:
+    model = build(name, "cuda").train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    inputs = {k: v.cuda() for k, v in batch(BATCH).items()}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return {
+        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="the configurations whose name contains this text")
+    parser.add_argument("--measure-one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure_one:
+        print(json.dumps(measure(args.measure_one)))
+        return
+    rows = []
+    for name in [n for n in CONFIGS if not args.only or args.only in n]:
+        row: dict[str, Any] = {"config": name}
+        try:
+            row.update(predict(name))
+        except Exception as error:  # a failed prediction is a result too
+            row["prediction_error"] = f"{type(error).__name__}: {error}"
+        child = subprocess.run(
+            [sys.executable, __file__, "--measure-one", name], capture_output=True, text=True, check=False
+        )
+        lines = child.stdout.strip().splitlines()
+        if child.returncode == 0 and lines:
+            row.update(json.loads(lines[-1]))
+        else:
+            row["measure_error"] = child.stderr.strip().splitlines()[-1:] or ["no output"]
+        for kind in ("allocated", "reserved"):
+            predicted, measured = row.get(f"predicted_peak_{kind}_bytes"), row.get(f"measured_peak_{kind}_bytes")
+            if predicted and measured:
+                row[f"{kind}_error_pct"] = round(100 * (predicted - measured) / measured, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        RESULTS.mkdir(exist_ok=True)
+        meta = {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            "torch": torch.__version__,
+            "memfit": memfit.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"),
+            "batch": BATCH,
+            "sequence": SEQUENCE,
+        }
+        (RESULTS / "lora-gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    for row in rows:
+        print(f"{row['config']:24} allocated {row.get('allocated_error_pct', '-'):>8}%  "
+              f"reserved {row.get('reserved_error_pct', '-'):>8}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
