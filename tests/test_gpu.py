@@ -53,3 +53,30 @@ def test_measured_context_is_close_to_the_default() -> None:
     assert used is not None
     context = used - torch.cuda.memory_reserved()
     assert 100 * 2**20 < context < 2 * memfit.CudaRuntime().cuda_context_bytes
+
+
+def test_an_lstm_traces_on_fake_cuda_tensors() -> None:
+    """cuDNN's RNN kernels have no fake kernel that knows their memory; the trace runs the native ones."""
+    model = zoo.LSTMClassifier(vocab=1000, hidden=256, layers=2, classes=10)
+    batch = (torch.randint(0, 1000, (16, 64)), torch.zeros(16, dtype=torch.long))
+    estimate = memfit.estimate(
+        model,
+        batch,
+        device="cuda",
+        forward_fn=lambda m, b: m(b[0]),
+        loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out, b[1]),
+    )
+    device = torch.device("cuda")
+    model = model.to(device).train()
+    inputs, labels = (t.to(device) for t in batch)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.max_memory_allocated()
+    predicted = estimate.peak_allocated_bytes
+    assert abs(predicted - allocated) <= 0.25 * allocated, (predicted, allocated)

@@ -510,8 +510,8 @@ def _build_estimate(
     notes = []
     if settings.emulate_cuda:
         notes.append("traced on fake CPU tensors with CUDA kernels' memory substituted")
-        for name, count in sorted(primary.substitutions.items()):
-            notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
+    for name, count in sorted(primary.substitutions.items()):
+        notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
     if settings.compile_paths:
         notes.append(
             "the model's eager forward reads tensor values: traced the branch it keeps for torch.compile "

@@ -13,6 +13,7 @@ from torch import nn
 
 __all__ = [
     "compilation_suspended",
+    "cudnn_rnn_disabled",
     "has_compiled_modules",
     "module_path_tracker",
     "onednn_disabled",
@@ -125,6 +126,43 @@ def onednn_disabled() -> Iterator[None]:
         yield
     finally:
         torch._C._set_mkldnn_enabled(previous)
+
+
+@contextmanager
+def cudnn_rnn_disabled(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Run the model's RNN modules without cuDNN while tracing on fake CUDA tensors.
+
+    cuDNN's RNN has no fake kernel that knows its memory: ``_cudnn_rnn``'s meta kernel returns the
+    weight buffer it was given (none, since fake weights cannot be flattened into one), which the
+    backward then rejects, and reports a 0-byte reserve space. PyTorch's native CUDA RNN kernels
+    (``_thnn_fused_lstm_cell`` and the decomposed GRU / RNN cells) have fake kernels and save what
+    cuDNN's reserve space holds (the gates of every step), so the trace uses those. cuDNN stays on
+    everywhere else (convolutions). Yields the count of RNN forwards so run, by module type.
+    """
+    calls: dict[str, int] = {}
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    if not rnns:
+        yield calls
+        return
+    previous = torch.backends.cudnn.enabled
+    stack: list[bool] = []
+
+    def off(module: nn.Module, _args: Any) -> None:
+        key = f"{type(module).__name__} on PyTorch's native CUDA RNN kernels (cuDNN's reserve space is not known)"
+        calls[key] = calls.get(key, 0) + 1
+        stack.append(torch.backends.cudnn.enabled)
+        torch.backends.cudnn.enabled = False
+
+    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
+        torch.backends.cudnn.enabled = stack.pop() if stack else previous
+
+    handles = [h for m in rnns for h in (m.register_forward_pre_hook(off), m.register_forward_hook(restore))]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch.backends.cudnn.enabled = previous
 
 
 def swap_tensors_in(model: nn.Module, make: Callable[[torch.Tensor, bool], torch.Tensor]) -> dict[int, Any]:

@@ -40,6 +40,7 @@ from memfit.tracing.cuda_semantics import CudaSemantics
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
     compilation_suspended,
+    cudnn_rnn_disabled,
     has_compiled_modules,
     module_path_tracker,
     onednn_disabled,
@@ -158,6 +159,7 @@ def trace_steps(
         preserved_module_state(model),
         preserved_rng_state(),
         onednn_disabled(),
+        cudnn_rnn_disabled(model) if settings.device.type == "cuda" else contextlib.nullcontext({}) as rnn_calls,
         fake_tensor_errors_unlogged(),
         branch,
         compilation_suspended(model) as model,
@@ -165,6 +167,7 @@ def trace_steps(
         if settings.inference:
             inference = _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
             inference.compiled = compiled
+            inference.substitutions.update(rnn_calls)
             return inference
         model.train()
         already_on = _hf_checkpointing_on(model)
@@ -202,7 +205,7 @@ def trace_steps(
         batch_size=batch_size,
         recorder=recorder,
         checkpointing=checkpointing,
-        substitutions=dict(semantics.substitutions) if semantics else {},
+        substitutions={**(semantics.substitutions if semantics else {}), **rnn_calls},
         ops=recorder.ops,
         compiled=compiled,
     )
