@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from integrations.accuracy.largest_batch import chosen_cell, true_max_cell
+from integrations.accuracy.run import process_nvml_bytes
 from memfit import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,8 @@ def gpu_accuracy(results: Path) -> list[str]:
         f"**GPU** (`python -m integrations.accuracy.run --gpu`, {_source('accuracy-gpu.json', data['meta'])}): "
         "absolute error of the predicted peak against the measured one, per model family, each "
         "configuration in a fresh process (three real steps); NVML compares the predicted total "
-        "(reserved, CUDA context and workspaces) with the device's used memory.",
+        "(reserved, CUDA context and workspaces) with the device's used memory"
+        + (f" ({data['meta']['nvml_note']})." if data["meta"].get("nvml_note") else "."),
         "",
         *_table(header, table),
     ]
@@ -127,7 +129,7 @@ def trace_zoo_gpu(results: Path) -> list[str]:
                 format_bytes(row["measured_peak_reserved_bytes"]),
                 _pct(_relative(row["predicted_peak_allocated_bytes"], row["measured_peak_allocated_bytes"]), True),
                 _pct(_relative(row["predicted_peak_reserved_bytes"], row["measured_peak_reserved_bytes"]), True),
-                _pct(_relative(row["predicted_peak_bytes"], row.get("measured_nvml_used_bytes")), True),
+                _pct(_relative(row["predicted_peak_bytes"], process_nvml_bytes(row)), True),
             ]
         )
     return [

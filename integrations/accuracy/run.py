@@ -127,7 +127,12 @@ def cpu_reference(config: Config, batch_size: int) -> dict[str, Any]:
 
 def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, Any]:
     """Real steps on the GPU; run in a fresh process per configuration."""
+    from memfit.monitoring.measure import nvml_device_used_bytes
+
     config = next(c for c in configs("gpu") if c.name == config_name)
+    # NVML's used memory before this process creates its CUDA context: what the device holds without
+    # it (≈529 MiB on an idle H100 with driver 580), which no prediction of this process includes.
+    used_before = nvml_device_used_bytes(0)
     device = torch.device("cuda")
     model = real_model(config, "gpu", "cuda")
     cls, kwargs = optimizer_spec(config.optimizer)
@@ -138,13 +143,20 @@ def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, 
     reference.run_steps(model, optimizer, batch, functools.partial(_loss, config), steps=steps,
                         autocast=autocast_for(config, "cuda"))  # fmt: skip
     torch.cuda.synchronize()
-    from memfit.monitoring.measure import nvml_device_used_bytes
-
     return {
         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
         "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
         "measured_nvml_used_bytes": nvml_device_used_bytes(torch.cuda.current_device()),
+        "nvml_used_before_bytes": used_before,
     }
+
+
+def process_nvml_bytes(measured: dict[str, Any]) -> int | None:
+    """NVML's used memory that the measuring process added: used at its peak less used before it started."""
+    used = measured.get("measured_nvml_used_bytes")
+    if used is None:
+        return None
+    return used - (measured.get("nvml_used_before_bytes") or 0)
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -210,8 +222,9 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
                     "reserved_error_pct": _pct(
                         estimate.peak_reserved_bytes, measured.get("measured_peak_reserved_bytes")
                     ),
-                    # the whole device: reserved plus the CUDA context and workspaces, against NVML's used memory
-                    "nvml_error_pct": _pct(estimate.peak_bytes, measured.get("measured_nvml_used_bytes")),
+                    # the process on the device: reserved plus the CUDA context, against NVML's used memory
+                    # less what the device held before the process started
+                    "nvml_error_pct": _pct(estimate.peak_bytes, process_nvml_bytes(measured)),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
