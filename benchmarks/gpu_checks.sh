@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_checks.sh tests accuracy       # some steps
 #   FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh accuracy largest_batch readme   # those families only
 #   COPY_RESULTS_TO=/some/dir bash benchmarks/gpu_checks.sh loops   # results also copied there, even if a step dies
-# Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch, and readme, which
+# Steps: tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch lora, and readme, which
 # renders docs/accuracy.md's figures and the README's accuracy status from the result files (no GPU work; run it
 # last). Raw results land in benchmarks/results/ (commit them with docs/accuracy.md and README.md). Each step is independent: a failure is
 # reported and the next step still runs.
@@ -28,7 +28,7 @@ trap '[ -n "${COPY_RESULTS_TO:-}" ] && mkdir -p "$COPY_RESULTS_TO" && cp -r benc
 status=0
 run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch)
+[ ${#steps[@]} -eq 0 ] && steps=(tests trace_zoo accuracy loops quickstarts oom_recovery largest_batch lora)
 for step in "${steps[@]}"; do
   case "$step" in
     tests) run python -m pytest -q -m gpu tests/test_gpu.py ;;
@@ -46,6 +46,7 @@ for step in "${steps[@]}"; do
       only=()
       for family in ${FAMILIES:-}; do only+=(--only "$family"); done
       run python -m integrations.accuracy.largest_batch ${only[@]+"${only[@]}"} ;;
+    lora) run python benchmarks/lora_gpu.py ;;  # a 3B Llama: about 60 GB of GPU memory
     readme) run python -m integrations.accuracy.readme --write ;;
     *) echo "!! unknown step: $step"; status=1 ;;
   esac

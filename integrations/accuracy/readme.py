@@ -408,9 +408,51 @@ def status(results: Path) -> list[str]:
     return [f"- {first}", f"- {second} Every figure and how it is measured: [docs/accuracy.md](docs/accuracy.md)."]
 
 
+def lora_gpu(results: Path) -> list[str]:
+    data = _load("lora-gpu.json", results)
+    if data is None:
+        return [
+            "**LoRA and DoRA on a 3B Llama, GPU: still to be measured.** `python benchmarks/lora_gpu.py` (about "
+            "60 GB of GPU memory): full fine-tuning and peft adapters, predicted vs measured."
+        ]
+    meta = data["meta"]
+    rows = []
+    for row in data["rows"]:
+        measured = row.get("measured_peak_reserved_bytes")
+        rows.append(
+            [
+                row["config"],
+                f"{row['trainable_parameters']:,}" if row.get("trainable_parameters") else "-",
+                format_bytes(row["predicted_peak_reserved_bytes"]) if row.get("predicted_peak_reserved_bytes") else "-",
+                format_bytes(measured) if measured else "failed",
+                _pct(row.get("allocated_error_pct"), True),
+                _pct(row.get("reserved_error_pct"), True),
+            ]
+        )
+    return [
+        f"**LoRA and DoRA on a 3B Llama** (`python benchmarks/lora_gpu.py`, {_source('lora-gpu.json', meta)}): "
+        f"Llama-3.2-3B-shaped, bf16 weights without autocast, peft adapters in fp32 (its default), batch "
+        f"{meta.get('batch')} x sequence {meta.get('sequence')}, torch AdamW; predicted from the model built on "
+        "`meta`, measured over two real steps in a fresh process.",
+        "",
+        *_table(LORA_HEADER, rows),
+    ]
+
+
+LORA_HEADER = [
+    "configuration",
+    "trainable parameters",
+    "predicted reserved",
+    "measured reserved",
+    "allocated error",
+    "reserved error",
+]
+
+
 BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "gpu-accuracy": gpu_accuracy,
     "trace-zoo-gpu": trace_zoo_gpu,
+    "lora-gpu": lora_gpu,
     "largest-batch": largest_batch,
     "cpu-accuracy": cpu_accuracy,
     "training-loops-cpu": lambda results: training_loops(results, "cpu"),
