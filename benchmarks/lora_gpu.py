@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,10 @@ from typing import Any
 import torch
 
 import memfit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+from integrations.accuracy import reference
+from integrations.accuracy.run import child_answer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, SEQUENCE, VOCAB = 4, 768, 128256
@@ -85,12 +88,7 @@ def measure(name: str, steps: int = 2) -> dict[str, Any]:
     inputs = {k: v.cuda() for k, v in batch(BATCH).items()}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        loss = model(**inputs).loss
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    reference.run_steps(model, optimizer, inputs, lambda m, b: m(**b).loss, steps=steps)
     torch.cuda.synchronize()
     return {
         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
@@ -113,14 +111,7 @@ def main() -> None:
             row.update(predict(name))
         except Exception as error:  # a failed prediction is a result too
             row["prediction_error"] = f"{type(error).__name__}: {error}"
-        child = subprocess.run(
-            [sys.executable, __file__, "--measure-one", name], capture_output=True, text=True, check=False
-        )
-        lines = child.stdout.strip().splitlines()
-        if child.returncode == 0 and lines:
-            row.update(json.loads(lines[-1]))
-        else:
-            row["measure_error"] = child.stderr.strip().splitlines()[-1:] or ["no output"]
+        row.update(child_answer([sys.executable, __file__, "--measure-one", name]))
         for kind in ("allocated", "reserved"):
             predicted, measured = row.get(f"predicted_peak_{kind}_bytes"), row.get(f"measured_peak_{kind}_bytes")
             if predicted and measured:
