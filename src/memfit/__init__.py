@@ -23,6 +23,7 @@ from memfit.simulation.replay import PhasePeak
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.sharding import ShardingConfig
 from memfit.units import format_bytes, parse_bytes
 
 try:
@@ -47,6 +48,7 @@ __all__ = [
     "PhasePeak",
     "Plan",
     "Precision",
+    "ShardingConfig",
     "Target",
     "TraceError",
     "TrainingLoop",

@@ -14,6 +14,7 @@ import torch
 from memfit.errors import InvalidInputError
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ZERO_GRAD_ORDERS, ZeroGrad
 
 __all__ = ["Target", "TrainingLoop"]
@@ -34,12 +35,15 @@ class TrainingLoop:
             loader reading ahead on the device); the only loop setting a forward-only pass takes.
         ddp: the step runs under ``DistributedDataParallel``: ``True`` for its defaults, or a
             ``memfit.DDPConfig``; adds its gradient buckets. Stored as a ``DDPConfig`` or ``None``.
+        sharding: the step runs sharded across ranks (FSDP, ZeRO): a ``memfit.ShardingConfig``; the
+            estimate is then one rank's.
     """
 
     zero_grad: ZeroGrad = "after_step"
     accumulation_steps: int = 1
     extra_batches: int = 0
     ddp: DDPConfig | None = None
+    sharding: ShardingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.zero_grad not in ZERO_GRAD_ORDERS:
@@ -57,6 +61,8 @@ class TrainingLoop:
             object.__setattr__(self, "ddp", None)
         elif ddp is not None and not isinstance(ddp, DDPConfig):
             raise InvalidInputError(f"ddp must be True, False, None or a memfit.DDPConfig, got {ddp!r}")
+        if self.sharding is not None and not isinstance(self.sharding, ShardingConfig):
+            raise InvalidInputError(f"sharding must be None or a memfit.ShardingConfig, got {self.sharding!r}")
 
     def for_inference(self) -> TrainingLoop:
         """A forward-only pass has no gradients: of the loop only the batches it holds apply."""
