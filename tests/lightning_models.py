@@ -84,3 +84,16 @@ class ModuleForDataModule(TinyGPT):
         super().__init__()
         del self.batch_size
         self.hparams.pop("batch_size")
+
+
+class ShardedTinyGPT(TinyGPT):
+    """``TinyGPT`` for ``ModelParallelStrategy``: ``configure_model`` applies FSDP2's ``fully_shard`` to each
+    block and the root over the data-parallel dimension of the strategy's device mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)

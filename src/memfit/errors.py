@@ -9,6 +9,7 @@ __all__ = [
     "InsufficientMemoryError",
     "InvalidInputError",
     "MemfitError",
+    "ShardingNotModelledError",
     "StrictModeError",
     "TraceError",
     "UnrecoverableOutOfMemoryError",
@@ -34,6 +35,11 @@ class TraceError(EstimationError):
 
 class ValueDependentError(TraceError):
     """The model reads tensor *values* (``.item()``, ``nonzero``, masks) that a fake-tensor trace lacks."""
+
+
+class ShardingNotModelledError(MemfitError):
+    """A distributed strategy memfit cannot predict per rank (tensor or pipeline parallelism, ZeRO++'s
+    quantized or hierarchical partitions): the message names it; the callbacks then plan nothing."""
 
 
 class InsufficientMemoryError(MemfitError):

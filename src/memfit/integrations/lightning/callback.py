@@ -21,8 +21,16 @@ import torch
 from torch import nn
 
 from memfit.diagnostics import degrade, raise_if_strict
-from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError, ValueDependentError
+from memfit.errors import (
+    InsufficientMemoryError,
+    InvalidInputError,
+    MemfitError,
+    ShardingNotModelledError,
+    ValueDependentError,
+)
 from memfit.integrations.lightning.internals import LightningInternals
+from memfit.integrations.lightning.sharding import StrategyLayout, strategy_layout
+from memfit.monitoring.ranks import per_rank_metrics
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
@@ -39,6 +47,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
@@ -46,7 +55,7 @@ from memfit.reporting.figures import drawn, log_figure, matplotlib_available
 from memfit.tracing.batch import infer_batch_size, longest_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
-from memfit.tracing.ddp import SHARDING_NOT_MODELLED, DDPConfig
+from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
 
@@ -66,8 +75,12 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     use their own switch; other modules get ``torch.utils.checkpoint`` around ``checkpoint_modules``
     or the longest list of identical blocks). In ``mode="observe"`` it changes nothing and only
     logs drift. Under DDP, the smallest free memory of all ranks is used, rank 0 decides and every
-    rank applies the same plan. Sharding (FSDP, DeepSpeed, ``ModelParallelStrategy``) is not
-    modelled yet, so under those strategies the callback warns and only observes.
+    rank applies the same plan. Under ``FSDPStrategy``, ``ModelParallelStrategy`` (``fully_shard``
+    over its data-parallel dimension) and ``DeepSpeedStrategy`` the strategy's options are read into a
+    ``memfit.ShardingConfig`` (``memfit.integrations.lightning.sharding``) and the plan is one rank's:
+    the effective batch counts micro x accumulation x data-parallel ranks. What memfit cannot model
+    per rank (tensor parallelism, DeepSpeed's ZeRO++ or tensor parallelism) is named in one warning;
+    memfit then predicts and plans nothing and logs the measured peaks only.
 
     The trace follows the loop the step runs in: Lightning's closure zeroes gradients between
     ``training_step`` and ``backward``, so its forward carries the last step's gradients (memfit's
@@ -127,6 +140,8 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     * ``memfit/measured_device_used_bytes`` (CUDA with ``nvidia-ml-py``): NVML used memory of the device
     * ``memfit/measured_peak_rss_bytes`` (CPU): the process's peak resident memory (interpreter, libraries and
       data included): not comparable with the predicted tensor bytes, so no drift is computed on CPU
+    * ``memfit/rank{r}/<key>`` (more than one rank): each rank's own predicted and measured peaks (the keys
+      above that a rank measures), gathered to rank 0 at the same steps
 
     With manual optimization (``automatic_optimization = False``) nothing is predicted yet: the
     callback warns once, plans nothing, and logs the measured keys only (``MANUAL_OPTIMIZATION`` says why).
@@ -238,6 +253,7 @@ class MemoryPlannerBase:
         self._last_logged_step = -1
         self._hparams_logged = False
         self._closure_finished = False
+        self._measuring = False  # every rank measures (the broadcast decision says so): logging steps gather
         self._warned: set[str] = set()
         self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
 
@@ -318,7 +334,13 @@ class MemoryPlannerBase:
         if not getattr(pl_module, "automatic_optimization", True):
             self._warn("manual-optimization", MANUAL_OPTIMIZATION)
             return _Decision(None, None, None, measured_only=True)
+        try:
+            layout = strategy_layout(trainer, self._internals)
+        except ShardingNotModelledError as error:
+            self._warn("sharding", not_modelled(str(error)))
+            return _Decision(None, None, None, measured_only=True)
         self._sample_notes = [note] if (note := planning.note(device)) else []
+        self._sample_notes += layout.notes
         sample = self.sample if self.sample is not None else self._sample_batch(trainer)
         configured = self._configured_batch(pl_module) or (infer_batch_size(sample) if not callable(sample) else None)
         if configured is None:
@@ -327,22 +349,14 @@ class MemoryPlannerBase:
                 "is a callable; set batch_arg_name"
             )
         session = PlanningSession(
-            self._step_tracer(trainer, pl_module, sample, planning.target),
+            self._step_tracer(trainer, pl_module, sample, planning.target, layout),
             batch_size=configured,
             accumulation_steps=trainer.accumulate_grad_batches,
         )
-        self.estimate = session.baseline
-        sharding = self._sharding(trainer.strategy)
-        if sharding is not None:
-            self.estimate = self.estimate.with_notes(f"{sharding}: {SHARDING_NOT_MODELLED}")
-            if self.mode == "plan":
-                message = (
-                    f"memfit does not model the sharding of {sharding} yet: {SHARDING_NOT_MODELLED}. It plans "
-                    "nothing under this strategy and only logs measured memory; set the batch size yourself."
-                )
-                self._warn("sharding", message)
+        always = layout.checkpointing
+        self.estimate = session.trace_at(configured, always, trainer.accumulate_grad_batches)
         include_context = planning.include_context
-        if self.mode == "observe" or sharding is not None:
+        if self.mode == "observe":
             if capacity > 0:
                 self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
             peak = self.estimate.at(configured)
@@ -351,11 +365,12 @@ class MemoryPlannerBase:
             raise InvalidInputError(
                 f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
             )
-        target = self.target_batch_size or configured * trainer.accumulate_grad_batches * trainer.world_size
+        ranks = layout.data_parallel_size
+        target = self.target_batch_size or configured * trainer.accumulate_grad_batches * ranks
         decision = session.decide(PlanRequest(
-            capacity_bytes=capacity, margin=self.margin, target_batch_size=target, world_size=trainer.world_size,
+            capacity_bytes=capacity, margin=self.margin, target_batch_size=target, world_size=ranks,
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
-            allow_checkpointing=self.allow_checkpointing, include_context=include_context,
+            allow_checkpointing=self.allow_checkpointing, always_checkpoint=always, include_context=include_context,
         ))  # fmt: skip
         self.plan, self.estimate = decision.plan, decision.estimate
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
@@ -368,23 +383,26 @@ class MemoryPlannerBase:
         except InvalidInputError as error:
             return error
 
-    def _step_tracer(self, trainer: Any, pl_module: Any, sample: Any, target: Target) -> Any:
-        """``trace_at(micro, checkpointing, accumulation)``: the module's ``training_step`` in Lightning's loop."""
+    def _step_tracer(self, trainer: Any, pl_module: Any, sample: Any, target: Target, layout: StrategyLayout) -> Any:
+        """``trace_at(micro, checkpointing, accumulation)``: the module's ``training_step`` in Lightning's loop,
+        on one rank of the strategy's layout."""
         device = trainer.strategy.root_device
         optimizer = self._first_optimizer(pl_module)
         precision = Precision.parse(str(trainer.precision))
-        ddp = self._ddp_config(trainer.strategy)
+        sharding = layout.sharding
+        ddp = self._ddp_config(trainer.strategy) if sharding is None else None
+        blocks = layout.checkpoint_modules or self.checkpoint_modules
         forward = functools.partial(_training_step, device=device, internals=self._internals)
         # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
         # "replan") zeroes before training_step, so the forward no longer carries the last gradients.
         zero_grad = "after_step" if self.on_oom == "replan" else "before_backward"
 
         def trace_at(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
-            loop = TrainingLoop(zero_grad=zero_grad, accumulation_steps=accumulation, ddp=ddp,
+            loop = TrainingLoop(zero_grad=zero_grad, accumulation_steps=accumulation, ddp=ddp, sharding=sharding,
                                 extra_batches=batches_held(accumulation, self.on_oom))  # fmt: skip
             traced = estimate(
                 pl_module, sample, optimizer=optimizer, precision=precision, batch_size=micro, loop=loop, target=target,
-                gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
+                gradient_checkpointing=checkpointing, checkpoint_modules=blocks,
                 forward_fn=forward, loss_fn=_loss_of_training_step,
             )  # fmt: skip
             return traced.with_notes(*self._sample_notes)
@@ -433,15 +451,10 @@ class MemoryPlannerBase:
             except StopIteration:  # an empty loader: no batch to check
                 return None
 
-    def _sharding(self, strategy: Any) -> str | None:
-        """The name of a strategy that shards parameters, gradients or optimizer state across ranks."""
-        names = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
-        kinds = tuple(getattr(self._pl.strategies, name) for name in names if hasattr(self._pl.strategies, name))
-        return type(strategy).__name__ if isinstance(strategy, kinds) else None
-
     def _ddp_config(self, strategy: Any) -> DDPConfig | None:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
-        if not isinstance(strategy, self._pl.strategies.DDPStrategy):
+        deepspeed = getattr(self._pl.strategies, "DeepSpeedStrategy", ())
+        if not isinstance(strategy, self._pl.strategies.DDPStrategy) or isinstance(strategy, deepspeed):
             return None
         return DDPConfig.from_kwargs(self._internals.ddp_kwargs(strategy))
 
@@ -462,8 +475,8 @@ class MemoryPlannerBase:
         try:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, micro)
             trainer.accumulate_grad_batches = plan_dict["accumulate_grad_batches"]
-            if plan_dict["gradient_checkpointing"]:
-                enable_checkpointing(pl_module, self.checkpoint_modules)
+            if plan_dict["gradient_checkpointing"] and not self._internals.fsdp_checkpointing(trainer.strategy)[0]:
+                enable_checkpointing(pl_module, self.checkpoint_modules)  # not where FSDP wraps the blocks itself
         except Exception as error:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, previous_batch)
             trainer.accumulate_grad_batches = previous_accumulation
@@ -597,6 +610,7 @@ class MemoryPlannerBase:
         decision = self._decision
         if decision is None or (decision.predicted_allocated_bytes is None and not decision.measured_only):
             return
+        self._measuring = True
         try:
             self.monitor = RunMonitor.start(
                 trainer.strategy.root_device,
@@ -631,22 +645,33 @@ class MemoryPlannerBase:
     def _maybe_log_drift(self, trainer: Any) -> None:
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
-        if self.monitor is None or step == self._last_logged_step or step == 0 or step % every:
+        if not self._measuring or step == self._last_logged_step or step == 0 or step % every:
             return
         self._last_logged_step = step
-        self._log_metrics(trainer, self.monitor.observe(step))
+        self._log_window(trainer, step)
 
     def _log_final_drift(self, trainer: Any) -> None:
-        if self.monitor is None:
+        if not self._measuring:
             return
         if trainer.global_step != self._last_logged_step:
-            self._log_metrics(trainer, self.monitor.observe(trainer.global_step))
+            self._log_window(trainer, trainer.global_step)
+        if self.monitor is None:
+            return
         series = self.monitor.drift_series()
         if trainer.is_global_zero and series is not None and matplotlib_available():
             self._log_figure(trainer, "memfit/drift", lambda: _plot("plot_drift", *series))
         line = self.monitor.final_line()
         if line is not None and self.verbose:
             self._info(line)
+
+    def _log_window(self, trainer: Any, step: int) -> None:
+        """End the window on every rank; with several ranks, gather each rank's peaks to rank 0 too."""
+        metrics = self.monitor.observe(step) if self.monitor is not None else None
+        if trainer.world_size > 1:
+            strategy = trainer.strategy
+            ranks = per_rank_metrics(metrics, strategy.all_gather, device=strategy.root_device)
+            metrics = {**(metrics or {}), **ranks}
+        self._log_metrics(trainer, metrics)
 
     def _log_metrics(self, trainer: Any, metrics: dict[str, float] | None) -> None:
         """Send memfit's metrics to every logger (rank 0); a logger that fails costs one warning."""

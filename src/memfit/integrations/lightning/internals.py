@@ -66,6 +66,16 @@ class LightningInternals:
         """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel``."""
         return getattr(strategy, "_ddp_kwargs", None)
 
+    def fsdp_checkpointing(self, strategy: Any) -> tuple[bool, tuple[type, ...] | None]:
+        """Whether an ``FSDPStrategy`` checkpoints activations itself, and the block classes it wraps
+        when its policy names them (a ``{classes}`` set or a ``ModuleWrapPolicy``; ``None`` for a
+        ``check_fn`` or another policy, whose blocks cannot be read)."""
+        kwargs = getattr(strategy, "_activation_checkpointing_kwargs", None) or {}
+        if not kwargs:
+            return False, None
+        classes = getattr(kwargs.get("auto_wrap_policy"), "_module_classes", None)
+        return True, tuple(classes) if classes else None
+
     def optimizers(self, pl_module: Any) -> list[torch.optim.Optimizer]:
         """The torch optimizers ``configure_optimizers`` returns, in whatever form it returns them."""
         optimizers, _schedulers = self.pl.core.optimizer._init_optimizers_and_lr_schedulers(pl_module)
