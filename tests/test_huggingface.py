@@ -238,7 +238,7 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
 
     model = tiny_gpt2()
     assert ddp_config(args(world_size=1), model) is None
-    assert ddp_config(args(fsdp="full_shard"), model) is None  # sharded: not DDP
+    assert ddp_config(args(), model, sharded=True) is None  # FSDP or DeepSpeed runs: not DDP
     assert ddp_config(args(), model) == DDPConfig(find_unused_parameters=True)
     assert ddp_config(args(gradient_checkpointing=True), model) == DDPConfig(find_unused_parameters=False)
     renamed = args(activation_checkpointing=True)  # the newer name wins where both exist
@@ -362,28 +362,6 @@ def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_p
             processing_class=tokenizer, callbacks=[callback]).train()  # fmt: skip
     # the callback sees the dataset the Trainer stripped of `text` and `length`, and finds the same batch
     assert planned.estimate.peak_allocated_bytes == callback.estimate.peak_allocated_bytes
-
-
-def test_sharded_runs_are_not_planned_and_their_prediction_says_so(tmp_path: Path, monkeypatch) -> None:
-    """FSDP/DeepSpeed sharding is not modelled: no plan from an unsharded prediction, a note on the drift."""
-    import memfit.integrations.huggingface.arguments as hf_arguments
-    import memfit.integrations.huggingface.callback as hf_callback
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # restored after the test: transformers 4.x sets it for fsdp
-    with pytest.raises(memfit.InvalidInputError, match="shard the model with FSDP, which memfit does not model"):
-        plan_training_arguments(tiny_gpt2(), training_args(tmp_path, fsdp=True), Tokens(), budget="1GiB")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    args = training_args(tmp_path)
-    assert hf_arguments.sharding(args) is None
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets
-    assert hf_arguments.sharding(args) == "DeepSpeed"
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
-    # FSDP needs several processes: a one-process CPU run is reported as sharded, the rest is real
-    monkeypatch.setattr(hf_callback, "sharding", lambda args: "FSDP")
-    callback = MemoryPlannerCallback(verbose=False)
-    with pytest.warns(UserWarning, match="memfit does not model FSDP sharding yet"):
-        Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()
-    assert any(note.startswith("FSDP: predicted as if every rank") for note in callback.estimate.notes)
 
 
 def test_attach_puts_the_trainers_callback_first_and_holds_the_trainer(tmp_path: Path) -> None:

@@ -27,12 +27,7 @@ import torch
 
 from memfit.errors import InvalidInputError
 
-__all__ = ["SHARDING_NOT_MODELLED", "DDPConfig", "bucket_bytes"]
-
-# FSDP / ZeRO split parameters, gradients and optimizer state across ranks; memfit does not model that yet.
-SHARDING_NOT_MODELLED = (
-    "predicted as if every rank held the whole model, its gradients and optimizer state (an upper bound)"
-)
+__all__ = ["DDPConfig", "bucket_bytes"]
 
 _MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25

@@ -66,20 +66,10 @@ def model_checkpointing(model: Any) -> bool:
     return any(bool(getattr(model, name, False)) for name in names)
 
 
-def sharding(args: TrainingArguments) -> str | None:
-    """``"FSDP"`` or ``"DeepSpeed"`` when the run shards the model's state across processes (from the
-    arguments, or from what ``accelerate launch --use_fsdp/--use_deepspeed`` sets), else ``None``."""
-    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        return "FSDP"
-    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        return "DeepSpeed"
-    return None
-
-
-def ddp_config(args: TrainingArguments, model: torch.nn.Module) -> DDPConfig | None:
+def ddp_config(args: TrainingArguments, model: torch.nn.Module, *, sharded: bool = False) -> DDPConfig | None:
     """The ``DistributedDataParallel`` options the Trainer (through accelerate) will wrap ``model`` with,
-    or ``None`` when it will not (one process, FSDP, DeepSpeed)."""
-    if args.world_size <= 1 or sharding(args):
+    or ``None`` when it will not (one process; ``sharded``: FSDP or DeepSpeed runs, see ``sharding.run_layout``)."""
+    if args.world_size <= 1 or sharded:
         return None
     if args.ddp_find_unused_parameters is not None:
         find_unused = bool(args.ddp_find_unused_parameters)

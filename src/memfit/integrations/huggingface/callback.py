@@ -25,7 +25,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
 from memfit.diagnostics import degrade, info, warn_once
-from memfit.errors import InvalidInputError, MemfitError
+from memfit.errors import InvalidInputError, MemfitError, ShardingNotModelledError
 from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     ddp_config,
@@ -33,10 +33,11 @@ from memfit.integrations.huggingface.arguments import (
     run_notes,
     run_precision,
     running_optimizer,
-    sharding,
 )
 from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
 from memfit.integrations.huggingface.planning import PLAN_FILE
+from memfit.integrations.huggingface.sharding import RunLayout, run_layout
+from memfit.monitoring.ranks import per_rank_metrics
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
@@ -50,13 +51,13 @@ from memfit.monitoring.recovery import (
 from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.planner import Plan
+from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import drawn, log_figure, matplotlib_available
 from memfit.tracing.batch import batch_examples
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
-from memfit.tracing.ddp import SHARDING_NOT_MODELLED
 from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
 
@@ -140,7 +141,15 @@ class MemoryPlannerCallback(TrainerCallback):
     ``memfit/alarm_over_margin``, ``memfit/alarm_leak`` (1 in the window an alarm is raised). The
     predicted peaks are ``MemoryEstimate.at(micro batch)``, the figures a plan quotes. With a plan,
     the first log also carries ``memfit/micro_batch_size``, ``memfit/accumulate_grad_batches``,
-    ``memfit/gradient_checkpointing`` and ``memfit/effective_batch_size``.
+    ``memfit/gradient_checkpointing`` and ``memfit/effective_batch_size``. With several processes, rank 0
+    also logs every rank's own peaks as ``memfit/rank{r}/<key>``.
+
+    Under FSDP or DeepSpeed (``fsdp``/``fsdp_config``, ``deepspeed``, or ``accelerate launch``) the Trainer
+    hands callbacks the model already sharded, so the callback does not trace it: it measures each rank
+    against the per-rank prediction of the ``plan`` from ``plan_training_arguments`` (without a plan, the
+    measured peaks only, with one warning), and its out-of-memory recovery stays off. Where memfit cannot
+    predict a rank (DeepSpeed tensor parallelism, ZeRO++, MiCS), one warning names it and the measured
+    peaks alone are logged.
 
     Out-of-memory errors in a training step (``on_oom="replan"``, the default, when attached): the
     failed batch is retried in chunks whose losses are weighted by their share of the batch, and
@@ -190,6 +199,7 @@ class MemoryPlannerCallback(TrainerCallback):
         self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before; _UNSET: nothing)
         self._pending: dict[str, float] = {}
         self._first_log = True
+        self._layout: RunLayout | None = None
         self._timeline_logged = False
         self._warned: set[str] = set()
 
@@ -218,7 +228,10 @@ class MemoryPlannerCallback(TrainerCallback):
             except Exception as error:  # never let memfit end the run
                 degrade(f"memfit could not check evaluation ({type(error).__name__}: {error})", error,
                         key="evaluation", seen=self._warned)  # fmt: skip
-        if self.on_oom == "replan":
+        if self.on_oom == "replan" and self._layout is not None and self._layout.sharding is not None:
+            self._warn("recovery", f"memfit's out-of-memory recovery runs chunks beside the {self._layout.name} "
+                       "wrapper, which a sharded model cannot do: it stays off in this run")  # fmt: skip
+        elif self.on_oom == "replan":
             try:
                 self._install_recovery(args, model)
             except Exception as error:  # never let memfit end the run
@@ -234,7 +247,10 @@ class MemoryPlannerCallback(TrainerCallback):
                 self._info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
         every = max(1, int(state.logging_steps or args.logging_steps))
         if self.monitor is not None and state.global_step and not state.global_step % every:
-            self._pending.update(self.monitor.observe(state.global_step) or {})
+            metrics = self.monitor.observe(state.global_step) or {}
+            if args.world_size > 1:  # every rank reaches this step: gather each one's peaks to rank 0
+                metrics.update(per_rank_metrics(metrics, _all_gather, device=args.device))
+            self._pending.update(metrics)
 
     def on_log(
         self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
@@ -275,10 +291,12 @@ class MemoryPlannerCallback(TrainerCallback):
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
-        notes = run_notes(args)
+        device = next(model.parameters()).device
+        if self._measure_sharded(args, model, device, micro):
+            return
+        notes = run_notes(args) + list(self._layout.notes)
         with preserved_rng_state():
             sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=notes))
-        device = next(model.parameters()).device
         accumulation = args.gradient_accumulation_steps
         loop = TrainingLoop(accumulation_steps=accumulation, extra_batches=held_batches(accumulation, device),
                             ddp=ddp_config(args, model))  # fmt: skip
@@ -291,10 +309,6 @@ class MemoryPlannerCallback(TrainerCallback):
             loop=loop,
             target=Target("cuda" if device.type == "cuda" else "cpu"),
         )
-        if sharded_by := sharding(args):
-            notes.append(f"{sharded_by}: {SHARDING_NOT_MODELLED}")
-            self._warn("sharding", f"memfit does not model {sharded_by} sharding yet: drift is against a "
-                       f"prediction {SHARDING_NOT_MODELLED}")  # fmt: skip
         self.estimate = traced = traced.with_notes(*notes)
         peak = traced.at(micro)  # the figure a plan quotes for this micro batch, so the two agree
         self.monitor = RunMonitor.start(
@@ -314,6 +328,32 @@ class MemoryPlannerCallback(TrainerCallback):
             plan = f"; the plan it runs: {self.plan.summary()}" if self.plan else ""
             run = device.type.upper()
             self._info(f"memfit: predicted peak of this {run} run {figure} at micro batch {micro}{plan}")
+
+    def _measure_sharded(self, args: TrainingArguments, model: Any, device: torch.device, micro: int) -> bool:
+        """Under FSDP or DeepSpeed, start measuring against the plan's per-rank prediction (the model is
+        already sharded: there is nothing whole left to trace) and return ``True``; otherwise ``False``."""
+        try:
+            self._layout = run_layout(args, model, precision=run_precision(args))
+        except ShardingNotModelledError as error:
+            self._warn("sharding", not_modelled(str(error)))
+            self._layout, predicted = RunLayout(), None
+        else:
+            if self._layout.sharding is None:
+                return False
+            predicted = self.plan
+            if predicted is None:
+                self._warn("sharding", f"memfit: under {self._layout.name} the Trainer hands callbacks the model "
+                           "already sharded, so there is no whole model to predict from here; pass plan= from "
+                           "plan_training_arguments to measure each rank against its prediction. Logging the "
+                           "measured peaks only.")  # fmt: skip
+        allocated = predicted.predicted_allocated_bytes if predicted is not None else None
+        reserved = predicted.predicted_reserved_bytes if predicted is not None else None
+        self.monitor = RunMonitor.start(device, predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
+                                        estimate=None, margin=self.margin, warn=self._warn)  # fmt: skip
+        if self.verbose and predicted is not None:
+            self._info(f"memfit: measuring each rank of this {self._layout.name} run against the plan's per-rank "
+                       f"prediction: {predicted.summary()}")  # fmt: skip
+        return True
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
         """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""
@@ -459,6 +499,16 @@ class MemoryPlannerCallback(TrainerCallback):
 
 
 _UNSET = object()
+
+
+def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's ``tensor``, stacked in rank order (the tensor alone outside a process group)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return tensor
+    out = [torch.empty_like(tensor) for _ in range(distributed.get_world_size())]
+    distributed.all_gather(out, tensor)
+    return torch.stack(out)
 
 
 def _plot(function: str, *args: Any) -> Any:

@@ -15,7 +15,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
-from memfit.errors import InvalidInputError
+from memfit.errors import InvalidInputError, ShardingNotModelledError
 from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     collated_sample,
@@ -24,30 +24,31 @@ from memfit.integrations.huggingface.arguments import (
     run_device,
     run_notes,
     run_precision,
-    sharding,
     trainer_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
+from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.gpus import planning_target
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.tracing.config import TrainingLoop
-from memfit.tracing.ddp import SHARDING_NOT_MODELLED
+from memfit.tracing.sharding import ShardingConfig
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
 
 
 class PlannedArguments(NamedTuple):
     """``TrainingArguments`` with the plan applied, the plan, the trace of the step the plan runs (its
-    micro batch, accumulation and checkpointing), and the predicted evaluation pass (``None`` without
-    an ``eval_dataset``)."""
+    micro batch, accumulation and checkpointing), the predicted evaluation pass (``None`` without
+    an ``eval_dataset``), and what one rank holds under FSDP or DeepSpeed (``None``: not sharded)."""
 
     args: TrainingArguments
     plan: Plan
     estimate: MemoryEstimate
     evaluation: EvaluationPeak | None = None
+    sharding: ShardingConfig | None = None
 
 
 def plan_training_arguments(
@@ -97,23 +98,29 @@ def plan_training_arguments(
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-    if sharded_by := sharding(args):
-        raise InvalidInputError(
-            f"these arguments shard the model with {sharded_by}, which memfit does not model yet: its plan would "
-            f"be {SHARDING_NOT_MODELLED}. Set the batch size yourself; MemoryPlannerCallback still logs measured memory"
-        )
     runs_on = run_device(args)
     planning = planning_target(target, budget, runs_on)
-    configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
-    sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else [])
+    precision = run_precision(args)
+    try:
+        layout = run_layout(args, model, precision=precision,
+                            elsewhere_on_gpus=device.type == "cuda" and runs_on.type != "cuda")  # fmt: skip
+    except ShardingNotModelledError as error:
+        raise ShardingNotModelledError(
+            f"memfit cannot predict one rank's memory under {error}, so it cannot plan these arguments: set the "
+            "batch size yourself; MemoryPlannerCallback, attached, still logs the measured peaks"
+        ) from error
+    configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
                              notes=sample_notes)  # fmt: skip
-    optimizer, precision, ddp = trainer_optimizer(args, model), run_precision(args), ddp_config(args, model)
+    optimizer = trainer_optimizer(args, model)
+    ddp = ddp_config(args, model, sharded=layout.sharding is not None)
 
     def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
         held = held_batches(accumulation_steps, device)
-        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp)
+        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
+                            sharding=layout.sharding)  # fmt: skip
         traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
                           gradient_checkpointing=checkpointing, loop=loop, target=planning.target)  # fmt: skip
         return traced.with_notes(*sample_notes)
@@ -133,14 +140,16 @@ def plan_training_arguments(
             capacity_bytes=capacity, margin=margin,
             target_batch_size=target_batch_size or configured * accumulation * args.world_size,
             world_size=args.world_size, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-            allow_checkpointing=allow_checkpointing, include_context=include_context,
+            allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
+            include_context=include_context,
         ))  # fmt: skip
         chosen, planned = decision.plan, decision.estimate
     switch = checkpointing_switch(args)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": chosen.micro_batch_size,
         "gradient_accumulation_steps": chosen.accumulate_grad_batches,
-        switch: chosen.gradient_checkpointing or bool(getattr(args, switch)),
+        # FSDP's own activation checkpointing excludes the Trainer's: the Trainer refuses both
+        switch: (chosen.gradient_checkpointing and not layout.checkpointing) or bool(getattr(args, switch)),
     }
     evaluation = None
     if eval_dataset is not None:
@@ -153,7 +162,7 @@ def plan_training_arguments(
             changes["eval_accumulation_steps"] = flush_every
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
-    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation)
+    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation, layout.sharding)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:

@@ -1,0 +1,155 @@
+"""What the Trainer and accelerate decide about sharding, read where they keep it.
+
+transformers has no public answer to "will this run be sharded, and how": ``TrainingArguments``
+keeps the FSDP options it hands accelerate (``fsdp_plugin_args``, transformers 5) and the DeepSpeed
+config it processed (``hf_deepspeed_config``); ``accelerate launch`` passes its choices in
+environment variables (``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``ACCELERATE_USE_DEEPSPEED``) that
+accelerate's plugins read; and accelerate applies FSDP only when its ``PartialState`` runs several
+processes on GPU-type devices (``AcceleratorState``: FSDP for ``MULTI_GPU`` and the like, never for
+``MULTI_CPU``), DeepSpeed only when that state is ``DEEPSPEED``. Those reads live here, with the
+versions they are tested on (transformers 5.23, accelerate 1.x; 4.x arguments fall back to
+``fsdp``/``fsdp_config`` as written); everything else of the integration reads public arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from memfit.tracing.sharding_sources import load_deepspeed_config
+
+__all__ = [
+    "deepspeed_auto_values",
+    "deepspeed_config",
+    "distributed_type",
+    "fsdp_options",
+    "fsdp_requested",
+    "local_world_size",
+]
+
+_TRUE = ("1", "true", "yes", "on")
+# accelerate.utils.constants.FSDP_SHARDING_STRATEGY: FSDP_SHARDING_STRATEGY=<index + 1> means that name
+_ACCELERATE_SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in _TRUE
+
+
+def fsdp_requested(args: Any) -> bool:
+    """The arguments, or ``accelerate launch --use_fsdp``, ask for FSDP."""
+    return bool(getattr(args, "fsdp", None)) or _env_flag("ACCELERATE_USE_FSDP")
+
+
+def deepspeed_requested(args: Any) -> bool:
+    """The arguments, or ``accelerate launch --use_deepspeed``, ask for DeepSpeed."""
+    return bool(getattr(args, "deepspeed", None)) or _env_flag("ACCELERATE_USE_DEEPSPEED")
+
+
+def distributed_type(args: Any) -> str:
+    """accelerate's ``DistributedType`` name for this process (``NO``, ``MULTI_CPU``, ``MULTI_GPU``,
+    ``DEEPSPEED``, ...), as ``TrainingArguments`` set up its ``PartialState``."""
+    _ = args.device  # sets up ``distributed_state`` (a cached property)
+    state = getattr(args, "distributed_state", None)
+    kind = getattr(state, "distributed_type", None)
+    return str(getattr(kind, "name", kind or "NO"))
+
+
+def fsdp_applies(kind: str) -> bool:
+    """Whether accelerate wraps the model in FSDP under this ``DistributedType`` (several processes on
+    GPU-type devices: ``AcceleratorState`` turns ``MULTI_GPU``, ``MULTI_NPU``, ... into ``FSDP``)."""
+    return kind.startswith("MULTI_") and kind != "MULTI_CPU"
+
+
+def local_world_size(args: Any) -> int:
+    """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``), else the whole world size."""
+    world = int(args.world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return local if local > 0 and world % local == 0 else world
+
+
+def fsdp_options(args: Any) -> dict[str, Any]:
+    """The FSDP plugin's options: ``fsdp_version``, ``sharding`` (an FSDP1 ``ShardingStrategy`` name, or
+    ``None`` for FSDP2), ``reshard_after_forward`` (FSDP2), ``cpu_offload``, ``activation_checkpointing``,
+    ``auto_wrap_policy``: from ``args.fsdp_plugin_args`` (what the Trainer hands accelerate), else from
+    ``accelerate launch``'s ``FSDP_*`` variables, else from ``fsdp``/``fsdp_config`` as written."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if plugin:
+        version = int(plugin.get("fsdp_version", 2))
+        reshard = plugin.get("reshard_after_forward", True if version == 2 else "full_shard")
+        return _options(version, reshard, plugin.get("cpu_offload", False), plugin.get("activation_checkpointing"),
+                        plugin.get("auto_wrap_policy"))  # fmt: skip
+    if getattr(args, "fsdp", None):  # transformers 4.x: the arguments as written
+        items = args.fsdp.split() if isinstance(args.fsdp, str) else [str(i) for i in args.fsdp or []]
+        items = [str(getattr(i, "value", i)).lower() for i in items]
+        config = getattr(args, "fsdp_config", None) or {}
+        version = int(config.get("version", config.get("fsdp_version", 1)))
+        named = next((i for i in items if i.upper() in _ACCELERATE_SHARDING), "full_shard")
+        reshard = config.get("reshard_after_forward", named != "shard_grad_op" if version == 2 else named)
+        offload = "offload" in items or bool(config.get("cpu_offload", False))
+        wrap = "TRANSFORMER_BASED_WRAP" if "auto_wrap" in items else config.get("auto_wrap_policy")
+        return _options(version, reshard, offload, config.get("activation_checkpointing"), wrap)
+    version = int(os.environ.get("FSDP_VERSION", "1"))  # accelerate's plugin reads these, with these defaults
+    sharding = os.environ.get("FSDP_SHARDING_STRATEGY") or os.environ.get(
+        "FSDP_RESHARD_AFTER_FORWARD", "true" if version == 2 else "FULL_SHARD"
+    )
+    return _options(version, sharding, _env_flag("FSDP_OFFLOAD_PARAMS"), _env_flag("FSDP_ACTIVATION_CHECKPOINTING"),
+                    os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP"))  # fmt: skip
+
+
+def _options(version: int, reshard: Any, offload: Any, checkpointing: Any, wrap: Any) -> dict[str, Any]:
+    def flag(value: Any) -> bool:
+        return value if isinstance(value, bool) else str(value).lower() in _TRUE
+
+    if version == 2:
+        sharding, reshard_after_forward = None, flag(reshard)
+    else:
+        name = str(reshard).upper()
+        if name.isdigit():
+            name = _ACCELERATE_SHARDING[int(name) - 1]
+        sharding, reshard_after_forward = ("_" + name if name == "HYBRID_SHARD_ZERO2" else name), None
+    return {
+        "fsdp_version": version,
+        "sharding": sharding,
+        "reshard_after_forward": reshard_after_forward,
+        "cpu_offload": flag(offload),
+        "activation_checkpointing": flag(checkpointing or False),
+        "auto_wrap_policy": str(wrap or "NO_WRAP").upper(),
+    }
+
+
+def deepspeed_config(args: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config the run will use: ``deepspeed=`` as ``TrainingArguments`` processed it
+    (batch sizes filled in), else the one ``accelerate launch --use_deepspeed`` built its plugin from."""
+    processed = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(processed, dict):
+        return processed
+    if getattr(args, "deepspeed", None):
+        return load_deepspeed_config(args.deepspeed)
+    plugin = getattr(args, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    return dict(config) if isinstance(config, dict) else None
+
+
+def deepspeed_auto_values(model: Any, zero3: bool) -> dict[str, int]:
+    """The values the Trainer puts in place of ``"auto"`` bucket sizes, from the model's hidden size
+    (``HfTrainerDeepSpeedConfig.trainer_config_finalize``); empty when the model's config has none."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None)
+    hidden = None
+    for source in (config, text):
+        if source is None:
+            continue
+        if getattr(source, "hidden_size", None):
+            hidden = source.hidden_size
+        elif getattr(source, "hidden_sizes", None):
+            hidden = max(source.hidden_sizes)
+        if hidden:
+            break
+    if not hidden:
+        return {}
+    values = {"reduce_bucket_size": hidden * hidden}
+    if zero3:
+        values["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        values["stage3_param_persistence_threshold"] = 10 * hidden
+    return values
