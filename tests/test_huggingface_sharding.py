@@ -154,3 +154,44 @@ def test_callback_names_what_it_cannot_model(tmp_path: Path, monkeypatch) -> Non
     logged = [entry for entry in seen.logs if "memfit/measured_peak_rss_bytes" in entry]
     assert logged and not any("memfit/predicted_peak_allocated_bytes" in entry for entry in logged)
     assert isinstance(callback, MemoryPlannerCallback) and callback.estimate is None
+
+
+def test_torchrun_on_cpu_with_fsdp_plans_the_ddp_that_runs_and_logs_every_rank(tmp_path: Path) -> None:
+    """Two real processes (gloo): fsdp= is asked for, accelerate runs DDP on CPU; both ranks plan from the
+    smaller budget, run the same micro batch, and rank 0 logs each rank's peaks."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from test_huggingface import budget_between
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    model, data = tiny_gpt2(), Tokens()
+    ddp_args = training_args(tmp_path, ddp_find_unused_parameters=False)
+    traced = plan_training_arguments(model, ddp_args, data, budget="1GiB").estimate
+    tight = budget_between(traced, 5)  # one process's trace: close to the DDP one's, the plan shrinks either way
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ACCELERATE_USE_FSDP", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+               str(here / "hf_fit.py"), str(tmp_path), str(2**30), str(tight)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0]["plan"] == reports[1]["plan"]  # the smaller budget, on both ranks
+    plan = reports[0]["plan"]
+    assert plan["micro_batch_size"] < 12 and plan["world_size"] == 2
+    for report in reports:
+        assert report["sharding"] is None and report["ddp"] is not None  # planned as the DDP that runs
+        assert report["wrapped_in"] == "DistributedDataParallel"
+        assert report["ran_batch_size"] == plan["micro_batch_size"]
+        assert any("this run (MULTI_CPU) runs DDP" in note for note in report["notes"])
+    logged = [entry for entry in reports[0]["logs"] if "memfit/rank1/measured_peak_rss_bytes" in entry]
+    assert len(logged) == 2
+    for entry in logged:
+        for rank in (0, 1):
+            assert entry[f"memfit/rank{rank}/predicted_peak_allocated_bytes"] == plan["predicted_allocated_bytes"]
+            assert entry[f"memfit/rank{rank}/measured_peak_rss_bytes"] > 0

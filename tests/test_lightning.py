@@ -154,26 +154,6 @@ def test_budget_too_small_even_with_checkpointing_fails_before_training(tmp_path
     assert fit.global_step == 0 and module.seen_batch_sizes == []
 
 
-def test_a_sharding_strategy_is_observed_not_planned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sharding is not modelled: an unsharded prediction must neither shrink the batch nor stop the run."""
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-    planner = MemoryPlanner(budget=100_000)  # where an unsharded plan stops the run before training
-    assert planner._sharding(FSDPStrategy()) == "FSDPStrategy"
-    assert planner._sharding(ModelParallelStrategy()) == "ModelParallelStrategy"
-    assert planner._sharding(DDPStrategy()) is None
-    assert planner._sharding(SingleDeviceStrategy("cpu")) is None
-    # Lightning runs FSDP on GPUs only: on the CPU the strategy is reported as sharding, the rest is real
-    monkeypatch.setattr(MemoryPlanner, "_sharding", lambda self, strategy: "FSDPStrategy")
-    module = TinyGPT(batch_size=12)
-    fit = trainer(tmp_path, planner)
-    with pytest.warns(UserWarning, match="does not model the sharding of FSDPStrategy yet"):
-        fit.fit(module)
-    assert planner.plan is None and set(module.seen_batch_sizes) == {12} and fit.accumulate_grad_batches == 1
-    assert fit.global_step == 6
-    assert any(note.startswith("FSDPStrategy: predicted as if every rank") for note in planner.estimate.notes)
-
-
 def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> None:
     module = TinyGPT(batch_size=12, n_layer=4)
     ids = torch.zeros(12, SEQ, dtype=torch.long)

@@ -77,6 +77,12 @@ def plan_training_arguments(
     not fit, ``eval_accumulation_steps`` (if you left it unset) is set to the most batches whose
     outputs fit on the GPU before they move to the CPU; otherwise a warning says what to change.
 
+    Under FSDP or DeepSpeed (``fsdp``/``fsdp_config``, ``deepspeed``, or ``accelerate launch``) the plan is
+    one rank's, with the ``ShardingConfig`` read from the arguments (``PlannedArguments.sharding``; see
+    ``memfit.integrations.huggingface.sharding``): what accelerate will actually run, so ``fsdp=`` under
+    ``torchrun`` on CPU, where accelerate runs DDP, is planned as DDP, with a note. Under ``torchrun``
+    every process plans from the smallest capacity of all ranks, so all ranks get the same plan.
+
     Args:
         model, args, train_dataset, data_collator, processing_class, eval_dataset, compute_metrics,
             preprocess_logits_for_metrics: what you will pass to ``Trainer``.
@@ -94,7 +100,12 @@ def plan_training_arguments(
             that plan is returned unchanged so a resumed run keeps its batch.
 
     Returns:
-        ``PlannedArguments(args, plan, estimate)``; ``args`` is a copy, the input is not changed.
+        ``PlannedArguments(args, plan, estimate, evaluation, sharding)``; ``args`` is a copy, the input is
+        not changed.
+
+    Raises:
+        ShardingNotModelledError: a layout memfit cannot predict per rank (DeepSpeed tensor parallelism,
+            ZeRO++, MiCS), named in the message.
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
@@ -133,7 +144,7 @@ def plan_training_arguments(
         planned = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
                                    chosen.accumulate_grad_batches)  # fmt: skip
     else:
-        capacity = planning.capacity_bytes(device)
+        capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args)
         if capacity <= 0:
             raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
         decision = session.decide(PlanRequest(
@@ -163,6 +174,17 @@ def plan_training_arguments(
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
     return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation, layout.sharding)
+
+
+def _smallest_of_all_ranks(capacity: int, args: TrainingArguments) -> int:
+    """Under ``torchrun`` every process plans: from the smallest capacity of all of them, so the
+    deterministic search gives every rank the same plan (``TrainingArguments`` set up the process group)."""
+    distributed = torch.distributed
+    if args.world_size <= 1 or not (distributed.is_available() and distributed.is_initialized()):
+        return capacity
+    value = torch.tensor([capacity], dtype=torch.int64, device=args.device)
+    distributed.all_reduce(value, op=distributed.ReduceOp.MIN)
+    return int(value.item())
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:

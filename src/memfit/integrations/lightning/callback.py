@@ -29,7 +29,7 @@ from memfit.errors import (
     ValueDependentError,
 )
 from memfit.integrations.lightning.internals import LightningInternals
-from memfit.integrations.lightning.sharding import StrategyLayout, strategy_layout
+from memfit.integrations.lightning.sharding import StrategyLayout, sharding_strategy_name, strategy_layout
 from memfit.monitoring.ranks import per_rank_metrics
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
@@ -537,6 +537,9 @@ class MemoryPlannerBase:
                        "with manual optimization an out-of-memory error ends the run as usual.")  # fmt: skip
             return
         unsupported = self._internals.recovery_supported(trainer)
+        if (sharded := sharding_strategy_name(trainer.strategy, self._internals)) is not None:
+            unsupported = (f"under {sharded} every forward gathers parameters with the other ranks, so one rank "
+                           "cannot rerun a batch in chunks alone")  # fmt: skip
         if unsupported is not None:
             self._warn("recovery", f"{unsupported}: memfit leaves its out-of-memory recovery off in this run; an "
                        "out-of-memory error will end it as usual.")  # fmt: skip

@@ -21,7 +21,9 @@ from memfit.integrations.lightning.internals import LightningInternals
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.sharding_sources import FSDP1_STRATEGIES, sharding_from_deepspeed
 
-__all__ = ["StrategyLayout", "strategy_layout"]
+__all__ = ["SHARDING_STRATEGIES", "StrategyLayout", "sharding_strategy_name", "strategy_layout"]
+
+SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,15 @@ class StrategyLayout:
     checkpointing: bool = False
     checkpoint_modules: tuple[type, ...] | None = None
     notes: tuple[str, ...] = ()
+
+
+def sharding_strategy_name(strategy: Any, internals: LightningInternals) -> str | None:
+    """The class name of a strategy whose ranks share the model's state (so every forward runs collectives),
+    else ``None``."""
+    kinds = tuple(
+        getattr(internals.pl.strategies, n) for n in SHARDING_STRATEGIES if hasattr(internals.pl.strategies, n)
+    )
+    return type(strategy).__name__ if isinstance(strategy, kinds) else None
 
 
 def strategy_layout(trainer: Any, internals: LightningInternals) -> StrategyLayout:
