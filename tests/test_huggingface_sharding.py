@@ -55,7 +55,12 @@ def test_fsdp2_full_shard_with_offload_and_bf16(tmp_path: Path) -> None:
         "fsdp", world_size=1, gpus_per_node=1, offload_optimizer=True, offload_params=True,
         reshard_after_forward=True, mixed_precision_param_dtype="bfloat16",
     )  # fmt: skip
-    assert not any("one unit" in note for note in planned.estimate.notes)  # blocks are wrapped
+    assert not any("gathers every parameter at once" in note for note in planned.estimate.notes)  # blocks wrapped
+    assert planned.estimate.sharding == planned.sharding  # the prediction is one rank's
+    from memfit.integrations.huggingface.sharding import run_layout
+
+    layout = run_layout(planned.args, tiny_gpt2(), precision="bf16-mixed", elsewhere_on_gpus=True)
+    assert layout.units == ("GPT2Block",)  # the estimate's FSDP units: the layers accelerate wraps
 
 
 def test_fsdp_checkpointing_is_the_strategys_own(tmp_path: Path) -> None:
@@ -65,7 +70,7 @@ def test_fsdp_checkpointing_is_the_strategys_own(tmp_path: Path) -> None:
                                               reshard_after_forward=False)  # fmt: skip
     assert planned.plan.gradient_checkpointing and planned.estimate.gradient_checkpointing
     assert not planned.args.activation_checkpointing  # the Trainer refuses FSDP's and its own together
-    assert any("NO_WRAP: all parameters are gathered as one unit" in note for note in planned.estimate.notes)
+    assert any("NO_WRAP gathers every parameter at once" in note for note in planned.estimate.notes)
 
 
 def test_fsdp1_hybrid_shard(tmp_path: Path) -> None:

@@ -85,12 +85,16 @@ def sharding_from_deepspeed(
         raise InvalidInputError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero.get('stage')!r}")
     strategy = "ddp" if stage == 0 else f"zero{stage}"
     options = {key: _bucket(zero, key, auto) for key in BUCKET_KEYS}
+    overlap = zero.get("overlap_comm")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise InvalidInputError(f"zero_optimization.overlap_comm must be true or false, got {overlap!r}")
     return ShardingConfig(
         strategy=strategy,  # type: ignore[arg-type]
         world_size=world_size,
         gpus_per_node=gpus_per_node,
         offload_optimizer=stage > 0 and _device(zero, "offload_optimizer") in _OFFLOADED,
         offload_params=stage == 3 and _device(zero, "offload_param") in _OFFLOADED,
+        overlap_comm=overlap,
         **options,
     )
 

@@ -71,14 +71,15 @@ def local_world_size(args: Any) -> int:
 def fsdp_options(args: Any) -> dict[str, Any]:
     """The FSDP plugin's options: ``fsdp_version``, ``sharding`` (an FSDP1 ``ShardingStrategy`` name, or
     ``None`` for FSDP2), ``reshard_after_forward`` (FSDP2), ``cpu_offload``, ``activation_checkpointing``,
-    ``auto_wrap_policy``: from ``args.fsdp_plugin_args`` (what the Trainer hands accelerate), else from
-    ``accelerate launch``'s ``FSDP_*`` variables, else from ``fsdp``/``fsdp_config`` as written."""
+    ``auto_wrap_policy``, ``wrap_classes`` (the transformer layer class names it wraps): from
+    ``args.fsdp_plugin_args`` (what the Trainer hands accelerate), else from ``accelerate launch``'s
+    ``FSDP_*`` variables, else from ``fsdp``/``fsdp_config`` as written."""
     plugin = getattr(args, "fsdp_plugin_args", None)
     if plugin:
         version = int(plugin.get("fsdp_version", 2))
         reshard = plugin.get("reshard_after_forward", True if version == 2 else "full_shard")
         return _options(version, reshard, plugin.get("cpu_offload", False), plugin.get("activation_checkpointing"),
-                        plugin.get("auto_wrap_policy"))  # fmt: skip
+                        plugin.get("auto_wrap_policy"), plugin.get("transformer_cls_names_to_wrap"))  # fmt: skip
     if getattr(args, "fsdp", None):  # transformers 4.x: the arguments as written
         items = args.fsdp.split() if isinstance(args.fsdp, str) else [str(i) for i in args.fsdp or []]
         items = [str(getattr(i, "value", i)).lower() for i in items]
@@ -88,16 +89,19 @@ def fsdp_options(args: Any) -> dict[str, Any]:
         reshard = config.get("reshard_after_forward", named != "shard_grad_op" if version == 2 else named)
         offload = "offload" in items or bool(config.get("cpu_offload", False))
         wrap = "TRANSFORMER_BASED_WRAP" if "auto_wrap" in items else config.get("auto_wrap_policy")
-        return _options(version, reshard, offload, config.get("activation_checkpointing"), wrap)
+        classes = config.get("transformer_layer_cls_to_wrap")
+        classes = ",".join(classes) if isinstance(classes, (list, tuple)) else classes
+        return _options(version, reshard, offload, config.get("activation_checkpointing"), wrap, classes)
     version = int(os.environ.get("FSDP_VERSION", "1"))  # accelerate's plugin reads these, with these defaults
     sharding = os.environ.get("FSDP_SHARDING_STRATEGY") or os.environ.get(
         "FSDP_RESHARD_AFTER_FORWARD", "true" if version == 2 else "FULL_SHARD"
     )
     return _options(version, sharding, _env_flag("FSDP_OFFLOAD_PARAMS"), _env_flag("FSDP_ACTIVATION_CHECKPOINTING"),
-                    os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP"))  # fmt: skip
+                    os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP"),
+                    os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"))  # fmt: skip
 
 
-def _options(version: int, reshard: Any, offload: Any, checkpointing: Any, wrap: Any) -> dict[str, Any]:
+def _options(version: int, reshard: Any, offload: Any, checkpointing: Any, wrap: Any, classes: Any) -> dict[str, Any]:
     def flag(value: Any) -> bool:
         return value if isinstance(value, bool) else str(value).lower() in _TRUE
 
@@ -115,6 +119,7 @@ def _options(version: int, reshard: Any, offload: Any, checkpointing: Any, wrap:
         "cpu_offload": flag(offload),
         "activation_checkpointing": flag(checkpointing or False),
         "auto_wrap_policy": str(wrap or "NO_WRAP").upper(),
+        "wrap_classes": tuple(name.strip() for name in str(classes).split(",") if name.strip()) if classes else None,
     }
 
 

@@ -133,7 +133,8 @@ def plan_training_arguments(
         loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
                             sharding=layout.sharding)  # fmt: skip
         traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                          gradient_checkpointing=checkpointing, loop=loop, target=planning.target)  # fmt: skip
+                          gradient_checkpointing=checkpointing, loop=loop, target=planning.target,
+                          checkpoint_modules=layout.units)  # fmt: skip
         return traced.with_notes(*sample_notes)
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)

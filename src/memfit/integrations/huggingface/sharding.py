@@ -33,11 +33,15 @@ class RunLayout:
         checkpointing: FSDP checkpoints activations itself (``fsdp_config["activation_checkpointing"]``):
             the plan keeps it on and must not set ``activation_checkpointing`` too (the Trainer refuses both).
         notes: what the prediction should say (a requested strategy that will not run, a wrap policy).
+        units: the layer class names FSDP wraps as units (``transformer_layer_cls_to_wrap``), for the
+            estimate's ``checkpoint_modules`` (memfit's FSDP model takes its units there); ``None``: the
+            model's repeated blocks, which is what the transformer-based policy wraps by default.
     """
 
     sharding: ShardingConfig | None = None
     checkpointing: bool = False
     notes: tuple[str, ...] = ()
+    units: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -91,7 +95,8 @@ def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_g
     offload = options["cpu_offload"] and strategy != "fsdp-no-shard"
     notes = []
     if options["auto_wrap_policy"] == "NO_WRAP":
-        notes.append("FSDP auto_wrap_policy NO_WRAP: all parameters are gathered as one unit")
+        notes.append("FSDP auto_wrap_policy NO_WRAP gathers every parameter at once; memfit models its units at "
+                     "the repeated blocks, so this rank's gathered parameters are predicted low")  # fmt: skip
     try:
         sharding = ShardingConfig(
             strategy=strategy,  # type: ignore[arg-type]
@@ -104,4 +109,4 @@ def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_g
         )
     except InvalidInputError as error:
         raise ShardingNotModelledError(f"FSDP {strategy} ({error})") from error
-    return RunLayout(sharding, bool(options["activation_checkpointing"]), tuple(notes))
+    return RunLayout(sharding, bool(options["activation_checkpointing"]), tuple(notes), options["wrap_classes"])

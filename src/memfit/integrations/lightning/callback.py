@@ -391,7 +391,7 @@ class MemoryPlannerBase:
         precision = Precision.parse(str(trainer.precision))
         sharding = layout.sharding
         ddp = self._ddp_config(trainer.strategy) if sharding is None else None
-        blocks = layout.checkpoint_modules or self.checkpoint_modules
+        blocks = layout.checkpoint_modules or self.checkpoint_modules or layout.unit_modules
         forward = functools.partial(_training_step, device=device, internals=self._internals)
         # Lightning's closure runs training_step, zero_grad, backward; memfit's recovering closure (on_oom=
         # "replan") zeroes before training_step, so the forward no longer carries the last gradients.

@@ -76,6 +76,12 @@ class LightningInternals:
         classes = getattr(kwargs.get("auto_wrap_policy"), "_module_classes", None)
         return True, tuple(classes) if classes else None
 
+    def fsdp_wrap_classes(self, strategy: Any) -> tuple[type, ...] | None:
+        """The block classes an ``FSDPStrategy``'s ``auto_wrap_policy`` makes units of, when it names them."""
+        policy = (getattr(strategy, "kwargs", None) or {}).get("auto_wrap_policy")
+        classes = getattr(policy, "_module_classes", None)  # a {classes} set becomes a ModuleWrapPolicy
+        return tuple(classes) if classes else None
+
     def optimizers(self, pl_module: Any) -> list[torch.optim.Optimizer]:
         """The torch optimizers ``configure_optimizers`` returns, in whatever form it returns them."""
         optimizers, _schedulers = self.pl.core.optimizer._init_optimizers_and_lr_schedulers(pl_module)

@@ -38,6 +38,8 @@ class StrategyLayout:
         checkpointing: the strategy itself checkpoints activations (FSDP's activation checkpointing
             policy): the plan keeps it on and memfit does not wrap blocks again.
         checkpoint_modules: the block classes it checkpoints, when the policy names them.
+        unit_modules: the block classes FSDP wraps as units, when its ``auto_wrap_policy`` names them
+            (memfit's FSDP model takes its units where checkpointing would find its blocks).
         notes: what the prediction should say about options memfit reads but does not model.
     """
 
@@ -47,6 +49,7 @@ class StrategyLayout:
     checkpointing: bool = False
     checkpoint_modules: tuple[type, ...] | None = None
     notes: tuple[str, ...] = ()
+    unit_modules: tuple[type, ...] | None = None
 
 
 def sharding_strategy_name(strategy: Any, internals: LightningInternals) -> str | None:
@@ -100,7 +103,8 @@ def _fsdp1(strategy: Any, name: str, world_size: int, per_node: int, internals: 
     param_dtype = getattr(mixed, "param_dtype", None)
     notes = []
     if (strategy.kwargs or {}).get("auto_wrap_policy") is None:
-        notes.append(f"{name} has no auto_wrap_policy: FSDP gathers all parameters as one unit")
+        notes.append(f"{name} has no auto_wrap_policy, so FSDP gathers every parameter at once; memfit models its "
+                     "units at the repeated blocks, so this rank's gathered parameters are predicted low")  # fmt: skip
     checkpointing, blocks = internals.fsdp_checkpointing(strategy)
     try:
         sharding = ShardingConfig(
@@ -114,7 +118,8 @@ def _fsdp1(strategy: Any, name: str, world_size: int, per_node: int, internals: 
         )
     except InvalidInputError as error:
         raise ShardingNotModelledError(f"{name} with {kind} ({error})") from error
-    return StrategyLayout(name, sharding, world_size, checkpointing, blocks, tuple(notes))
+    units = internals.fsdp_wrap_classes(strategy)
+    return StrategyLayout(name, sharding, world_size, checkpointing, blocks, tuple(notes), units)
 
 
 def _fsdp2(strategy: Any, name: str, world_size: int, per_node: int) -> StrategyLayout:
