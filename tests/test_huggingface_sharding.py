@@ -161,42 +161,73 @@ def test_callback_names_what_it_cannot_model(tmp_path: Path, monkeypatch) -> Non
     assert isinstance(callback, MemoryPlannerCallback) and callback.estimate is None
 
 
-def test_torchrun_on_cpu_with_fsdp_plans_the_ddp_that_runs_and_logs_every_rank(tmp_path: Path) -> None:
-    """Two real processes (gloo): fsdp= is asked for, accelerate runs DDP on CPU; both ranks plan from the
-    smaller budget, run the same micro batch, and rank 0 logs each rank's peaks."""
+def torchrun(tmp_path: Path, mode: str, budgets: tuple[str, str]) -> list[dict]:
+    """Two real processes (gloo) running ``hf_fit.py``; each rank's report."""
     import os
+    import signal
     import subprocess
     import sys
 
     import torch
 
-    from test_huggingface import budget_between
-
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    model, data = tiny_gpt2(), Tokens()
-    ddp_args = training_args(tmp_path, ddp_find_unused_parameters=False)
-    traced = plan_training_arguments(model, ddp_args, data, budget="1GiB").estimate
-    tight = budget_between(traced, 5)  # one process's trace: close to the DDP one's, the plan shrinks either way
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    env.pop("ACCELERATE_USE_FSDP", None)
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-               str(here / "hf_fit.py"), str(tmp_path), str(2**30), str(tight)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert reports[0]["plan"] == reports[1]["plan"]  # the smaller budget, on both ranks
+               str(here / "hf_fit.py"), str(tmp_path), mode, *budgets]  # fmt: skip
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            _, stderr = process.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: none outlives the test
+            raise
+    assert process.returncode == 0, stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def assert_one_plan_and_every_rank_logged(reports: list[dict]) -> dict:
+    assert reports[0]["plan"] == reports[1]["plan"]  # rank 1's tight budget, on both ranks
     plan = reports[0]["plan"]
-    assert plan["micro_batch_size"] < 12 and plan["world_size"] == 2
+    micro, accumulation = plan["micro_batch_size"], plan["accumulate_grad_batches"]
+    assert plan["largest_micro_batch"] <= 5 and plan["world_size"] == 2  # rank 1's budget holds at most 5
+    assert plan["effective_batch_size"] == micro * accumulation * 2 >= 24
     for report in reports:
-        assert report["sharding"] is None and report["ddp"] is not None  # planned as the DDP that runs
-        assert report["wrapped_in"] == "DistributedDataParallel"
-        assert report["ran_batch_size"] == plan["micro_batch_size"]
-        assert any("this run (MULTI_CPU) runs DDP" in note for note in report["notes"])
+        assert (report["ran_batch_size"], report["ran_accumulation"]) == (micro, accumulation)
     logged = [entry for entry in reports[0]["logs"] if "memfit/rank1/measured_peak_rss_bytes" in entry]
     assert len(logged) == 2
     for entry in logged:
         for rank in (0, 1):
             assert entry[f"memfit/rank{rank}/predicted_peak_allocated_bytes"] == plan["predicted_allocated_bytes"]
             assert entry[f"memfit/rank{rank}/measured_peak_rss_bytes"] > 0
+    return plan
+
+
+def test_torchrun_on_cpu_with_fsdp_plans_the_ddp_that_runs_and_logs_every_rank(tmp_path: Path) -> None:
+    """fsdp= is asked for, accelerate runs DDP on CPU: memfit plans the DDP that runs."""
+    reports = torchrun(tmp_path, "fsdp", ("8000000000", "tight"))
+    assert_one_plan_and_every_rank_logged(reports)
+    for report in reports:
+        assert report["sharding"] is None and report["ddp"] is not None  # planned as the DDP that runs
+        assert report["wrapped_in"] == "DistributedDataParallel"
+        assert any("this run (MULTI_CPU) runs DDP" in note for note in report["notes"])
+
+
+def test_torchrun_deepspeed_zero3_on_cpu_plans_one_rank(tmp_path: Path) -> None:
+    """A real ZeRO-3 run (DeepSpeed's CPU accelerator): the plan is one rank of two, "auto" buckets as the
+    Trainer fills them (hidden size 64), both ranks run the plan of the smaller budget and are measured."""
+    import dataclasses
+
+    reports = torchrun(tmp_path, "zero3", ("8000000000", "tight"))
+    assert_one_plan_and_every_rank_logged(reports)
+    hidden = tiny_gpt2().config.hidden_size
+    expected = dataclasses.asdict(ShardingConfig(
+        "zero3", world_size=2, gpus_per_node=2, reduce_bucket_size=hidden * hidden,
+        stage3_prefetch_bucket_size=int(0.9 * hidden * hidden), stage3_param_persistence_threshold=10 * hidden,
+    ))  # fmt: skip
+    for report in reports:
+        assert report["wrapped_in"] == "DeepSpeedEngine"
+        assert report["sharding"] == report["estimate_sharding"] == expected

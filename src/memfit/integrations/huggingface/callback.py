@@ -248,7 +248,7 @@ class MemoryPlannerCallback(TrainerCallback):
         every = max(1, int(state.logging_steps or args.logging_steps))
         if self.monitor is not None and state.global_step and not state.global_step % every:
             metrics = self.monitor.observe(state.global_step) or {}
-            if args.world_size > 1:  # every rank reaches this step: gather each one's peaks to rank 0
+            if _world_size() > 1:  # every rank reaches this step: gather each one's peaks to rank 0
                 metrics.update(per_rank_metrics(metrics, _all_gather, device=args.device))
             self._pending.update(metrics)
 
@@ -499,6 +499,11 @@ class MemoryPlannerCallback(TrainerCallback):
 
 
 _UNSET = object()
+
+
+def _world_size() -> int:
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
 
 
 def _all_gather(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "fsdp_options",
     "fsdp_requested",
     "local_world_size",
+    "world_size",
 ]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -61,9 +64,19 @@ def fsdp_applies(kind: str) -> bool:
     return kind.startswith("MULTI_") and kind != "MULTI_CPU"
 
 
+def world_size(args: Any) -> int:
+    """Processes in the job: the process group's size when there is one, else ``args.world_size``.
+    (Under DeepSpeed's CPU accelerator, accelerate 1.x reports ``num_processes == 1`` to ``TrainingArguments``
+    in a two-process ``torchrun`` job, while ZeRO shards across both.)"""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return int(args.world_size)
+
+
 def local_world_size(args: Any) -> int:
     """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``), else the whole world size."""
-    world = int(args.world_size)
+    world = world_size(args)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
     return local if local > 0 and world % local == 0 else world
 

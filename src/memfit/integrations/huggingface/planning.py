@@ -146,12 +146,13 @@ def plan_training_arguments(
                                    chosen.accumulate_grad_batches)  # fmt: skip
     else:
         capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args)
+        ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
         if capacity <= 0:
             raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
         decision = session.decide(PlanRequest(
             capacity_bytes=capacity, margin=margin,
-            target_batch_size=target_batch_size or configured * accumulation * args.world_size,
-            world_size=args.world_size, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            target_batch_size=target_batch_size or configured * accumulation * ranks,
+            world_size=ranks, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
             include_context=include_context,
         ))  # fmt: skip
@@ -181,7 +182,7 @@ def _smallest_of_all_ranks(capacity: int, args: TrainingArguments) -> int:
     """Under ``torchrun`` every process plans: from the smallest capacity of all of them, so the
     deterministic search gives every rank the same plan (``TrainingArguments`` set up the process group)."""
     distributed = torch.distributed
-    if args.world_size <= 1 or not (distributed.is_available() and distributed.is_initialized()):
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() <= 1:
         return capacity
     value = torch.tensor([capacity], dtype=torch.int64, device=args.device)
     distributed.all_reduce(value, op=distributed.ReduceOp.MIN)

@@ -68,7 +68,7 @@ def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_g
     if not (wants_deepspeed or wants_fsdp):
         return RunLayout()
     kind = internals.distributed_type(args)
-    world, per_node = int(args.world_size), internals.local_world_size(args)
+    world, per_node = internals.world_size(args), internals.local_world_size(args)
     if wants_deepspeed:
         if kind != "DEEPSPEED" and not elsewhere_on_gpus:
             note = (f"deepspeed is set, but accelerate runs this process as {kind} (DeepSpeed runs on "
