@@ -93,7 +93,18 @@ def rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[Categ
         return zero_rank_plan(sharding, facts, traced)
     if sharding.is_fsdp:
         return fsdp_rank_plan(sharding, facts, traced)
-    return RankPlan(sharding.strategy, sharding.world_size, notes=("DDP: every rank holds everything",))
+    return RankPlan(
+        sharding.strategy, sharding.world_size, terms=_whole(traced), notes=("DDP: every rank holds everything",)
+    )
+
+
+def _whole(traced: Mapping[Category, int]) -> dict[str, int]:
+    """Model-state terms of a rank that holds everything."""
+    return {
+        "parameters": traced.get(Category.PARAMETERS, 0),
+        "gradients": traced.get(Category.GRADIENTS, 0),
+        "optimizer_state": traced.get(Category.OPTIMIZER_STATE, 0),
+    }
 
 
 def shard_trace(trace: StepTrace, plan: RankPlan) -> StepTrace:

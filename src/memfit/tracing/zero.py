@@ -125,7 +125,7 @@ def zero_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         host += terms["optimizer_state"] + master + trainable * _FP32 // n  # pinned fp32 gradient partition
         if stage >= 2:
             terms["gradients"] = 0
-        terms["optimizer_state"] = 0
+        terms["optimizer_state"] = terms["fp32_master_weights"] = terms["fp32_gradient_partition"] = 0
     if sharding.offload_params:
         host += terms["parameters"] - persistent
         terms["parameters"] = persistent
