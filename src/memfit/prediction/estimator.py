@@ -681,6 +681,10 @@ def extrapolate_depth(
         phase_models=models,
         trace_seconds=sum(e.trace_seconds for pair in pairs for e in pair),
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
+        # a rank's shards grow with the blocks as the states they are cut from do
+        rank_terms={k: line(shallow.rank_terms.get(k, 0), v) for k, v in deeper.rank_terms.items()},
+        host_bytes_per_node=None if deeper.host_bytes_per_node is None else line(
+            shallow.host_bytes_per_node or 0, deeper.host_bytes_per_node),
         timeline=extrapolate_timeline(shallow.timeline, deeper.timeline, t),
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),
