@@ -157,29 +157,17 @@ def test_fsdp2_prediction_against_a_real_two_rank_gloo_run(tmp_path: Path, gpt2:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     measured = [rank["peak_bytes"] for rank in json.loads(out.read_text())]
-    predicted = _estimate(gpt2, ShardingConfig("fsdp", 2)).peak_allocated_bytes
+    traced = _estimate(gpt2, ShardingConfig("fsdp", 2))
+    assert any("fake process group" in note for note in traced.notes), traced.notes
+    # the documented model answers where the fake-process-group trace does not (an optimizer given as a class)
+    modelled = _estimate(gpt2, ShardingConfig("fsdp", 2), optimizer=torch.optim.AdamW)
+    assert any("documented model answers" in note for note in modelled.notes), modelled.notes
     single = _estimate(gpt2, None).peak_allocated_bytes
     for peak in measured:
-        # the model holds the root and two units gathered and a unit's reduce-scatter buffers through all of
-        # backward: above what one rank holds, within a fifth of it
-        assert peak <= predicted <= 1.2 * peak, (predicted, measured)
+        # FSDP2's own buffers, traced on fake tensors as rank 0 of 2: what each real rank holds
+        assert traced.peak_allocated_bytes == pytest.approx(peak, rel=0.02), (traced.peak_allocated_bytes, measured)
+        # the documented model holds the root and two units gathered and a unit's reduce-scatter buffers through
+        # all of backward: above what one rank holds, within a fifth of it
+        assert peak <= modelled.peak_allocated_bytes <= 1.2 * peak, (modelled.peak_allocated_bytes, measured)
     assert max(measured) < single  # sharding does save memory on each rank
-
-
-# --------------------------------------------------------------- depth extrapolation (the CLI's large models)
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_sharded_traces_extrapolate_in_depth_like_a_whole_trace(strategy: str) -> None:
-    from memfit.prediction.estimator import extrapolate_depth
-
-    sharding = ShardingConfig(strategy, 4, stage3_param_persistence_threshold=0, reduce_bucket_size=100_000)
-    loop = TrainingLoop(sharding=sharding)
-
-    def at(depth: int) -> memfit.MemoryEstimate:
-        return memfit.estimate(tiny_gpt2(depth, SEQ), sample(2, SEQ), loop=loop, precision="bf16-mixed")
-
-    whole = at(6)
-    extrapolated = extrapolate_depth(at(2), at(3), 2, 3, 6)
-    for name, size in whole.rank_terms.items():
-        assert extrapolated.rank_terms[name] == pytest.approx(size, rel=0.01), name
-    assert extrapolated.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=0.03)
-    assert extrapolated.sharding == sharding
+    assert not torch.distributed.is_initialized()  # the fake process group is gone
