@@ -173,3 +173,22 @@ def test_fsdp2_prediction_against_a_real_two_rank_gloo_run(tmp_path: Path, gpt2:
         assert peak <= modelled.peak_allocated_bytes <= 1.2 * peak, (modelled.peak_allocated_bytes, measured)
     assert max(measured) < single  # sharding does save memory on each rank
     assert not torch.distributed.is_initialized()  # the fake process group is gone
+
+
+# --------------------------------------------------------------- depth extrapolation (the CLI's large models)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_sharded_traces_extrapolate_in_depth_like_a_whole_trace(strategy: str) -> None:
+    from memfit.prediction.estimator import extrapolate_depth
+
+    sharding = ShardingConfig(strategy, 4, stage3_param_persistence_threshold=0, reduce_bucket_size=100_000)
+    loop = TrainingLoop(sharding=sharding)
+
+    def at(depth: int) -> memfit.MemoryEstimate:
+        return memfit.estimate(tiny_gpt2(depth, SEQ), sample(2, SEQ), loop=loop, precision="bf16-mixed")
+
+    whole = at(6)
+    extrapolated = extrapolate_depth(at(2), at(3), 2, 3, 6)
+    for name, size in whole.rank_terms.items():
+        assert extrapolated.rank_terms[name] == pytest.approx(size, rel=0.01), name
+    assert extrapolated.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=0.03)
+    assert extrapolated.sharding == sharding
