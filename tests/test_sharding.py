@@ -192,3 +192,21 @@ def test_sharded_traces_extrapolate_in_depth_like_a_whole_trace(strategy: str) -
         assert extrapolated.rank_terms[name] == pytest.approx(size, rel=0.01), name
     assert extrapolated.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=0.03)
     assert extrapolated.sharding == sharding
+
+
+def test_the_fake_process_group_trace_leaves_the_model_and_an_existing_group_alone(tmp_path: Path) -> None:
+    model = tiny_gpt2(2, SEQ)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    traced = _estimate(model, ShardingConfig("fsdp", 2))
+    assert any("fake process group" in note for note in traced.notes)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert all(not isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    assert not torch.distributed.is_initialized()
+    # a process that already runs a default group: untouched, the documented model answers
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        modelled = _estimate(model, ShardingConfig("fsdp", 2))
+        assert torch.distributed.get_world_size() == 1
+    finally:
+        torch.distributed.destroy_process_group()
+    assert any("documented model answers" in note for note in modelled.notes)
