@@ -246,7 +246,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-config", metavar="NAME_OR_PATH", help="a preset (gpt2, bert-base, t5-base, llama-3-8b, "
-                        "mistral-7b, qwen2.5-7b, vit-base) or a local config.json")  # fmt: skip
+                        "mistral-7b, qwen2.5-7b, llama-3-70b, llama-2-70b, qwen2.5-72b, vit-base) or a local "
+                        "config.json")  # fmt: skip
     source.add_argument("--model", metavar="MODULE:FACTORY", help="your own code: factory() returns a module or "
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
     plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")

@@ -56,8 +56,8 @@ def add_sharding_arguments(plan: argparse.ArgumentParser) -> None:
                        "nodes), zero1/zero2/zero3 (DeepSpeed ZeRO stages), ddp; with --gpus auto, the only one "
                        "tried (default: all)")  # fmt: skip
     group.add_argument("--offload", choices=OFFLOADS, help="what lives in host RAM: optimizer (ZeRO-Offload), "
-                       "params (ZeRO-3 offload_param), all; FSDP's CPU offload is all; with --gpus auto, the only "
-                       "one tried (default: none, then optimizer, then all)")  # fmt: skip
+                       "params (ZeRO-3 offload_param), all; FSDP's CPU offload is all (default none; --gpus auto "
+                       "shows where offload would fit but chooses it only when asked)")  # fmt: skip
     group.add_argument("--offload-optimizer", dest="offload", action="store_const", const="optimizer",
                        help="the same as --offload optimizer")  # fmt: skip
     group.add_argument("--nodes", type=_positive, help="nodes the --gpus are spread over (default 1; --gpus auto "
@@ -79,8 +79,9 @@ def is_sharded(args: argparse.Namespace) -> bool:
     )
 
 
-def _options(args: argparse.Namespace) -> list[Option]:
-    """The strategy and offload asked for, checked; for ``--gpus auto`` every allowed pair, in order."""
+def _options(args: argparse.Namespace) -> tuple[list[Option], list[Option]]:
+    """The strategy and offload asked for, checked; for ``--gpus auto`` every allowed pair, in order, and
+    the offloading ones it shows but does not choose unless ``--offload`` names one."""
     offload = args.offload
     if args.strategy is not None:
         _check(args.strategy, offload or "none")
@@ -91,20 +92,24 @@ def _options(args: argparse.Namespace) -> list[Option]:
                 if offload in ("params", "all")
                 else "a per-rank plan needs --strategy (ddp, fsdp, fsdp-hybrid, zero1, zero2, zero3) or --gpus auto"
             )
-        return [Option(args.strategy, offload or "none")]
+        return [Option(args.strategy, offload or "none")], []
     strategies = [args.strategy] if args.strategy else list(AUTO_STRATEGIES)
-    offloads = [offload] if offload else list(AUTO_OFFLOADS)
-    options = []
-    for level in offloads:
-        for strategy in strategies:
-            try:
-                _check(strategy, level)
-            except InvalidInputError:
-                continue
-            options.append(Option(strategy, level))
+
+    def allowed(levels: list[str]) -> list[Option]:
+        pairs = []
+        for level in levels:
+            for strategy in strategies:
+                try:
+                    _check(strategy, level)
+                except InvalidInputError:
+                    continue
+                pairs.append(Option(strategy, level))
+        return pairs
+
+    options = allowed([offload or "none"])
     if not options:
         raise InvalidInputError(f"--offload {offload} goes with no strategy --gpus auto tries: use zero3 or fsdp")
-    return options
+    return options, ([] if offload else allowed(list(AUTO_OFFLOADS)))
 
 
 def _check(strategy: str, offload: str) -> None:
@@ -164,13 +169,14 @@ def _check_layout(args: argparse.Namespace) -> None:
 def run_sharded(args: argparse.Namespace) -> int:
     """Plan one rank of the job (or find the fewest GPUs) and print it."""
     _check_layout(args)
-    options = _options(args)
+    options, hints = _options(args)
     report = plan_sharded(
         hf_config=args.hf_config,
         model=args.model,
         gpu=args.gpu[0] if args.gpu else None,
         budget=args.budget,
         options=options,
+        hints=hints,
         gpus=None if args.gpus == "auto" else args.gpus,
         nodes=args.nodes,
         max_gpus=args.max_gpus,

@@ -26,7 +26,10 @@ master copy in its optimizer partition, hence the 16-bit columns for ZeRO (under
 states leave the device: ``offload_optimizer`` takes the optimizer state (and ZeRO's master copy and
 fp32 gradient partition), ``offload_params`` the parameters (FSDP's CPU offload moves parameters,
 gradients and the optimizer step to the host together). The optimizer step's temporaries (foreach
-Adam's) scale with the optimizer state.
+Adam's) scale with the optimizer state. Under a ``*-mixed`` precision the traced forward holds
+autocast's 16-bit copies of the fp32 weights; FSDP (``MixedPrecisionPolicy``) and DeepSpeed compute
+on 16-bit parameters directly, so a sharded rank drops them (up to half the traced parameter bytes).
+The allocator's cached free blocks keep their proportion to each phase's allocated bytes.
 
 Communication buffers added to each phase's peak:
 
@@ -157,9 +160,12 @@ def _buffers(config: ShardingConfig, phase: Phase, units: ModelUnits, precision:
     return (config.allgather_bucket_size or DEEPSPEED_BUCKET_DEFAULT) * compute, 0  # the optimizer step's all-gather
 
 
-def _rank_phase(peak: PhasePeak, shares: Mapping[Category, float], extra: tuple[int, int]) -> tuple[PhasePeak, int]:
+def _rank_phase(
+    peak: PhasePeak, shares: Mapping[Category, float], extra: tuple[int, int], mixed: bool
+) -> tuple[PhasePeak, int]:
     """The phase's peak on one rank, and how much it moved (negative: smaller)."""
     breakdown = dict(peak.breakdown)
+    weight_casts = breakdown.get(Category.PARAMETERS, 0) // 2 if mixed else 0
     gathered, buckets = extra
     delta = gathered + buckets
     for category in _STATES:
@@ -167,20 +173,28 @@ def _rank_phase(peak: PhasePeak, shares: Mapping[Category, float], extra: tuple[
         kept = round(held * shares[category])
         breakdown[category] = kept
         delta += kept - held
-    # the optimizer step's temporaries (foreach Adam's, the size of the states it updates) shrink with them
-    if peak.phase is Phase.OPTIMIZER and Category.TEMPORARIES in breakdown:
-        held = breakdown[Category.TEMPORARIES]
+    held = breakdown.get(Category.TEMPORARIES, 0)
+    if peak.phase is Phase.OPTIMIZER and held:
+        # the optimizer step's temporaries (foreach Adam's, the size of the states it updates) shrink with them
         kept = round(held * shares[Category.OPTIMIZER_STATE])
         breakdown[Category.TEMPORARIES] = kept
         delta += kept - held
+    elif peak.phase is Phase.FORWARD and held and weight_casts:
+        # autocast's cached 16-bit copies of the fp32 weights: FSDP's MixedPrecisionPolicy gathers 16-bit
+        # parameters and DeepSpeed keeps them 16-bit, so a sharded run computes on them without a copy
+        dropped = min(held, weight_casts)
+        breakdown[Category.TEMPORARIES] = held - dropped
+        delta -= dropped
     breakdown[Category.PARAMETERS] += gathered
     if buckets:
         breakdown[Category.GRADIENT_BUCKETS] = breakdown.get(Category.GRADIENT_BUCKETS, 0) + buckets
-    slack = peak.reserved_bytes - peak.allocated_bytes
     allocated = max(0, peak.allocated_bytes + delta)
     tensors = max(0, peak.tensor_bytes + delta)
+    # the allocator's cached free blocks, in the phase's proportion: most are blocks of the states and their
+    # temporaries, which shrink with the rank's share
+    reserved = math.ceil(allocated * peak.reserved_bytes / max(1, peak.allocated_bytes))
     return dataclasses.replace(
-        peak, allocated_bytes=allocated, reserved_bytes=allocated + slack, breakdown=breakdown, tensor_bytes=tensors
+        peak, allocated_bytes=allocated, reserved_bytes=reserved, breakdown=breakdown, tensor_bytes=tensors
     ), delta
 
 
@@ -204,7 +218,7 @@ def per_rank(
     phases, deltas = [], {}
     for peak in estimate.phases:
         extra = (0, 0) if traced_as is not None else _buffers(config, peak.phase, units, estimate.precision)
-        phase, delta = _rank_phase(peak, shares, extra)
+        phase, delta = _rank_phase(peak, shares, extra, estimate.precision.is_mixed and traced_as is None)
         phases.append(phase)
         deltas[(peak.step, peak.phase)] = delta
     models = tuple(

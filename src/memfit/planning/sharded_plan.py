@@ -56,8 +56,9 @@ __all__ = ["AUTO_STRATEGIES", "CountCheck", "Option", "ShardedReport", "plan_sha
 # what --gpus auto tries at each count, in order of preference among those that fit: the least
 # communication first (DDP needs no more GPUs than one, so it only answers a run that fits on one)
 AUTO_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
-# offload last, and the optimizer before the parameters: each moves more traffic over PCIe every step
-AUTO_OFFLOADS = ("none", "optimizer", "all")
+# what --gpus auto weighs but does not choose unless --offload asks for it: offload moves the states over
+# PCIe every step and needs host RAM, so it is a choice for the user (the answer says where it would fit)
+AUTO_OFFLOADS = ("optimizer", "all")
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,13 @@ class CountCheck:
 
     gpus: int
     nodes: int
-    peaks: tuple[tuple[str, int, bool, bool], ...]  # (option, device bytes, checkpointing, fits)
+    peaks: tuple[tuple[str, int, bool, bool, bool], ...]  # (option, device bytes, checkpointing, fits, choosable)
     confirmed: str | None = None  # the option the whole model's trace confirmed at this count
     rejected: tuple[str, ...] = ()  # options the whole model's trace did not confirm
 
     def summary(self, budget_bytes: int) -> str:
         parts = [f"{label} {format_bytes(peak)}{' (ckpt)' if ckpt else ''}{'' if fits else ' x'}"
-                 for label, peak, ckpt, fits in self.peaks]  # fmt: skip
+                 for label, peak, ckpt, fits, _ in self.peaks]  # fmt: skip
         verdict = f"fits with {self.confirmed}" if self.confirmed else "does not fit"
         if self.rejected:
             verdict += f" ({', '.join(self.rejected)} not confirmed on the whole model)"
@@ -112,8 +113,8 @@ class CountCheck:
             "chosen": self.confirmed,
             "not_confirmed": list(self.rejected),
             "options": [
-                {"option": label, "peak_bytes": peak, "gradient_checkpointing": ckpt, "fits": fits}
-                for label, peak, ckpt, fits in self.peaks
+                {"option": label, "peak_bytes": peak, "gradient_checkpointing": ckpt, "fits": fits, "choosable": chosen}
+                for label, peak, ckpt, fits, chosen in self.peaks
             ],
         }
 
@@ -174,6 +175,7 @@ def plan_sharded(
     budget: str | None,
     options: Sequence[Option],
     gpus: int | None,
+    hints: Sequence[Option] = (),
     nodes: int | None = None,
     gpus_per_node: int = 8,
     max_gpus: int = 1024,
@@ -192,7 +194,8 @@ def plan_sharded(
 ) -> ShardedReport:
     """One rank's plan for ``gpus`` GPUs (``nodes`` nodes) under ``options[0]``, or with ``gpus`` ``None``
     the fewest GPUs (``candidate_gpu_counts``, ``gpus_per_node`` a node) at which one of ``options`` fits
-    ``micro_batch_size`` per rank, preferring them in the order given at that count."""
+    ``micro_batch_size`` per rank, preferring them in the order given at that count. ``hints`` are weighed
+    at each count and shown, never chosen (offload, unless the user asked for it)."""
     if (gpu is None) == (budget is None):
         raise InvalidInputError("a per-rank plan is for one kind of GPU: give one --gpu (e.g. h100) or a --budget")
     card = gpu_by_name(gpu) if gpu else None
@@ -280,7 +283,7 @@ def plan_sharded(
     for count in candidate_gpu_counts(gpus_per_node, max_gpus):
         per_node = min(count, gpus_per_node)
         peaks = []
-        for option in options:
+        for option in (*options, *hints):
             if option.strategy == "ddp" and count > 1:
                 continue  # DDP holds on each rank what one GPU holds, and its buckets besides
             if option.strategy == "fsdp-hybrid" and count <= gpus_per_node:
@@ -289,15 +292,15 @@ def plan_sharded(
             search, _ = viewed(option, count, config)
             peak, ckpt = _smallest_peak(search, micro_batch_size, allow, budget_bytes)
             peaks.append((option, peak, ckpt, peak <= budget_bytes))
-        fitting = [option for option, _, _, fits in peaks if fits]
+        fitting = [option for option, _, _, fits in peaks if fits and option in options]
         rejected: list[str] = []
         for option in fitting:  # in order of preference; the whole model's trace decides
             row, config = planned(option, count, per_node)
             if row.plan is not None:
-                check = CountCheck(count, config.nodes, _said(peaks), option.label, tuple(rejected))
+                check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected))
                 return finish(row, config, option, (*considered, check))
             rejected.append(option.label)
-        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks), None, tuple(rejected)))
+        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected)))
     tried = ", ".join(o.label for o in options)
     raise InvalidInputError(
         f"{spec.name} does not fit {micro_batch_size} sample(s) per rank on up to {max_gpus} x {name} with any of "
@@ -306,8 +309,10 @@ def plan_sharded(
     )
 
 
-def _said(peaks: list[tuple[Option, int, bool, bool]]) -> tuple[tuple[str, int, bool, bool], ...]:
-    return tuple((option.label, peak, ckpt, fits) for option, peak, ckpt, fits in peaks)
+def _said(
+    peaks: list[tuple[Option, int, bool, bool]], options: Sequence[Option]
+) -> tuple[tuple[str, int, bool, bool, bool], ...]:
+    return tuple((option.label, peak, ckpt, fits, option in options) for option, peak, ckpt, fits in peaks)
 
 
 def _smallest_peak(
