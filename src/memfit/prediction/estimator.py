@@ -22,6 +22,7 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
+from memfit.prediction.sharded import model_facts, rank_notes, rank_plan, shard_trace, sharded_settings, traced_bytes
 from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size
@@ -29,6 +30,7 @@ from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
+from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import (
     ForwardFn,
     LossFn,
@@ -115,6 +117,9 @@ class MemoryEstimate:
     ddp: DDPConfig | None = None
     extra_batches: int = 0
     inference: bool = False
+    sharding: ShardingConfig | None = None
+    rank_terms: Mapping[str, int] = field(default_factory=dict)  # one rank's model-state terms (sharded runs)
+    host_bytes_per_node: int | None = None  # offloaded states and pinned buffers of a node's ranks
 
     @property
     def peak_bytes(self) -> int:
@@ -124,7 +129,7 @@ class MemoryEstimate:
     @property
     def loop(self) -> TrainingLoop:
         """The training loop the step was traced in."""
-        return TrainingLoop(self.zero_grad, self.accumulation_steps, self.extra_batches, self.ddp)
+        return TrainingLoop(self.zero_grad, self.accumulation_steps, self.extra_batches, self.ddp, self.sharding)
 
     @property
     def gradient_bytes(self) -> int:
@@ -211,6 +216,9 @@ class MemoryEstimate:
             "ddp": dataclasses.asdict(self.ddp) if self.ddp is not None else None,
             "extra_batches": self.extra_batches,
             "inference": self.inference,
+            "sharding": dataclasses.asdict(self.sharding) if self.sharding is not None else None,
+            "rank_terms_bytes": dict(self.rank_terms),
+            "host_bytes_per_node": self.host_bytes_per_node,
             "notes": list(self.notes),
         }
 
@@ -348,6 +356,8 @@ def estimate_for_runtimes(
         forward_fn=forward_fn, inference=inference,
     )  # fmt: skip
     settings, batches = _prepare(model, sample, batch_size, step, loop, target.with_runtime(runtimes[0]))
+    if loop.sharding is not None:
+        settings = sharded_settings(settings, loop.sharding)
     primary_batch, secondary_batch, sample_batch = batches
     started = time.perf_counter()
     try:
@@ -363,6 +373,8 @@ def estimate_for_runtimes(
     secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
+    if loop.sharding is not None:  # one rank's log, rewritten from the single-process trace
+        return _one_rank(model, primary, secondary, settings, loop.sharding, step, runtimes, elapsed, fits)
     if not settings.targets_cuda:
         return [_build_estimate(primary, secondary, settings, None, elapsed, fit) for fit in fits]
     estimates = []
@@ -372,6 +384,38 @@ def estimate_for_runtimes(
             if trace is not None:
                 _resize_workspace(trace, runtime.workspace_bytes)
         estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit))
+    return estimates
+
+
+def _one_rank(
+    model: nn.Module,
+    primary: StepTrace,
+    secondary: StepTrace | None,
+    settings: TraceSettings,
+    sharding: ShardingConfig,
+    step: _Step,
+    runtimes: Sequence[CudaRuntime | None],
+    elapsed: float,
+    fits: Sequence[MemoryEstimate | None],
+) -> list[MemoryEstimate]:
+    """Estimates of one rank of ``sharding``'s run (``memfit.prediction.sharded``)."""
+    plan = rank_plan(sharding, model_facts(model, settings, step.checkpoint_modules), traced_bytes(primary))
+    primary = shard_trace(primary, plan)
+    secondary = shard_trace(secondary, plan) if secondary is not None else None
+    estimates = []
+    for runtime, fit in zip(runtimes, fits, strict=True):
+        if settings.targets_cuda:
+            runtime = runtime or CudaRuntime.of_current_device()
+            for trace in (primary, secondary):
+                if trace is not None:
+                    _resize_workspace(trace, runtime.workspace_bytes)
+        built = _build_estimate(primary, secondary, settings, runtime if settings.targets_cuda else None, elapsed, fit)
+        estimates.append(
+            dataclasses.replace(
+                built.with_notes(*rank_notes(sharding, plan)), sharding=sharding, rank_terms=dict(plan.terms),
+                host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
+            )
+        )  # fmt: skip
     return estimates
 
 

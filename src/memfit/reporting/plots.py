@@ -22,6 +22,7 @@ _COLORS = {
     Category.BUFFERS: "#8172b2",
     Category.GRADIENTS: "#dd8452",
     Category.GRADIENT_BUCKETS: "#ccb974",
+    Category.SHARDING_BUFFERS: "#64b5cd",
     Category.OPTIMIZER_STATE: "#c44e52",
     Category.INPUTS: "#937860",
     Category.ACTIVATIONS: "#55a868",

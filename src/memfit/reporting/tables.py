@@ -73,6 +73,7 @@ _CATEGORY_LABELS: dict[Category, str] = {
     Category.BUFFERS: "Buffers",
     Category.GRADIENTS: "Gradients",
     Category.GRADIENT_BUCKETS: "DDP gradient buckets",
+    Category.SHARDING_BUFFERS: "FSDP/ZeRO buffers",
     Category.OPTIMIZER_STATE: "Optimizer state",
     Category.INPUTS: "Inputs (batch)",
     Category.ACTIVATIONS: "Activations",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import torch
+
 from memfit.errors import InvalidInputError
 
 __all__ = ["STRATEGIES", "ShardingConfig", "ShardingStrategy"]
@@ -27,6 +29,7 @@ ShardingStrategy = Literal[
     "zero3",  # ZeRO stage 3: + parameters sharded
 ]
 STRATEGIES: tuple[str, ...] = get_args(ShardingStrategy)
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ShardingConfig:
         reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size,
         stage3_max_live_parameters, stage3_param_persistence_threshold: DeepSpeed ``zero_optimization``
             options, in elements as DeepSpeed counts them; ``None`` is DeepSpeed's default.
+        overlap_comm: DeepSpeed's double-buffered reduce buckets; ``None`` is its default (on for stage 3).
     """
 
     strategy: ShardingStrategy
@@ -61,6 +65,7 @@ class ShardingConfig:
     stage3_prefetch_bucket_size: int | None = None
     stage3_max_live_parameters: int | None = None
     stage3_param_persistence_threshold: int | None = None
+    overlap_comm: bool | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -74,6 +79,24 @@ class ShardingConfig:
         nodes_per = self.gpus_per_node
         if nodes_per is not None and self.world_size % nodes_per:
             raise InvalidInputError(f"world_size ({self.world_size}) must be a multiple of gpus_per_node ({nodes_per})")
+        for name in (
+            "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+            "stage3_max_live_parameters", "stage3_param_persistence_threshold",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InvalidInputError(f"{name} must be a non-negative number of elements or None, got {value!r}")
+        if self.overlap_comm is not None and not isinstance(self.overlap_comm, bool):
+            raise InvalidInputError(f"overlap_comm must be True, False or None, got {self.overlap_comm!r}")
+        dtype = self.mixed_precision_param_dtype
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        dtype = _DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        object.__setattr__(self, "mixed_precision_param_dtype", dtype)
+        if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidInputError(
+                f"mixed_precision_param_dtype must be 'bfloat16', 'float16', 'float32' or None, got {dtype!r}"
+            )
         for name in ("offload_optimizer", "offload_params", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -108,3 +131,10 @@ class ShardingConfig:
     @property
     def is_fsdp(self) -> bool:
         return self.strategy.startswith("fsdp")
+
+    def describe(self) -> str:
+        """``"per rank of 8, zero3 (offload optimizer)"``: what an estimate of one rank says it is."""
+        extras = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
+        nodes = f", {self.nodes} nodes x {self.gpus_per_node}" if self.nodes > 1 else ""
+        offload = f" (offload {' and '.join(extras)})" if extras else ""
+        return f"per rank of {self.world_size}{nodes}, {self.strategy}{offload}"

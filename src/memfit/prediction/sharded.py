@@ -1,0 +1,138 @@
+"""One rank of a sharded run (``TrainingLoop(sharding=ShardingConfig(...))``): how ``estimate`` answers for it.
+
+The step is traced once as a single process would run it; the trace's storage log is then rewritten to what
+one rank holds (``memfit.tracing.shard_log``) by the documented models of FSDP (``memfit.tracing.fsdp``) and
+DeepSpeed ZeRO (``memfit.tracing.zero``), and replayed through the allocator as any trace is. Activations,
+temporaries and the batch are one rank's already: each rank runs the micro batch the trace ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from memfit.categories import Category
+from memfit.errors import InvalidInputError
+from memfit.precision import Precision
+from memfit.tracing.checkpointing import CheckpointTarget, find_blocks
+from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.fsdp import fsdp_rank_plan
+from memfit.tracing.shard_log import ModelFacts, RankPlan, Unit, apply_rank_plan
+from memfit.tracing.sharding import ShardingConfig
+from memfit.tracing.tracer import StepTrace, TraceSettings
+from memfit.tracing.zero import zero_rank_plan
+
+__all__ = ["ANALYTIC_PATH", "model_facts", "rank_plan", "shard_trace", "sharded_settings", "traced_bytes"]
+
+ANALYTIC_PATH = "sharding modelled on the traced single-process step (memfit.tracing.{})"
+_HALF_OF = {Precision.BF16_MIXED: Precision.BF16_TRUE, Precision.FP16_MIXED: Precision.FP16_TRUE}
+
+
+def sharded_settings(settings: TraceSettings, sharding: ShardingConfig) -> TraceSettings:
+    """The trace settings one rank's step runs with: DDP's buckets under ``"ddp"``; DeepSpeed's 16-bit model
+    (its ``bf16``/``fp16`` sections convert the module, they do not autocast) under ZeRO."""
+    if settings.inference:
+        raise InvalidInputError("sharding plans a training step; estimate a forward-only pass without sharding")
+    if sharding.strategy == "ddp" and settings.ddp is None:
+        return dataclasses.replace(settings, ddp=DDPConfig())
+    if sharding.strategy != "ddp" and settings.ddp is not None:
+        raise InvalidInputError(
+            f"give ddp= or a {sharding.strategy} ShardingConfig, not both: a sharded run has no DDP buckets"
+        )
+    if sharding.is_zero and settings.precision in _HALF_OF:
+        return dataclasses.replace(settings, precision=_HALF_OF[settings.precision])
+    return settings
+
+
+def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: CheckpointTarget | None) -> ModelFacts:
+    """Element counts of ``model`` by unit (its repeated blocks, then the root), as the trace holds them."""
+    params = _unique_parameters(model.parameters())
+    try:
+        blocks = find_blocks(model, checkpoint_modules)
+    except InvalidInputError:
+        blocks = []
+    in_units: set[int] = set()
+    units = []
+    for number, block in enumerate(blocks):
+        own = [p for p in _unique_parameters(block.parameters()) if id(p) not in in_units]
+        in_units.update(id(p) for p in own)
+        units.append(_unit(f"{type(block).__name__}[{number}]", own))
+    root = _unit("root", [p for p in params if id(p) not in in_units])
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ModelFacts(
+        numel=sum(p.numel() for p in params),
+        trainable_numel=sum(p.numel() for p in params if p.requires_grad),
+        element_bytes=_element_bytes(params, settings.precision),
+        units=tuple(units),
+        root=root,
+        largest_module_numel=largest,
+        parameter_numels=tuple(p.numel() for p in params),
+    )
+
+
+def traced_bytes(trace: StepTrace) -> dict[Category, int]:
+    """Bytes per category of one step of the trace (the larger step's): the model states a rank shards."""
+    recorder = trace.recorder
+    per_step: dict[tuple[Category, int], int] = {}
+    for sid, category in recorder.categories.items():
+        phase = recorder.alloc_phase.get(sid, -1)
+        step = recorder.marks[phase].step if 0 <= phase < len(recorder.marks) else 0
+        per_step[category, step] = per_step.get((category, step), 0) + recorder.sizes[sid]
+    out: dict[Category, int] = {}
+    for (category, _), size in per_step.items():
+        out[category] = max(out.get(category, 0), size)
+    return out
+
+
+def rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[Category, int]) -> RankPlan:
+    """The documented model of ``sharding``'s strategy for one rank (DDP: nothing changes but its buckets)."""
+    if sharding.is_zero:
+        return zero_rank_plan(sharding, facts, traced)
+    if sharding.is_fsdp:
+        return fsdp_rank_plan(sharding, facts, traced)
+    return RankPlan(sharding.strategy, sharding.world_size, notes=("DDP: every rank holds everything",))
+
+
+def shard_trace(trace: StepTrace, plan: RankPlan) -> StepTrace:
+    """``trace`` as one rank of ``plan`` sees it (a new log; ``trace`` is untouched)."""
+    return dataclasses.replace(trace, recorder=apply_rank_plan(trace.recorder, plan))
+
+
+def rank_notes(sharding: ShardingConfig, plan: RankPlan) -> tuple[str, ...]:
+    """What an estimate of one rank says about itself."""
+    module = "zero" if sharding.is_zero else "fsdp" if sharding.is_fsdp else "ddp"
+    notes = [sharding.describe(), *plan.notes]
+    if module != "ddp":
+        notes.append(ANALYTIC_PATH.format(module))
+    if plan.host_bytes:
+        ranks = sharding.gpus_per_node or sharding.world_size
+        notes.append(f"host RAM per node for offload: {ranks} rank(s) x {plan.host_bytes:,} B (pinned included)")
+    return tuple(notes)
+
+
+def _unit(name: str, params: list[torch.Tensor]) -> Unit:
+    return Unit(name, sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+
+
+def _unique_parameters(params: object) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for p in params:  # type: ignore[attr-defined]
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _element_bytes(params: list[torch.Tensor], precision: Precision) -> int:
+    """Bytes of a floating parameter element as traced (the most common floating dtype's)."""
+    if precision.converts_to_half:
+        return precision.parameter_dtype.itemsize
+    counts: dict[int, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            counts[p.element_size()] = counts.get(p.element_size(), 0) + p.numel()
+    return max(counts, key=lambda size: counts[size]) if counts else 4
