@@ -29,7 +29,7 @@ gradients and the optimizer step to the host together). The optimizer step's tem
 Adam's) scale with the optimizer state. Under a ``*-mixed`` precision the traced forward holds
 autocast's 16-bit copies of the fp32 weights; FSDP (``MixedPrecisionPolicy``) and DeepSpeed compute
 on 16-bit parameters directly, so a sharded rank drops them (up to half the traced parameter bytes).
-The allocator's cached free blocks keep their proportion to each phase's allocated bytes.
+The allocator's pool keeps the traced step's ratio to the largest allocated peak so far (``_reserved``).
 
 Communication buffers added to each phase's peak:
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,6 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, PhaseModel
-from memfit.prediction.host import offloaded_optimizer_bytes
 from memfit.simulation.replay import PhasePeak
 from memfit.tracing.sharding import ShardingConfig
 
@@ -69,7 +68,6 @@ __all__ = [
     "DEEPSPEED_BUCKET_DEFAULT",
     "ModelUnits",
     "candidate_gpu_counts",
-    "host_offload_bytes",
     "model_states_per_rank",
     "model_units",
     "per_rank",
@@ -190,12 +188,23 @@ def _rank_phase(
         breakdown[Category.GRADIENT_BUCKETS] = breakdown.get(Category.GRADIENT_BUCKETS, 0) + buckets
     allocated = max(0, peak.allocated_bytes + delta)
     tensors = max(0, peak.tensor_bytes + delta)
-    # the allocator's cached free blocks, in the phase's proportion: most are blocks of the states and their
-    # temporaries, which shrink with the rank's share
-    reserved = math.ceil(allocated * peak.reserved_bytes / max(1, peak.allocated_bytes))
-    return dataclasses.replace(
-        peak, allocated_bytes=allocated, reserved_bytes=reserved, breakdown=breakdown, tensor_bytes=tensors
-    ), delta
+    # reserved is set by per_rank, which needs the phases before this one
+    return dataclasses.replace(peak, allocated_bytes=allocated, breakdown=breakdown, tensor_bytes=tensors), delta
+
+
+def _reserved(traced: Sequence[PhasePeak], ranked: Sequence[PhasePeak]) -> list[PhasePeak]:
+    """The rank's reserved bytes, phase by phase. The caching allocator keeps what it reserved, so a
+    phase's pool is the largest allocated peak so far times the allocator's overhead on it; that overhead
+    is the traced step's own ratio of the pool to the largest allocated peak so far (not to the phase's
+    own allocated bytes: a step-2 forward reserves what step 1's optimizer needed, which the rank's share
+    shrinks)."""
+    out: list[PhasePeak] = []
+    top = top_rank = reserved = 0
+    for peak, rank in zip(traced, ranked, strict=True):
+        top, top_rank = max(top, peak.allocated_bytes), max(top_rank, rank.allocated_bytes)
+        reserved = max(reserved, math.ceil(top_rank * peak.reserved_bytes / max(1, top)), rank.allocated_bytes)
+        out.append(dataclasses.replace(rank, reserved_bytes=reserved))
+    return out
 
 
 def per_rank(
@@ -221,6 +230,7 @@ def per_rank(
         phase, delta = _rank_phase(peak, shares, extra, estimate.precision.is_mixed and traced_as is None)
         phases.append(phase)
         deltas[(peak.step, peak.phase)] = delta
+    phases = _reserved(estimate.phases, phases)
     models = tuple(
         PhaseModel(m.step, m.phase, m.fixed_bytes + deltas.get((m.step, m.phase), 0), m.per_sample_bytes)
         for m in estimate.phase_models
@@ -259,25 +269,6 @@ def model_states_per_rank(estimate: MemoryEstimate, config: ShardingConfig) -> d
         whole = max((p.breakdown.get(category, 0) for p in estimate.phases), default=0)
         out[category.value] = round(whole * shares[category])
     return out
-
-
-def host_offload_bytes(config: ShardingConfig, trainable: int, parameters: int, optimizer: str) -> int:
-    """Host RAM one rank's offloaded states take (pinned: FSDP's ``CPUOffloadPolicy(pin_memory=True)`` and
-    DeepSpeed's offload pin them by default): the optimizer state in fp32, ZeRO's fp32 master copy and
-    gradient partition, and offloaded parameters (16-bit for ZeRO-3, fp32 with their fp32 gradients for
-    FSDP)."""
-    g = config.shard_group_size
-    total = 0
-    if config.offload_optimizer:
-        total += offloaded_optimizer_bytes(optimizer, trainable) // g
-        if config.is_zero:
-            total += 2 * 4 * trainable // g  # fp32 master partition and its fp32 gradient partition
-    if config.offload_params:
-        if config.is_fsdp:
-            total += (4 * parameters + 4 * trainable) // g
-        else:
-            total += 2 * parameters // g
-    return total
 
 
 def describe(config: ShardingConfig) -> str:

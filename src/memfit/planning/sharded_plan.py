@@ -1,10 +1,14 @@
 """``memfit plan --gpus N --strategy ...`` and ``--gpus auto``: one rank's plan, and the fewest GPUs that fit.
 
-The step is traced once per training loop (plain, or DDP's with its buckets) and checkpointing
-setting, in depth-extrapolated form for deep models as ``plan_for_gpus`` does; every GPU count and
-strategy then reads those traces through ``memfit.planning.sharded.per_rank``, so looking at a hundred
-counts costs no more traces than looking at one. The plan chosen is searched and confirmed, as any
-``memfit plan`` row is, on the per-rank view of the whole model's trace (``_plan_one``).
+A plan for a given GPU count and strategy comes from ``memfit.estimate``'s own per-rank estimate
+(``TrainingLoop(sharding=...)``), searched and confirmed as any ``memfit plan`` row is (``_plan_one``:
+depth-extrapolated traces for the search of a deep model, the whole model's trace for the answer).
+
+``--gpus auto`` first screens every candidate count and strategy on one trace of the step per
+checkpointing setting, read through ``memfit.planning.sharded.per_rank`` (model states scale as 1/N
+analytically), so looking at a hundred counts costs no more traces than looking at one; the smallest
+count the screen passes is then planned, and confirmed, by the per-rank estimate itself, and the search
+moves on where that says no.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from memfit.units import format_bytes
 from .sharded import (
     candidate_gpu_counts,
     describe,
-    host_offload_bytes,
     model_states_per_rank,
     model_units,
     per_rank,
@@ -72,11 +75,15 @@ class Option:
     def label(self) -> str:
         return self.strategy + ("" if self.offload == "none" else f"+offload-{self.offload}")
 
-    def config(self, gpus: int, gpus_per_node: int) -> ShardingConfig:
+    def config(self, gpus: int, gpus_per_node: int, precision: Precision) -> ShardingConfig:
+        """The run's settings; FSDP under a ``*-mixed`` precision gathers 16-bit parameters
+        (``MixedPrecisionPolicy(param_dtype=...)``, as accelerate's and Lightning's FSDP mixed precision do)."""
+        mixed = self.strategy.startswith("fsdp") and precision.is_mixed
         return ShardingConfig(
             self.strategy,  # type: ignore[arg-type]
             gpus,
             gpus_per_node=min(gpus, gpus_per_node),
+            mixed_precision_param_dtype=str(precision.compute_dtype).removeprefix("torch.") if mixed else None,
             offload_optimizer=self.offload in ("optimizer", "all") or (self.strategy.startswith("fsdp")
                                                                        and self.offload != "none"),
             offload_params=self.offload in ("params", "all"),
@@ -222,9 +229,13 @@ def plan_sharded(
         extrapolated = EXTRAPOLATION_DEPTHS
 
     @functools.cache
-    def traces(ddp: bool) -> tuple[Any, Any]:
-        """``(search, whole)`` traces of the step, in DDP's loop or a plain one (shared by every count)."""
-        loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if ddp else None)
+    def traces(kind: bool | ShardingConfig) -> tuple[Any, Any]:
+        """``(search, whole)`` traces of the step: one rank's under a ``ShardingConfig``, else in DDP's loop
+        (``True``) or a plain one (``False``, the screen every count reads)."""
+        if isinstance(kind, ShardingConfig):
+            loop = TrainingLoop(zero_grad=zero_grad, sharding=kind)
+        else:
+            loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if kind else None)
         # the whole model is traced at the chosen batch only, its fit in the batch taken from the search's
         # traces at batch 1 (as ``plan_for_gpus`` does)
         whole = _tracer(spec, row_precision, optimizer, [runtime], False, loop, fits_of=lambda c: search(1, c, 1))
@@ -234,15 +245,15 @@ def plan_sharded(
             search = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth or 0, whole)
         return search, whole
 
-    def viewed(option: Option, count: int, config: ShardingConfig) -> tuple[Any, Any]:
-        """The rank's ``(search, whole)`` under ``config``: DDP's own trace above one GPU, else the plain one."""
-        ddp = option.strategy == "ddp" and count > 1
-        search, whole = traces(ddp)
+    def screen(option: Option, count: int, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
+        """The rank's search estimate under ``config`` read off the plain trace (DDP's own above one GPU)."""
+        search, _ = traces(option.strategy == "ddp" and count > 1)
+        return lambda b, c, a: per_rank(search(b, c, a)[0], config, units)
 
-        def view(source: Callable[..., list[MemoryEstimate]]) -> Callable[[int, bool, int], MemoryEstimate]:
-            return lambda b, c, a: per_rank(source(b, c, a)[0], config, units)
-
-        return view(search), view(whole)
+    def ranked(config: ShardingConfig) -> tuple[Any, Any]:
+        """``(search, whole)`` of one rank under ``config``, from ``memfit.estimate``'s per-rank estimate."""
+        search, whole = traces(config if config.world_size > 1 or config.strategy != "ddp" else False)
+        return (lambda b, c, a: search(b, c, a)[0]), (lambda b, c, a: whole(b, c, a)[0])
 
     budget_bytes = int(capacity * (1 - margin))
     allow = checkpointing
@@ -253,8 +264,8 @@ def plan_sharded(
                            always_checkpoint=allow == "on")  # fmt: skip
 
     def planned(option: Option, count: int, per_node: int) -> tuple[GpuPlan, ShardingConfig]:
-        config = option.config(count, per_node)
-        search, whole = viewed(option, count, config)
+        config = option.config(count, per_node, row_precision)
+        search, whole = ranked(config)
         label = f"{name} x{count} {option.label} (per rank)"
         with _progress(show_progress, f"planning {describe(config)}"):
             row = _plan_one(label, card, search, request(count), whole, extrapolated)
@@ -266,10 +277,12 @@ def plan_sharded(
                             depth_extrapolated_from=extrapolated)  # fmt: skip
         states: dict[str, int] = {}
         host = 0
-        if config is not None:
-            base = traces(False)[0](micro_batch_size, False, 1)[0]
-            states = model_states_per_rank(base, config)
-            host = host_offload_bytes(config, trainable, parameters, optimizer)
+        estimate = row.estimate or row.base
+        if config is not None and estimate is not None and estimate.rank_terms:
+            states = dict(estimate.rank_terms)
+            host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
+        elif config is not None:  # DDP: every rank holds the whole states, as traced
+            states = model_states_per_rank(traces(False)[0](micro_batch_size, False, 1)[0], config)
         return ShardedReport(report, config, option, trainable, states, host, considered, budget_bytes,
                              auto=gpus is None)  # fmt: skip
 
@@ -288,8 +301,8 @@ def plan_sharded(
                 continue  # DDP holds on each rank what one GPU holds, and its buckets besides
             if option.strategy == "fsdp-hybrid" and count <= gpus_per_node:
                 continue  # within one node hybrid sharding is fsdp
-            config = option.config(count, per_node)
-            search, _ = viewed(option, count, config)
+            config = option.config(count, per_node, row_precision)
+            search = screen(option, count, config)
             peak, ckpt = _smallest_peak(search, micro_batch_size, allow, budget_bytes)
             peaks.append((option, peak, ckpt, peak <= budget_bytes))
         fitting = [option for option, _, _, fits in peaks if fits and option in options]
