@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.errors import InvalidInputError
+from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpu_report import (
     EXTRAPOLATION_DEPTHS,
@@ -35,7 +35,7 @@ from memfit.planning.gpu_report import (
     model_depth,
 )
 from memfit.planning.gpus import gpu_by_name
-from memfit.planning.session import PlanRequest
+from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.presets import ModelSpec, from_factory, from_hf_config
@@ -62,6 +62,9 @@ AUTO_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
 # what --gpus auto weighs but does not choose unless --offload asks for it: offload moves the states over
 # PCIe every step and needs host RAM, so it is a choice for the user (the answer says where it would fit)
 AUTO_OFFLOADS = ("optimizer", "all")
+# counts the screen passes but the per-rank estimate refuses before --gpus auto stops and says so: each costs
+# that estimate's traces, and two in a row mean the screen and the estimate disagree on this model
+AUTO_MAX_REFUSED = 2
 
 
 @dataclass(frozen=True)
@@ -263,12 +266,23 @@ def plan_sharded(
                            world_size=count, min_batch_size=micro_batch_size, allow_checkpointing=allow == "auto",
                            always_checkpoint=allow == "on")  # fmt: skip
 
-    def planned(option: Option, count: int, per_node: int) -> tuple[GpuPlan, ShardingConfig]:
+    def planned(option: Option, count: int, per_node: int, candidate: bool = False) -> tuple[GpuPlan, ShardingConfig]:
+        """One rank's plan; a ``candidate`` of the ``--gpus auto`` search takes a "no" from the search's
+        (depth-extrapolated) estimate as final instead of deciding it again on whole-model traces."""
         config = option.config(count, per_node, row_precision)
         search, whole = ranked(config)
         label = f"{name} x{count} {option.label} (per rank)"
         with _progress(show_progress, f"planning {describe(config)}"):
-            row = _plan_one(label, card, search, request(count), whole, extrapolated)
+            if candidate:
+                session = PlanningSession(whole, batch_size=1, search_at=search)
+                try:
+                    decision = session.decide(request(count))
+                    row = GpuPlan(label, capacity, decision.plan, decision.estimate,
+                                  base=session.search_at(1, allow == "on", 1))  # fmt: skip
+                except InsufficientMemoryError as error:
+                    row = GpuPlan(label, capacity, None, None, error=str(error))
+            else:
+                row = _plan_one(label, card, search, request(count), whole, extrapolated)
         return _in_precision(row, row_precision, default, card), config
 
     def finish(row: GpuPlan, config: ShardingConfig | None, option: Option | None,
@@ -277,11 +291,11 @@ def plan_sharded(
                             depth_extrapolated_from=extrapolated)  # fmt: skip
         states: dict[str, int] = {}
         host = 0
-        estimate = row.estimate or row.base
+        estimate = row.estimate  # a whole-model trace (a depth-extrapolated one carries its shallow terms)
         if config is not None and estimate is not None and estimate.rank_terms:
             states = dict(estimate.rank_terms)
             host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
-        elif config is not None:  # DDP: every rank holds the whole states, as traced
+        elif config is not None:  # DDP, or no plan: the states of the whole model, shared as the screen shares them
             states = model_states_per_rank(traces(False)[0](micro_batch_size, False, 1)[0], config)
         return ShardedReport(report, config, option, trainable, states, host, considered, budget_bytes,
                              auto=gpus is None)  # fmt: skip
@@ -293,6 +307,7 @@ def plan_sharded(
         return finish(row, config, option, ())
 
     considered: list[CountCheck] = []
+    refused = 0  # counts the screen passed and the per-rank estimate did not
     for count in candidate_gpu_counts(gpus_per_node, max_gpus):
         per_node = min(count, gpus_per_node)
         peaks = []
@@ -308,12 +323,21 @@ def plan_sharded(
         fitting = [option for option, _, _, fits in peaks if fits and option in options]
         rejected: list[str] = []
         for option in fitting:  # in order of preference; the whole model's trace decides
-            row, config = planned(option, count, per_node)
+            row, config = planned(option, count, per_node, candidate=True)
             if row.plan is not None:
                 check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected))
                 return finish(row, config, option, (*considered, check))
             rejected.append(option.label)
         considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected)))
+        refused += bool(rejected)
+        if refused >= AUTO_MAX_REFUSED:
+            raise InvalidInputError(
+                f"the screen says {spec.name} fits {micro_batch_size} sample(s) per rank from "
+                f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but memfit.estimate's per-rank estimate does not "
+                f"confirm it at {' or '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with "
+                "--gpus N --strategy S to see its figures. Per count: "
+                + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+            )
     tried = ", ".join(o.label for o in options)
     raise InvalidInputError(
         f"{spec.name} does not fit {micro_batch_size} sample(s) per rank on up to {max_gpus} x {name} with any of "
