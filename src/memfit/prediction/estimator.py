@@ -22,7 +22,16 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
-from memfit.prediction.sharded import model_facts, rank_notes, rank_plan, shard_trace, sharded_settings, traced_bytes
+from memfit.prediction.sharded import (
+    model_facts,
+    rank_notes,
+    rank_plan,
+    shard_trace,
+    sharded_settings,
+    traced_bytes,
+    traced_fsdp2_peak,
+    with_traced_fsdp2,
+)
 from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size
@@ -374,7 +383,9 @@ def estimate_for_runtimes(
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
     if loop.sharding is not None:  # one rank's log, rewritten from the single-process trace
-        return _one_rank(model, primary, secondary, settings, loop.sharding, step, runtimes, elapsed, fits)
+        return _one_rank(model, primary, secondary, settings, loop.sharding, step, runtimes, elapsed, fits,
+                         traced_fsdp2=lambda: traced_fsdp2_peak(model, sample, sample_batch, primary_batch, settings,
+                                                                loop.sharding, step.checkpoint_modules))  # fmt: skip
     if not settings.targets_cuda:
         return [_build_estimate(primary, secondary, settings, None, elapsed, fit) for fit in fits]
     estimates = []
@@ -397,6 +408,7 @@ def _one_rank(
     runtimes: Sequence[CudaRuntime | None],
     elapsed: float,
     fits: Sequence[MemoryEstimate | None],
+    traced_fsdp2: Callable[[], int | None],
 ) -> list[MemoryEstimate]:
     """Estimates of one rank of ``sharding``'s run (``memfit.prediction.sharded``)."""
     plan = rank_plan(sharding, model_facts(model, settings, step.checkpoint_modules), traced_bytes(primary))
@@ -416,6 +428,8 @@ def _one_rank(
                 host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
             )
         )  # fmt: skip
+    if sharding.strategy in ("fsdp", "fsdp-grad-op") and not settings.targets_cuda:
+        estimates = [with_traced_fsdp2(e, traced_fsdp2()) for e in estimates]
     return estimates
 
 
@@ -681,6 +695,10 @@ def extrapolate_depth(
         phase_models=models,
         trace_seconds=sum(e.trace_seconds for pair in pairs for e in pair),
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
+        # a rank's shards grow with the blocks as the states they are cut from do
+        rank_terms={k: line(shallow.rank_terms.get(k, 0), v) for k, v in deeper.rank_terms.items()},
+        host_bytes_per_node=None if deeper.host_bytes_per_node is None else line(
+            shallow.host_bytes_per_node or 0, deeper.host_bytes_per_node),
         timeline=extrapolate_timeline(shallow.timeline, deeper.timeline, t),
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from memfit.prediction.estimator import MemoryEstimate
 
 from memfit.categories import Category
 from memfit.errors import InvalidInputError
@@ -93,7 +97,18 @@ def rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[Categ
         return zero_rank_plan(sharding, facts, traced)
     if sharding.is_fsdp:
         return fsdp_rank_plan(sharding, facts, traced)
-    return RankPlan(sharding.strategy, sharding.world_size, notes=("DDP: every rank holds everything",))
+    return RankPlan(
+        sharding.strategy, sharding.world_size, terms=_whole(traced), notes=("DDP: every rank holds everything",)
+    )
+
+
+def _whole(traced: Mapping[Category, int]) -> dict[str, int]:
+    """Model-state terms of a rank that holds everything."""
+    return {
+        "parameters": traced.get(Category.PARAMETERS, 0),
+        "gradients": traced.get(Category.GRADIENTS, 0),
+        "optimizer_state": traced.get(Category.OPTIMIZER_STATE, 0),
+    }
 
 
 def shard_trace(trace: StepTrace, plan: RankPlan) -> StepTrace:
@@ -136,3 +151,64 @@ def _element_bytes(params: list[torch.Tensor], precision: Precision) -> int:
         if p.is_floating_point():
             counts[p.element_size()] = counts.get(p.element_size(), 0) + p.numel()
     return max(counts, key=lambda size: counts[size]) if counts else 4
+
+
+def traced_fsdp2_peak(
+    model: nn.Module,
+    sample: object,
+    sample_batch: int,
+    batch_size: int,
+    settings: TraceSettings,
+    sharding: ShardingConfig,
+    checkpoint_modules: CheckpointTarget | None,
+) -> int | None:
+    """Rank 0's peak tensor bytes from real ``fully_shard`` on a fake process group (``memfit.tracing.fsdp2_fake``),
+    where that trace measures what the estimate predicts: a CPU target, a plain fp32 loop, an optimizer named as
+    a string, no checkpointing, no default process group. ``None`` elsewhere: the documented model stands."""
+    from memfit.tracing.batch import call_model, rebatch
+    from memfit.tracing.fsdp2_fake import fake_rank_peak
+    from memfit.tracing.optimizers import build_optimizer
+    from memfit.tracing.tracer import _loss_of
+
+    plain = settings.precision is Precision.FP32 and not settings.gradient_checkpointing
+    plain = plain and settings.accumulation_steps == 1 and settings.zero_grad == "after_step"
+    if settings.target.type != "cpu" or not plain or not isinstance(settings.optimizer, str) or callable(sample):
+        return None
+    try:
+        blocks = find_blocks(model, checkpoint_modules)
+    except InvalidInputError:
+        blocks = []
+    batch = rebatch(sample, sample_batch, batch_size, lambda t, shape: torch.zeros(shape, dtype=t.dtype))  # type: ignore[arg-type]
+
+    def loss_of(module: nn.Module, data: object) -> torch.Tensor:
+        output = settings.forward_fn(module, data) if settings.forward_fn else call_model(module, data)
+        return _loss_of(output, data, settings.loss_fn)
+
+    def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        built = build_optimizer(settings.optimizer, {}, params, kwargs=settings.optimizer_kwargs)
+        assert built is not None
+        return built
+
+    try:
+        peak = fake_rank_peak(model, batch, sharding, blocks=blocks, loss_of=loss_of, optimizer=optimizer)
+    except Exception:  # any failure of the private pieces: the documented model answers instead
+        return None
+    return peak.peak_bytes if peak is not None else None
+
+
+def with_traced_fsdp2(estimate: MemoryEstimate, traced: int | None) -> MemoryEstimate:
+    """``estimate`` (the documented model) with its peak replaced by FSDP2's own, traced on the fake process group,
+    where that trace ran; each phase's fit in the batch moves by the same bytes, so ``at()`` agrees at the traced
+    batch. The notes say which path answered."""
+    if traced is None:
+        return estimate.with_notes("FSDP2 not traced under a fake process group here: the documented model answers")
+    shift = traced - estimate.peak_allocated_bytes
+    models = tuple(dataclasses.replace(m, fixed_bytes=m.fixed_bytes + shift) for m in estimate.phase_models)
+    return dataclasses.replace(
+        estimate.with_notes(
+            f"FSDP2 traced with real fully_shard on a fake process group (rank 0): peak {traced:,} B, "
+            f"the documented model's {estimate.peak_allocated_bytes:,} B"
+        ),
+        peak_allocated_bytes=traced, peak_reserved_bytes=traced, fixed_bytes=estimate.fixed_bytes + shift,
+        phase_models=models, allocated_to_tensor_ratio=1.0, reserved_to_allocated_ratio=1.0,
+    )  # fmt: skip

@@ -15,8 +15,10 @@ is the bytes of a gathered element (``mixed_precision_param_dtype`` or the param
   HYBRID_SHARD): the root's parameters (FSDP does not reshard the root after forward) plus two units'
   (the one running and the one prefetched); without it (SHARD_GRAD_OP): every parameter stays gathered
   from its forward to its backward.
-* **reduce-scatter** (added, backward): a unit's unsharded gradients and the reduce-scatter input they are
-  copied into, in ``g`` bytes, for the largest trainable unit.
+* **reduce-scatter** (added, backward, from the first gradient the step produces): a unit's unsharded
+  gradients and the reduce-scatter input they are copied into, in ``g`` bytes, for the largest trainable
+  unit. They appear once the first unit's backward is done (its activations freed), not at the start of
+  backward, where a transformer's step peaks.
 * NO_SHARD all-reduces each unit's flat gradient in place: nothing changes but the collective.
 
 ``use_orig_params`` and FSDP1's flat parameters hold the same bytes; the trace's autocast copies of weights
@@ -43,7 +45,10 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     h = facts.element_bytes
     g = _BYTES.get(sharding.mixed_precision_param_dtype or "", h)
     if sharding.strategy == "fsdp-no-shard" or group == 1:
-        return RankPlan(sharding.strategy, sharding.world_size, notes=("FSDP NO_SHARD: every rank holds everything",))
+        whole = {"parameters": traced.get(Category.PARAMETERS, 0), "gradients": traced.get(Category.GRADIENTS, 0),
+                 "optimizer_state": traced.get(Category.OPTIMIZER_STATE, 0)}  # fmt: skip
+        return RankPlan(sharding.strategy, sharding.world_size, terms=whole,
+                        notes=("FSDP NO_SHARD: every rank holds everything",))  # fmt: skip
     on_host = sharding.offload_params
 
     def shard(size: int) -> int:
@@ -60,7 +65,7 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     reducing = max((u.trainable_numel for u in (*units, facts.root)), default=0)
     buffers = (
         Buffer("gathered parameters", gathered, Phase.FORWARD, end=Phase.OPTIMIZER),
-        Buffer("reduce-scatter", 2 * reducing * g, Phase.BACKWARD, end=Phase.OPTIMIZER),
+        Buffer("reduce-scatter", 2 * reducing * g, Phase.BACKWARD, end=Phase.OPTIMIZER, after=Category.GRADIENTS),
     )
     params = shard_bytes(traced.get(Category.PARAMETERS, 0), group, h)
     grads = shard_bytes(traced.get(Category.GRADIENTS, 0), group, h)

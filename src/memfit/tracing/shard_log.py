@@ -38,7 +38,9 @@ class Buffer:
 
     ``start``: the phase at whose start it is allocated; ``end``: the phase of the same step at whose start
     it is freed (``None``: at the end of the step). ``persistent``: allocated once, at ``start`` of the first
-    step, and kept (DeepSpeed's fp32 master weights and reduce buckets).
+    step, and kept (DeepSpeed's fp32 master weights and reduce buckets). ``after``: allocated at the first
+    storage of that category born in the phase instead of at its start (FSDP's reduce-scatter buffers appear
+    with the first unit's gradients, once that unit's activations are freed, not at the start of backward).
     """
 
     what: str
@@ -46,6 +48,7 @@ class Buffer:
     start: Phase
     end: Phase | None = None
     persistent: bool = False
+    after: Category | None = None
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,20 @@ def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorde
         for number, mark in enumerate(marks):
             if mark.phase is not buffer.start or (buffer.persistent and mark.step != marks[0].step):
                 continue
+            phase_end = marks[number + 1].event_index if number + 1 < len(marks) else len(recorder.events)
+            at = mark.event_index
+            if buffer.after is not None:
+                at = next(
+                    (i for i in range(at, phase_end) if recorder.events[i] > 0
+                     and recorder.categories.get(recorder.events[i]) is buffer.after),
+                    phase_end,
+                )  # fmt: skip
             sid = next_id
             next_id += 1
             sizes[sid] = buffer.size_bytes
             categories[sid] = Category.SHARDING_BUFFERS
             alloc_phase[sid] = number
-            inserted.setdefault(mark.event_index, []).append((1, sid))
+            inserted.setdefault(at, []).append((1, sid))
             if buffer.persistent:
                 continue
             end = next(

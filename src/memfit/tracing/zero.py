@@ -5,9 +5,10 @@ data-parallel world size, ``T`` the trainable elements, ``P`` all elements, ``h`
 parameter element (2 when DeepSpeed runs the model in bf16/fp16, its ``bf16``/``fp16`` sections, which memfit
 traces as ``*-true``: DeepSpeed converts the module, it does not autocast). Every term, per rank:
 
-* **parameters** (traced storages): full for stages 1 and 2; stage 3 keeps ``1/N`` of each parameter larger
-  than ``stage3_param_persistence_threshold`` elements (default 1e5) and whole copies of the smaller ones;
-  ``offload_param`` moves the partitions to the host.
+* **parameters** (traced storages): full for stages 1 and 2; stage 3 keeps ``1/N`` of each parameter (its
+  ``ds_tensor``) and whole copies of those of at most ``stage3_param_persistence_threshold`` elements (default
+  1e5), whose partition also stays on the device (``partition_parameters.py``); ``offload_param`` moves the
+  other partitions to the host.
 * **gradients** (traced storages): full for stage 1; ``1/N`` for stages 2 and 3 (the 16-bit partition each
   rank owns, ``averaged_gradients`` / ``grad_partitions_flat_buffer``); none on the device with
   ``offload_optimizer`` in stages 2 and 3 (they are copied to pinned host buffers from the reduce bucket).
@@ -77,8 +78,10 @@ def zero_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     threshold = option(sharding, "stage3_param_persistence_threshold")
 
     def parameter(size: int) -> int:
-        if stage < 3 or size // h <= threshold:
+        if stage < 3:
             return size
+        if size // h <= threshold:  # kept whole, and its partition (``ds_tensor``) on the device too
+            return size + shard_bytes(size, n, h)
         return 0 if sharding.offload_params else shard_bytes(size, n, h)
 
     def gradient(size: int) -> int:
@@ -114,7 +117,7 @@ def zero_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     state_bytes = traced.get(Category.OPTIMIZER_STATE, 0)
     persistent = facts.persistent_numel(threshold) * h if stage == 3 else 0
     terms = {
-        "parameters": params_bytes if stage < 3 else persistent + shard_bytes(params_bytes - persistent, n, h),
+        "parameters": params_bytes if stage < 3 else persistent + shard_bytes(params_bytes, n, h),
         "gradients": grads_bytes if stage < 2 else shard_bytes(grads_bytes, n, h),
         "optimizer_state": shard_bytes(round(state_bytes * state_scale), n, _FP32),
         "fp32_master_weights": master,
@@ -125,10 +128,11 @@ def zero_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         host += terms["optimizer_state"] + master + trainable * _FP32 // n  # pinned fp32 gradient partition
         if stage >= 2:
             terms["gradients"] = 0
-        terms["optimizer_state"] = 0
+        terms["optimizer_state"] = terms["fp32_master_weights"] = terms["fp32_gradient_partition"] = 0
     if sharding.offload_params:
-        host += terms["parameters"] - persistent
-        terms["parameters"] = persistent
+        partitions = shard_bytes(params_bytes - persistent, n, h)
+        host += partitions
+        terms["parameters"] -= partitions
     notes = [
         f"ZeRO-{stage}: {_describe(stage, offload, sharding.offload_params)}; reduce buckets "
         f"{option(sharding, 'reduce_bucket_size'):,} elements x{2 if overlap else 1}"
