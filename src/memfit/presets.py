@@ -51,6 +51,15 @@ PRESETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen2.5-7b": ("Qwen2Config", {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
                                    "max_position_embeddings": 32768, "tie_word_embeddings": False}, "causal-lm"),
+    "llama-3-70b": ("LlamaConfig", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                                    "max_position_embeddings": 8192, "rope_theta": 500000.0}, "causal-lm"),
+    "llama-2-70b": ("LlamaConfig", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
+                                    "max_position_embeddings": 4096}, "causal-lm"),
+    "qwen2.5-72b": ("Qwen2Config", {"hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+                                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
+                                    "max_position_embeddings": 32768, "tie_word_embeddings": False}, "causal-lm"),
     "vit-base": ("ViTConfig", {}, "image-classification"),
 }  # fmt: skip
 

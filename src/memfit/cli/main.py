@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import NoReturn
 
+from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
 from memfit.tracing.optimizers import OPTIMIZER_NAMES
@@ -104,6 +105,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
     from memfit.planning.gpu_report import plan_for_gpus
 
+    if is_sharded(args):  # --strategy, --gpus auto, --nodes: one rank of a sharded job
+        return run_sharded(args)
     report = plan_for_gpus(
         hf_config=args.hf_config,
         model=args.model,
@@ -116,14 +119,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         checkpointing=args.checkpointing,
         target_batch_size=args.target_batch_size,
-        world_size=args.world_size,
+        world_size=args.gpus,
         margin=args.margin,
         show_progress=not args.json,
         inference=args.inference,
         num_workers=args.num_workers,
         prefetch_factor=args.prefetch_factor,
         pin_memory=args.pin_memory,
-        offload_optimizer=args.offload_optimizer,
+        offload_optimizer=args.offload == "optimizer",
         exact=args.exact,
         zero_grad=args.zero_grad,
     )
@@ -243,7 +246,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-config", metavar="NAME_OR_PATH", help="a preset (gpt2, bert-base, t5-base, llama-3-8b, "
-                        "mistral-7b, qwen2.5-7b, vit-base) or a local config.json")  # fmt: skip
+                        "mistral-7b, qwen2.5-7b, llama-3-70b, llama-2-70b, qwen2.5-72b, vit-base) or a local "
+                        "config.json")  # fmt: skip
     source.add_argument("--model", metavar="MODULE:FACTORY", help="your own code: factory() returns a module or "
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
     plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")
@@ -259,8 +263,6 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
                       help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
-    plan.add_argument("--world-size", type=_whole(1), default=1, help="data-parallel devices; above 1, DDP's gradient "
-                      "buckets count (default 1)")  # fmt: skip
     plan.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
                       help="when the loop frees gradients: after_step (Hugging Face Trainer, default) or "
                       "before_backward (Lightning, whose forward carries the last step's gradients)")  # fmt: skip
@@ -270,9 +272,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-workers", type=_whole(0), default=0, help="dataloader workers, for the host RAM line")
     plan.add_argument("--prefetch-factor", type=_whole(1), default=2, help="batches each worker prefetches (default 2)")
     plan.add_argument("--pin-memory", action="store_true", help="the dataloader pins memory")
-    plan.add_argument(
-        "--offload-optimizer", action="store_true", help="optimizer state lives in host RAM (ZeRO-Offload)"
-    )
+    add_sharding_arguments(plan)  # --gpus (--world-size), --strategy, --offload (--offload-optimizer), --nodes
     plan.add_argument("--exact", action="store_true", help="trace the whole model even when it is deep (slower; by "
                       "default deep configs are traced at 2 and 4 blocks and extrapolated)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

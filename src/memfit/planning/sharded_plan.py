@@ -1,0 +1,373 @@
+"""``memfit plan --gpus N --strategy ...`` and ``--gpus auto``: one rank's plan, and the fewest GPUs that fit.
+
+A plan for a given GPU count and strategy comes from ``memfit.estimate``'s own per-rank estimate
+(``TrainingLoop(sharding=...)``), searched and confirmed as any ``memfit plan`` row is (``_plan_one``:
+depth-extrapolated traces for the search of a deep model, the whole model's trace for the answer).
+
+``--gpus auto`` first screens every candidate count and strategy on one trace of the step per
+checkpointing setting, read through ``memfit.planning.sharded.per_rank`` (model states scale as 1/N
+analytically), so looking at a hundred counts costs no more traces than looking at one; the smallest
+count the screen passes is then planned, and confirmed, by the per-rank estimate itself, and the search
+moves on where that says no.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.planning.capacity import parse_budget
+from memfit.planning.gpu_report import (
+    EXTRAPOLATION_DEPTHS,
+    EXTRAPOLATION_MIN_PARAMETERS,
+    GpuPlan,
+    PlanReport,
+    _card_precision,
+    _default_precision,
+    _extrapolating,
+    _in_precision,
+    _plan_one,
+    _progress,
+    _tracer,
+    model_depth,
+)
+from memfit.planning.gpus import gpu_by_name
+from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.precision import Precision
+from memfit.prediction.estimator import MemoryEstimate
+from memfit.presets import ModelSpec, from_factory, from_hf_config
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.config import TrainingLoop
+from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.sharding import ShardingConfig
+from memfit.tracing.tracer import ZeroGrad
+from memfit.units import format_bytes
+
+from .sharded import (
+    candidate_gpu_counts,
+    describe,
+    model_states_per_rank,
+    model_units,
+    per_rank,
+)
+
+__all__ = ["AUTO_STRATEGIES", "CountCheck", "Option", "ShardedReport", "plan_sharded"]
+
+# what --gpus auto tries at each count, in order of preference among those that fit: the least
+# communication first (DDP needs no more GPUs than one, so it only answers a run that fits on one)
+AUTO_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
+# what --gpus auto weighs but does not choose unless --offload asks for it: offload moves the states over
+# PCIe every step and needs host RAM, so it is a choice for the user (the answer says where it would fit)
+AUTO_OFFLOADS = ("optimizer", "all")
+# counts the screen passes but the per-rank estimate refuses before --gpus auto stops and says so: each costs
+# that estimate's traces, and two in a row mean the screen and the estimate disagree on this model
+AUTO_MAX_REFUSED = 2
+
+
+@dataclass(frozen=True)
+class Option:
+    """A strategy with its offload, as ``--strategy`` and ``--offload`` name them."""
+
+    strategy: str
+    offload: str = "none"  # none, optimizer, params, all
+
+    @property
+    def label(self) -> str:
+        return self.strategy + ("" if self.offload == "none" else f"+offload-{self.offload}")
+
+    def config(self, gpus: int, gpus_per_node: int, precision: Precision) -> ShardingConfig:
+        """The run's settings; FSDP under a ``*-mixed`` precision gathers 16-bit parameters
+        (``MixedPrecisionPolicy(param_dtype=...)``, as accelerate's and Lightning's FSDP mixed precision do)."""
+        mixed = self.strategy.startswith("fsdp") and precision.is_mixed
+        return ShardingConfig(
+            self.strategy,  # type: ignore[arg-type]
+            gpus,
+            gpus_per_node=min(gpus, gpus_per_node),
+            mixed_precision_param_dtype=str(precision.compute_dtype).removeprefix("torch.") if mixed else None,
+            offload_optimizer=self.offload in ("optimizer", "all") or (self.strategy.startswith("fsdp")
+                                                                       and self.offload != "none"),
+            offload_params=self.offload in ("params", "all"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CountCheck:
+    """What one GPU count said in the ``--gpus auto`` search: each option's smallest per-rank peak at the
+    micro batch asked for (checkpointing on where it is allowed and needed), and whether it fits."""
+
+    gpus: int
+    nodes: int
+    peaks: tuple[tuple[str, int, bool, bool, bool], ...]  # (option, device bytes, checkpointing, fits, choosable)
+    confirmed: str | None = None  # the option the whole model's trace confirmed at this count
+    rejected: tuple[str, ...] = ()  # options the whole model's trace did not confirm
+
+    def summary(self, budget_bytes: int) -> str:
+        parts = [f"{label} {format_bytes(peak)}{' (ckpt)' if ckpt else ''}{'' if fits else ' x'}"
+                 for label, peak, ckpt, fits, _ in self.peaks]  # fmt: skip
+        verdict = f"fits with {self.confirmed}" if self.confirmed else "does not fit"
+        if self.rejected:
+            verdict += f" ({', '.join(self.rejected)} not confirmed on the whole model)"
+        nodes = f" ({self.nodes} nodes)" if self.nodes > 1 else ""
+        return f"{self.gpus} GPU(s){nodes}: {verdict}; per-rank peak vs {format_bytes(budget_bytes)}: " + ", ".join(
+            parts
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "fits": self.confirmed is not None,
+            "chosen": self.confirmed,
+            "not_confirmed": list(self.rejected),
+            "options": [
+                {"option": label, "peak_bytes": peak, "gradient_checkpointing": ckpt, "fits": fits, "choosable": chosen}
+                for label, peak, ckpt, fits, chosen in self.peaks
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class ShardedReport:
+    """One rank's plan under ``sharding`` (``None`` when nothing fits), with how it was found."""
+
+    report: PlanReport  # one row: the rank's plan, in the tables ``memfit plan`` prints
+    sharding: ShardingConfig | None
+    option: Option | None
+    trainable: int
+    model_states_bytes: dict[str, int] = field(default_factory=dict)  # one rank's, on the device
+    host_offload_per_rank_bytes: int = 0
+    considered: tuple[CountCheck, ...] = ()
+    budget_bytes: int = 0
+    auto: bool = False
+
+    @property
+    def row(self) -> GpuPlan:
+        return self.report.rows[0]
+
+    @property
+    def host_offload_per_node_bytes(self) -> int:
+        if self.sharding is None:
+            return 0
+        return self.host_offload_per_rank_bytes * (self.sharding.gpus_per_node or self.sharding.world_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.report.to_dict()
+        config = self.sharding
+        out["per_rank"] = True
+        out["auto"] = self.auto
+        out["sharding"] = None if config is None else {
+            "strategy": config.strategy,
+            "gpus": config.world_size,
+            "nodes": config.nodes,
+            "gpus_per_node": config.gpus_per_node or config.world_size,
+            "shard_group_size": config.shard_group_size,
+            "offload": self.option.offload if self.option else "none",
+            "offload_optimizer": config.offload_optimizer,
+            "offload_params": config.offload_params,
+        }  # fmt: skip
+        out["trainable_parameters"] = self.trainable
+        out["model_states_per_rank_bytes"] = dict(self.model_states_bytes)
+        out["host_offload_per_rank_bytes"] = self.host_offload_per_rank_bytes
+        out["host_offload_per_node_bytes"] = self.host_offload_per_node_bytes
+        out["budget_bytes"] = self.budget_bytes
+        out["considered"] = [check.to_dict() for check in self.considered]
+        return out
+
+
+def plan_sharded(
+    *,
+    hf_config: str | None,
+    model: str | None,
+    gpu: str | None,
+    budget: str | None,
+    options: Sequence[Option],
+    gpus: int | None,
+    hints: Sequence[Option] = (),
+    nodes: int | None = None,
+    gpus_per_node: int = 8,
+    max_gpus: int = 1024,
+    micro_batch_size: int = 1,
+    seq_len: int = 1024,
+    image_size: int | None = None,
+    layers: int | None = None,
+    precision: str | None = None,
+    optimizer: str = "adamw",
+    checkpointing: str = "auto",
+    target_batch_size: int | str = "max",
+    margin: float = 0.05,
+    exact: bool = False,
+    zero_grad: ZeroGrad = "after_step",
+    show_progress: bool = False,
+) -> ShardedReport:
+    """One rank's plan for ``gpus`` GPUs (``nodes`` nodes) under ``options[0]``, or with ``gpus`` ``None``
+    the fewest GPUs (``candidate_gpu_counts``, ``gpus_per_node`` a node) at which one of ``options`` fits
+    ``micro_batch_size`` per rank, preferring them in the order given at that count. ``hints`` are weighed
+    at each count and shown, never chosen (offload, unless the user asked for it)."""
+    if (gpu is None) == (budget is None):
+        raise InvalidInputError("a per-rank plan is for one kind of GPU: give one --gpu (e.g. h100) or a --budget")
+    card = gpu_by_name(gpu) if gpu else None
+    capacity = card.memory_bytes if card else parse_budget(budget or "")
+    name = card.name if card else f"budget {budget}"
+    default = _default_precision(precision, False)
+    row_precision = _card_precision(card, precision, default, False)
+    if not isinstance(row_precision, Precision):
+        raise InvalidInputError(row_precision)
+    with _progress(show_progress, "building the model on the meta device"):
+        spec = _spec(hf_config, model, seq_len, image_size, layers)
+    parameters = sum(p.numel() for p in spec.model.parameters())
+    trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+    units = model_units(spec.model)
+    runtime = CudaRuntime(compute_capability=(card.compute_capability if card else None) or (9, 0))
+    depth = model_depth(spec.model)
+    shallow: list[ModelSpec] = []
+    extrapolated = None
+    if hf_config and not exact and layers is None and parameters >= EXTRAPOLATION_MIN_PARAMETERS and depth and (
+        depth > EXTRAPOLATION_DEPTHS[1]
+    ):  # fmt: skip
+        with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
+            shallow = [_spec(hf_config, None, seq_len, image_size, d) for d in EXTRAPOLATION_DEPTHS]
+        extrapolated = EXTRAPOLATION_DEPTHS
+
+    @functools.cache
+    def traces(kind: bool | ShardingConfig) -> tuple[Any, Any]:
+        """``(search, whole)`` traces of the step: one rank's under a ``ShardingConfig``, else in DDP's loop
+        (``True``) or a plain one (``False``, the screen every count reads)."""
+        if isinstance(kind, ShardingConfig):
+            loop = TrainingLoop(zero_grad=zero_grad, sharding=kind)
+        else:
+            loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if kind else None)
+        # the whole model is traced at the chosen batch only, its fit in the batch taken from the search's
+        # traces at batch 1 (as ``plan_for_gpus`` does)
+        whole = _tracer(spec, row_precision, optimizer, [runtime], False, loop, fits_of=lambda c: search(1, c, 1))
+        search = whole
+        if shallow:
+            tracers = [_tracer(s, row_precision, optimizer, [runtime], False, loop) for s in shallow]
+            search = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth or 0, whole)
+        return search, whole
+
+    def screen(option: Option, count: int, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
+        """The rank's search estimate under ``config`` read off the plain trace (DDP's own above one GPU)."""
+        search, _ = traces(option.strategy == "ddp" and count > 1)
+        return lambda b, c, a: per_rank(search(b, c, a)[0], config, units)
+
+    def ranked(config: ShardingConfig) -> tuple[Any, Any]:
+        """``(search, whole)`` of one rank under ``config``, from ``memfit.estimate``'s per-rank estimate."""
+        search, whole = traces(config if config.world_size > 1 or config.strategy != "ddp" else False)
+        return (lambda b, c, a: search(b, c, a)[0]), (lambda b, c, a: whole(b, c, a)[0])
+
+    budget_bytes = int(capacity * (1 - margin))
+    allow = checkpointing
+
+    def request(count: int) -> PlanRequest:
+        return PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size,
+                           world_size=count, min_batch_size=micro_batch_size, allow_checkpointing=allow == "auto",
+                           always_checkpoint=allow == "on")  # fmt: skip
+
+    def planned(option: Option, count: int, per_node: int, candidate: bool = False) -> tuple[GpuPlan, ShardingConfig]:
+        """One rank's plan; a ``candidate`` of the ``--gpus auto`` search takes a "no" from the search's
+        (depth-extrapolated) estimate as final instead of deciding it again on whole-model traces."""
+        config = option.config(count, per_node, row_precision)
+        search, whole = ranked(config)
+        label = f"{name} x{count} {option.label} (per rank)"
+        with _progress(show_progress, f"planning {describe(config)}"):
+            if candidate:
+                session = PlanningSession(whole, batch_size=1, search_at=search)
+                try:
+                    decision = session.decide(request(count))
+                    row = GpuPlan(label, capacity, decision.plan, decision.estimate,
+                                  base=session.search_at(1, allow == "on", 1))  # fmt: skip
+                except InsufficientMemoryError as error:
+                    row = GpuPlan(label, capacity, None, None, error=str(error))
+            else:
+                row = _plan_one(label, card, search, request(count), whole, extrapolated)
+        return _in_precision(row, row_precision, default, card), config
+
+    def finish(row: GpuPlan, config: ShardingConfig | None, option: Option | None,
+               considered: tuple[CountCheck, ...]) -> ShardedReport:  # fmt: skip
+        report = PlanReport(spec.name, parameters, default.value, optimizer, seq_len, (row,),
+                            depth_extrapolated_from=extrapolated)  # fmt: skip
+        states: dict[str, int] = {}
+        host = 0
+        estimate = row.estimate  # a whole-model trace (a depth-extrapolated one carries its shallow terms)
+        if config is not None and estimate is not None and estimate.rank_terms:
+            states = dict(estimate.rank_terms)
+            host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
+        elif config is not None:  # DDP, or no plan: the states of the whole model, shared as the screen shares them
+            states = model_states_per_rank(traces(False)[0](micro_batch_size, False, 1)[0], config)
+        return ShardedReport(report, config, option, trainable, states, host, considered, budget_bytes,
+                             auto=gpus is None)  # fmt: skip
+
+    if gpus is not None:
+        option = options[0]
+        per_node = gpus // nodes if nodes else min(gpus, gpus_per_node)
+        row, config = planned(option, gpus, per_node)
+        return finish(row, config, option, ())
+
+    considered: list[CountCheck] = []
+    refused = 0  # counts the screen passed and the per-rank estimate did not
+    for count in candidate_gpu_counts(gpus_per_node, max_gpus):
+        per_node = min(count, gpus_per_node)
+        peaks = []
+        for option in (*options, *hints):
+            if option.strategy == "ddp" and count > 1:
+                continue  # DDP holds on each rank what one GPU holds, and its buckets besides
+            if option.strategy == "fsdp-hybrid" and count <= gpus_per_node:
+                continue  # within one node hybrid sharding is fsdp
+            config = option.config(count, per_node, row_precision)
+            search = screen(option, count, config)
+            peak, ckpt = _smallest_peak(search, micro_batch_size, allow, budget_bytes)
+            peaks.append((option, peak, ckpt, peak <= budget_bytes))
+        fitting = [option for option, _, _, fits in peaks if fits and option in options]
+        rejected: list[str] = []
+        for option in fitting:  # in order of preference; the whole model's trace decides
+            row, config = planned(option, count, per_node, candidate=True)
+            if row.plan is not None:
+                check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected))
+                return finish(row, config, option, (*considered, check))
+            rejected.append(option.label)
+        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected)))
+        refused += bool(rejected)
+        if refused >= AUTO_MAX_REFUSED:
+            raise InvalidInputError(
+                f"the screen says {spec.name} fits {micro_batch_size} sample(s) per rank from "
+                f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but memfit.estimate's per-rank estimate does not "
+                f"confirm it at {' or '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with "
+                "--gpus N --strategy S to see its figures. Per count: "
+                + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+            )
+    tried = ", ".join(o.label for o in options)
+    raise InvalidInputError(
+        f"{spec.name} does not fit {micro_batch_size} sample(s) per rank on up to {max_gpus} x {name} with any of "
+        f"{tried}; try --offload all, checkpointing, a shorter --seq-len or a larger --max-gpus. Per count: "
+        + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+    )
+
+
+def _said(
+    peaks: list[tuple[Option, int, bool, bool]], options: Sequence[Option]
+) -> tuple[tuple[str, int, bool, bool, bool], ...]:
+    return tuple((option.label, peak, ckpt, fits, option in options) for option, peak, ckpt, fits in peaks)
+
+
+def _smallest_peak(
+    search: Callable[[int, bool, int], MemoryEstimate], micro: int, allow: str, budget_bytes: int
+) -> tuple[int, bool]:
+    """The per-rank device peak at ``micro`` without checkpointing, or with it when that is allowed and
+    the peak without it is over ``budget_bytes`` (``"on"``: with it only); checkpointing is traced only
+    when it is needed."""
+    answers = []
+    for ckpt in {"off": (False,), "on": (True,), "auto": (False, True)}[allow]:
+        answers.append((search(micro, ckpt, 1).at(micro).device_bytes, ckpt))
+        if answers[-1][0] <= budget_bytes:
+            break
+    return min(answers)
+
+
+def _spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None,
+          layers: int | None) -> ModelSpec:  # fmt: skip
+    if hf_config:
+        return from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers)
+    return from_factory(model or "", seq_len=seq_len)

@@ -1,0 +1,159 @@
+"""`memfit plan --gpus N|auto --strategy ... --offload ... --nodes ...`: one rank's plan, and the fewest GPUs.
+
+A small Llama config (a config.json in tmp_path, built on meta and traced on fake tensors) whose
+model states are large next to its activations, so sharding decides what fits.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.units import MiB
+
+_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "max_position_embeddings": 128,
+}
+_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama") / "config.json"
+    path.write_text(json.dumps(_CONFIG))
+    return str(path)
+
+
+def _plan(capsys: pytest.CaptureFixture[str], config: str, *extra: str, budget: str = "2GiB") -> dict[str, Any]:
+    code = main(["plan", "--hf-config", config, "--seq-len", "32", "--budget", budget, "--json", *extra])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_fsdp_model_states_per_rank_are_the_hand_arithmetic_over_n(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    """bf16-mixed AdamW under FSDP: fp32 parameters (4 B), fp32 gradients (4 B) and two fp32 Adam moments
+    (8 B) per parameter, divided by the GPU count; DDP keeps all of them on every rank."""
+    answers = {n: _plan(capsys, config, "--gpus", str(n), "--strategy", "fsdp") for n in (2, 4, 8)}
+    ddp = _plan(capsys, config, "--gpus", "4", "--strategy", "ddp")
+    parameters = ddp["parameters"]
+    hand = {"parameters": 4 * parameters, "gradients": 4 * parameters, "optimizer_state": 8 * parameters}
+    for name in _STATES:
+        # the trace's blocks are rounded to 512 B each and Adam keeps a step count per tensor: within 3 %
+        assert ddp["model_states_per_rank_bytes"][name] == pytest.approx(hand[name], rel=0.03)
+        for n, answer in answers.items():
+            assert answer["model_states_per_rank_bytes"][name] == pytest.approx(hand[name] / n, rel=0.03)
+    for few, many in ((2, 4), (4, 8)):
+        rows = answers[few]["gpus"][0], answers[many]["gpus"][0]
+        assert rows[1]["breakdown_bytes"]["optimizer_state"] < rows[0]["breakdown_bytes"]["optimizer_state"]
+        assert rows[1]["largest_micro_batch"] >= rows[0]["largest_micro_batch"]
+    row = answers[8]["gpus"][0]
+    assert row["fits"] and row["world_size"] == 8
+    assert row["effective_batch_size"] == row["micro_batch_size"] * row["accumulate_grad_batches"] * 8
+
+
+def test_zero_stages_hold_less_the_more_they_shard(capsys: pytest.CaptureFixture[str], config: str) -> None:
+    totals = {}
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        # DeepSpeed's default buckets are 5e8 elements: room for them
+        answer = _plan(capsys, config, "--gpus", "4", "--strategy", strategy, budget="8GiB")
+        assert answer["sharding"]["strategy"] == strategy and answer["sharding"]["shard_group_size"] in (1, 4)
+        states = answer["model_states_per_rank_bytes"]
+        totals[strategy] = sum(size for name, size in states.items() if name != "gathered_parameters")
+    assert totals["zero3"] < totals["zero2"] < totals["zero1"] < totals["ddp"]
+
+
+def test_accumulation_keeps_the_effective_batch_across_ranks(capsys: pytest.CaptureFixture[str], config: str) -> None:
+    answer = _plan(capsys, config, "--gpus", "4", "--strategy", "zero2", "--target-batch-size", "64")
+    row = answer["gpus"][0]
+    assert row["effective_batch_size"] == 64 == row["micro_batch_size"] * row["accumulate_grad_batches"] * 4
+
+
+def test_offload_and_nodes_in_the_json(capsys: pytest.CaptureFixture[str], config: str) -> None:
+    plain = _plan(capsys, config, "--gpus", "8", "--nodes", "2", "--strategy", "zero3", budget="8GiB")
+    offloaded = _plan(capsys, config, "--gpus", "8", "--nodes", "2", "--strategy", "zero3", "--offload", "all",
+                      budget="8GiB")  # fmt: skip
+    sharding = offloaded["sharding"]
+    assert sharding["nodes"] == 2 and sharding["gpus_per_node"] == 4 and sharding["shard_group_size"] == 8
+    assert sharding["offload_optimizer"] and sharding["offload_params"] and sharding["offload"] == "all"
+    assert plain["host_offload_per_rank_bytes"] == 0 == plain["host_offload_per_node_bytes"]
+    per_rank = offloaded["host_offload_per_rank_bytes"]
+    assert per_rank > 0 and offloaded["host_offload_per_node_bytes"] == 4 * per_rank
+    # what left the device is what the host holds: more than the device's optimizer state was
+    assert per_rank > plain["model_states_per_rank_bytes"]["optimizer_state"]
+    assert offloaded["model_states_per_rank_bytes"]["optimizer_state"] == 0
+    assert sum(offloaded["model_states_per_rank_bytes"].values()) < sum(plain["model_states_per_rank_bytes"].values())
+    hybrid = _plan(capsys, config, "--gpus", "8", "--nodes", "2", "--strategy", "fsdp-hybrid")
+    assert hybrid["sharding"]["shard_group_size"] == 4  # sharded within a node, replicated across the two
+
+
+def test_gpus_auto_picks_the_smallest_count_its_own_answers_say_fits(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    one = _plan(capsys, config, "--gpus", "1", "--strategy", "ddp", "--target-batch-size", "1", "--margin", "0")
+    eight = _plan(capsys, config, "--gpus", "8", "--strategy", "fsdp", "--target-batch-size", "8", "--margin", "0")
+    low, high = (answer["gpus"][0]["predicted_peak_bytes"] for answer in (eight, one))
+    assert low < high
+    budget = f"{(low + high) // 2 // MiB}MiB"  # between what one GPU and a rank of eight need
+    auto = _plan(capsys, config, "--gpus", "auto", "--checkpointing", "off", "--margin", "0", budget=budget)
+    chosen = auto["sharding"]["gpus"]
+    considered = auto["considered"]
+    assert [check["gpus"] for check in considered] == [1, 2, 4, 8][: len(considered)]
+    assert considered[-1]["gpus"] == chosen and 1 < chosen <= 8
+    for check in considered[:-1]:  # every smaller count: nothing fits, by the screen or by the rank's own estimate
+        assert not check["fits"] and check["chosen"] is None
+        passed = {o["option"] for o in check["options"] if o["fits"] and o["choosable"]}
+        assert passed == set(check["not_confirmed"])
+    # offload is weighed and shown at every count, but chosen only when asked for
+    assert {"offload" in o["option"] for o in considered[0]["options"]} == {True, False}
+    assert all(("offload" in o["option"]) is not o["choosable"] for o in considered[0]["options"])
+    last = considered[-1]
+    assert last["fits"] and last["chosen"] == auto["sharding"]["strategy"]
+    assert next(o for o in last["options"] if o["option"] == last["chosen"])["peak_bytes"] <= auto["budget_bytes"]
+    row = auto["gpus"][0]
+    assert row["fits"] and row["predicted_peak_bytes"] <= row["budget_bytes"] == auto["budget_bytes"]
+    assert auto["auto"] is True and row["world_size"] == chosen
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--gpus", "4", "--strategy", "zero2", "--offload", "params"], ["needs sharded parameters", "zero3 or fsdp"]),
+        (["--gpus", "8", "--nodes", "3", "--strategy", "fsdp"], ["--gpus 8 cannot be split evenly over --nodes 3"]),
+        (["--gpus", "4", "--strategy", "ddp", "--offload", "optimizer"], ["DDP keeps everything"]),
+        (["--gpus", "4", "--strategy", "fsdp", "--offload", "optimizer"], ["use --offload all"]),
+        (["--gpus", "4", "--offload", "params"], ["needs --strategy zero3 or fsdp"]),
+        (["--gpus", "auto", "--nodes", "2"], ["--gpus auto chooses the nodes"]),
+        (["--gpus", "8", "--strategy", "fsdp-hybrid"], ["give --nodes 2 or more"]),
+        (["--gpus", "2", "--nodes", "4", "--strategy", "fsdp"], ["--nodes 4 is more than --gpus 2"]),
+        (["--gpus", "0"], ["--gpus", "positive whole number or auto", "'0'"]),
+        (["--gpus", "4", "--strategy", "zero4"], ["--strategy", "zero4"]),
+        (["--gpus", "4", "--strategy", "fsdp", "--inference"], ["--inference"]),
+        (["--gpus", "auto", "--gpu", "h100", "--gpu", "a100"], ["give --gpu once"]),
+    ],
+)
+def test_bad_combinations_are_one_clear_line(
+    capsys: pytest.CaptureFixture[str], config: str, extra: list[str], fragments: list[str]
+) -> None:
+    argv = ["plan", "--hf-config", config, "--seq-len", "32", *extra]
+    if "--gpu" not in extra:
+        argv += ["--budget", "2GiB"]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memfit: error:")
+    for fragment in fragments:
+        assert fragment in lines[0]
