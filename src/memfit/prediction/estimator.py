@@ -22,6 +22,7 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
+from memfit.prediction.exact import exact_estimates
 from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size
@@ -29,6 +30,7 @@ from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
+from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import (
     ForwardFn,
     LossFn,
@@ -115,6 +117,8 @@ class MemoryEstimate:
     ddp: DDPConfig | None = None
     extra_batches: int = 0
     inference: bool = False
+    # batch -> phase peaks replayed from a symbolic trace of the step (memfit.prediction.exact); None: the fit
+    exact_peaks: Callable[[int], tuple[PhasePeak, ...] | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -144,6 +148,11 @@ class MemoryEstimate:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        replayed = self.exact_peaks(batch_size) if self.exact_peaks is not None else None
+        if replayed is not None:  # the step's log at this batch, replayed: what a trace at it gives
+            allocated = max(p.allocated_bytes for p in replayed)
+            reserved = max(p.reserved_bytes for p in replayed)
+            return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
         tensors = max(model.at(batch_size) for model in self.phase_models)
         # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by the
         # worst ratios traced, which keeps at() monotonic and never below the traced peaks.
@@ -169,9 +178,13 @@ class MemoryEstimate:
         def fits(batch: int) -> bool:
             return self.at(batch).reserved_bytes + overhead <= capacity_bytes
 
-        if not fits(1):
+        # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit
+        if self.exact_peaks is not None and fits(2):
+            low, high = 2, 4
+        elif not fits(1):
             return None
-        low, high = 1, 2
+        else:
+            low, high = 1, 2
         while high < _MAX_BATCH and fits(high):
             low, high = high, high * 2
         if high >= _MAX_BATCH and fits(_MAX_BATCH):
@@ -349,6 +362,12 @@ def estimate_for_runtimes(
     )  # fmt: skip
     settings, batches = _prepare(model, sample, batch_size, step, loop, target.with_runtime(runtimes[0]))
     primary_batch, secondary_batch, sample_batch = batches
+    fallback_note = None
+    if batch_fits is None and symbolic_enabled() and getattr(loop, "sharding", None) is None:
+        exact = exact_estimates(model, sample, sample_batch, primary_batch, settings, runtimes, _build_estimate)
+        if not isinstance(exact, str):
+            return exact
+        fallback_note = f"traced at two batch sizes, other batch sizes interpolated: {exact}"
     started = time.perf_counter()
     try:
         primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
@@ -363,15 +382,16 @@ def estimate_for_runtimes(
     secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
+    notes = [fallback_note] if fallback_note else []
     if not settings.targets_cuda:
-        return [_build_estimate(primary, secondary, settings, None, elapsed, fit) for fit in fits]
+        return [_build_estimate(primary, secondary, settings, None, elapsed, fit).with_notes(*notes) for fit in fits]
     estimates = []
     for runtime, fit in zip(runtimes, fits, strict=True):
         runtime = runtime or CudaRuntime.of_current_device()
         for trace in (primary, secondary):
             if trace is not None:
                 _resize_workspace(trace, runtime.workspace_bytes)
-        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit))
+        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit).with_notes(*notes))
     return estimates
 
 
@@ -624,6 +644,7 @@ def extrapolate_depth(
     reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
     return dataclasses.replace(
         deeper,
+        exact_peaks=None,  # the traces' own replays answer for their depths, not this one
         peak_allocated_bytes=peak.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
         allocated_to_tensor_ratio=allocated_ratio,

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
+import torch
 from torch import nn
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from memfit.tracing.batch import Sample
+from memfit.tracing.batch import Sample, rebatch
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
 __all__ = ["SymbolicTrace", "SymbolicUnavailable", "symbolic_enabled", "trace_symbolic"]
@@ -137,6 +138,8 @@ def trace_symbolic(
     """
     if hint < 2:
         raise ValueError("the hint of a symbolic batch must be at least 2")
+    if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
+        sample, sample_batch = _from_factory(sample, hint), hint
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     source = ConstantSource("batch_size")
@@ -157,6 +160,21 @@ def trace_symbolic(
     if not symbolic.valid(hint):
         raise SymbolicUnavailable("the trace's conditions on the batch size exclude the batch it ran with")
     return symbolic
+
+
+def _from_factory(factory: Callable[[int], Any], hint: int) -> Any:
+    """The factory's batch at ``hint``, if its shapes grow with the batch in their first dimension alone."""
+    try:
+        sample, larger = factory(hint), factory(hint + 1)
+    except Exception as exc:
+        raise SymbolicUnavailable(f"the sample factory failed ({type(exc).__name__}: {exc})") from exc
+    shapes: list[tuple] = []
+    rebatch(sample, hint, hint + 1, lambda t, shape: shapes.append((tuple(shape), t.dtype)))
+    grown: list[tuple] = []
+    rebatch(larger, hint + 1, hint + 1, lambda t, shape: grown.append((tuple(shape), t.dtype)))
+    if shapes != grown:
+        raise SymbolicUnavailable("the sample's shapes change with the batch size beyond their first dimension")
+    return sample
 
 
 def _integer(value: Any) -> int | None:
