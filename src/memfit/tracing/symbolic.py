@@ -71,6 +71,12 @@ class SymbolicTrace:
 
     def range_note(self) -> str:
         """In plain words, for which batch sizes the trace answers."""
+        pinned = [g for g in self.guards if isinstance(g, sympy.Eq) and self.symbol in g.free_symbols]
+        if pinned:
+            return (
+                f"traced with the batch size symbolic, but the model reads it as a plain number, so the trace "
+                f"answers for batch {self.hint} alone; other batch sizes are traced on their own"
+            )
         upper = f" to {self.upper}" if self.upper is not None else " up"
         conditions = [_plain(guard, self.symbol) for guard in self.guards]
         conditions = [c for c in conditions if c]
@@ -156,6 +162,11 @@ def trace_symbolic(
     replaced = shape_env.replacements.get(symbol)
     if replaced is not None and replaced.is_number:  # the batch was pinned to one value
         guards = (*guards, sympy.Eq(symbol, int(replaced)))
+    others = {free for size in trace.recorder.sizes.values() if not isinstance(size, int) for free in size.free_symbols}
+    if others - {symbol}:  # sizes set by values (nonzero, masked selects), which a concrete trace refuses too
+        raise SymbolicUnavailable(
+            "the step's memory depends on tensor values (e.g. nonzero or a mask), not only on the batch size"
+        )
     symbolic = SymbolicTrace(trace, symbol, hint, guards, lower, upper)
     if not symbolic.valid(hint):
         raise SymbolicUnavailable("the trace's conditions on the batch size exclude the batch it ran with")
