@@ -627,7 +627,7 @@ def extrapolate_depth(
     def line(a: float, b: float) -> int:
         return max(0, round(a + (b - a) * t))
 
-    phases = _extrapolated_phases(shallow, deeper, t)
+    phases = _extrapolated_phases(shallow.phases, deeper.phases, t)
     models = tuple(
         PhaseModel(m.step, m.phase, line(m.fixed_bytes, n.fixed_bytes),
                    m.per_sample_bytes + (n.per_sample_bytes - m.per_sample_bytes) * t)
@@ -636,7 +636,7 @@ def extrapolate_depth(
     peak = max(phases, key=lambda p: p.allocated_bytes)
     peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
     peak_reserved = max(p.reserved_bytes for p in phases)
-    traced = [phases, *([_extrapolated_phases(*doubled, t)] if doubled is not None else [])]
+    traced = [phases, *([_extrapolated_phases(doubled[0].phases, doubled[1].phases, t)] if doubled is not None else [])]
     allocated_ratio = max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in traced)
     reserved_ratio = max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in traced)
     tensors = max(1, max(m.at(deeper.batch_size) for m in models))  # at() of the traced batch covers its peaks
@@ -644,7 +644,7 @@ def extrapolate_depth(
     reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
     return dataclasses.replace(
         deeper,
-        exact_peaks=None,  # the traces' own replays answer for their depths, not this one
+        exact_peaks=_depth_line(shallow, deeper, t),
         peak_allocated_bytes=peak.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
         allocated_to_tensor_ratio=allocated_ratio,
@@ -664,7 +664,25 @@ def extrapolate_depth(
     )  # fmt: skip
 
 
-def _extrapolated_phases(shallow: MemoryEstimate, deeper: MemoryEstimate, t: float) -> list[PhasePeak]:
+def _depth_line(
+    shallow: MemoryEstimate, deeper: MemoryEstimate, t: float
+) -> Callable[[int], tuple[PhasePeak, ...] | None] | None:
+    """``at()`` of an extrapolated estimate from both depths' replays at that batch (symbolic traces), when both
+    have them: the same line in the depth, at every batch, instead of the fit in the batch."""
+    a, b = shallow.exact_peaks, deeper.exact_peaks
+    if a is None or b is None:
+        return None
+
+    def at(batch: int) -> tuple[PhasePeak, ...] | None:
+        low, high = a(batch), b(batch)
+        if low is None or high is None or [(p.step, p.phase) for p in low] != [(p.step, p.phase) for p in high]:
+            return None
+        return tuple(_extrapolated_phases(low, high, t))
+
+    return at
+
+
+def _extrapolated_phases(shallow: Sequence[PhasePeak], deeper: Sequence[PhasePeak], t: float) -> list[PhasePeak]:
     """Each phase's peaks at ``t`` on the line through the two depths (0: ``shallow``, 1: ``deeper``).
 
     Allocated and tensor bytes follow the line. What the allocator reserves beyond the allocated
@@ -684,7 +702,7 @@ def _extrapolated_phases(shallow: MemoryEstimate, deeper: MemoryEstimate, t: flo
 
     phases: list[PhasePeak] = []
     reserved = 0
-    for p, q in zip(shallow.phases, deeper.phases, strict=True):
+    for p, q in zip(shallow, deeper, strict=True):
         allocated = line(p.allocated_bytes, q.allocated_bytes)
         slack_a, slack_b = p.reserved_bytes - p.allocated_bytes, q.reserved_bytes - q.allocated_bytes
         growth = min(slack_b - slack_a, max(0, q.allocated_bytes - p.allocated_bytes))

@@ -28,9 +28,7 @@ from typing import Any
 import sympy
 import torch
 from torch import nn
-from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from memfit.tracing.batch import Sample, rebatch
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
@@ -146,6 +144,9 @@ def trace_symbolic(
         raise ValueError("the hint of a symbolic batch must be at least 2")
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample, sample_batch = _from_factory(sample, hint), hint
+    from torch._dynamo.source import ConstantSource  # torch._dynamo takes seconds to import: only when tracing
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     source = ConstantSource("batch_size")
