@@ -191,7 +191,7 @@ def test_planning_session_traces_the_step_once() -> None:
     decision = session.decide(PlanRequest(capacity_bytes=budget, margin=0.0, target_batch_size="max"))
     micro, base = decision.plan.micro_batch_size, session.baseline
     assert micro >= 37 and base.at(micro).device_bytes <= budget < base.at(micro + 1).device_bytes
-    from memfit.prediction import exact
+    from memfit.prediction.exact import kept_sessions
 
-    (only,) = [s for s in exact._SESSIONS.values() if not s.settings.gradient_checkpointing]
+    (only,) = [s for s in kept_sessions() if not s.settings.gradient_checkpointing]
     assert len(only.symbolic) == 1 and not only.concrete

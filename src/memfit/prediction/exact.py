@@ -8,7 +8,9 @@ batch) is traced again: symbolically with that batch as its hint where it can, e
 
 The traces are kept per model, sample and step settings (``_SESSIONS``), so a planner that asks
 ``estimate`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
-once. A model whose parameters, buffers or modules changed since is traced again.
+once. A model whose parameters, buffers or modules changed since is traced again. The kept traces hold
+no tensors: the sample is kept as meta tensors, the model weakly (its sessions go when it goes), and
+only the last eight sessions are kept.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from memfit.tracing.batch import rebatch
 from memfit.tracing.symbolic import SymbolicTrace, SymbolicUnavailable, trace_symbolic
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
-__all__ = ["ExactPeaks", "StepSession", "clear_sessions", "exact_estimates", "step_session"]
+__all__ = ["ExactPeaks", "StepSession", "clear_sessions", "exact_estimates", "kept_sessions", "step_session"]
 
 _KEPT_SESSIONS = 8
 
@@ -139,26 +141,39 @@ def resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
             recorder.sizes[sid] = workspace_bytes
 
 
-_SESSIONS: OrderedDict[tuple, StepSession] = OrderedDict()
+# model -> its kept sessions: an entry goes with its model (weakly keyed), and at most _KEPT_SESSIONS in all
+_SESSIONS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, StepSession]] = weakref.WeakKeyDictionary()
+_ORDER: OrderedDict[tuple[int, tuple], weakref.ref] = OrderedDict()
 
 
 def step_session(model: nn.Module, sample: Any, sample_batch: int, settings: TraceSettings) -> StepSession:
     """The kept session of this step, or a new one (the last ``_KEPT_SESSIONS`` are kept)."""
-    key = (id(model), _fingerprint(model), _sample_key(sample, sample_batch), _settings_key(settings))
-    session = _SESSIONS.get(key)
-    if session is not None and session._model() is model:
-        _SESSIONS.move_to_end(key)
+    key = (_fingerprint(model), _sample_key(sample, sample_batch), _settings_key(settings))
+    kept = _SESSIONS.setdefault(model, OrderedDict())
+    session = kept.get(key)
+    if session is not None:
+        _ORDER.move_to_end((id(model), key))
         return session
     session = StepSession(model, _shapes_only(sample, sample_batch), sample_batch, settings)
-    _SESSIONS[key] = session
-    while len(_SESSIONS) > _KEPT_SESSIONS:
-        _SESSIONS.popitem(last=False)
+    kept[key] = session
+    _ORDER[(id(model), key)] = weakref.ref(model)
+    while len(_ORDER) > _KEPT_SESSIONS:
+        (_, old_key), owner = _ORDER.popitem(last=False)
+        sessions = _SESSIONS.get(owner()) if owner() is not None else None
+        if sessions is not None:
+            sessions.pop(old_key, None)
     return session
+
+
+def kept_sessions() -> list[StepSession]:
+    """The sessions kept now (for tests and diagnostics)."""
+    return [session for sessions in list(_SESSIONS.values()) for session in sessions.values()]
 
 
 def clear_sessions() -> None:
     """Forget every kept trace (tests, and callers that change a model in place in ways shapes do not show)."""
     _SESSIONS.clear()
+    _ORDER.clear()
 
 
 def _fingerprint(model: nn.Module) -> tuple:
