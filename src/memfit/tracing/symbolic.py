@@ -112,7 +112,7 @@ class SymbolicTrace:
 
 
 def _evaluator(expr: sympy.Expr, symbol: sympy.Symbol) -> Callable[[int], int]:
-    """A fast ``batch -> bytes`` for ``expr``: most sizes are ``a x batch + c``, checked at three points."""
+    """A fast ``batch -> bytes`` for ``expr``: integer polynomials (``a x batch + c`` mostly) by Horner, else sympy."""
     poly = None
     try:
         if expr.is_polynomial(symbol):
@@ -156,6 +156,7 @@ def trace_symbolic(
         trace = trace_steps(model, sample, sample_batch, batch, settings, fake_mode=fake_mode)
     except Exception as exc:  # whatever stops it, the concrete trace is the answer (and says so if it fails)
         raise SymbolicUnavailable(_why(exc)) from exc
+    trace.batch_size = hint  # not the SymInt: the kept trace holds no shape environment
     guards = tuple(guard.expr for guard in shape_env.guards if symbol in guard.expr.free_symbols)
     bounds = shape_env.var_to_range.get(symbol)
     low, high = (_integer(bounds.lower), _integer(bounds.upper)) if bounds is not None else (None, None)
