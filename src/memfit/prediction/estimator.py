@@ -3,8 +3,9 @@
 The estimate comes from running the user's real module through two real training steps (forward,
 loss, backward, optimizer step, ``zero_grad``) on fake tensors, which carry shapes and dtypes but
 no data, so a 7B model plans on a laptop. Every storage the step creates is logged and the log is
-replayed through a model of the CUDA caching allocator. Tracing at two batch sizes gives, for each
-phase, ``fixed + per_sample x batch``, so ``MemoryEstimate.at(b)`` answers for any batch.
+replayed through a model of the CUDA caching allocator. The step is traced once with the batch size
+symbolic, so ``MemoryEstimate.at(b)`` replays the log read at ``b`` (``memfit.prediction.exact``); where
+that cannot be done, tracing at two batch sizes gives, for each phase, ``fixed + per_sample x batch``.
 """
 
 from __future__ import annotations
@@ -141,10 +142,13 @@ class MemoryEstimate:
         return self.peak_reserved_bytes - self.peak_allocated_bytes
 
     def at(self, batch_size: int) -> BatchPeak:
-        """Predicted peaks at ``batch_size``, from the per-phase linear models.
+        """Predicted peaks at ``batch_size``.
 
-        At the traced batch this is at least the traced peak (the worst allocator ratios of both
-        traces are applied); for a decision at one batch size, trace at that size.
+        From a symbolic trace (the default, ``memfit.prediction.exact``): the step's log read at that batch and
+        replayed, what a trace at it gives. Otherwise (``MEMFIT_TRACE=concrete``, or a step that cannot be
+        traced symbolically; the notes say) from the per-phase linear models: at the traced batch at least the
+        traced peak (the worst allocator ratios of both traces are applied); for a decision at one batch size,
+        trace at that size.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -166,12 +170,12 @@ class MemoryEstimate:
         ``include_context=False`` when the capacity was measured after CUDA started in this
         process (``torch.cuda.mem_get_info`` then already excludes the context).
 
-        This reads ``at()``, the interpolation from the two batch sizes traced, so it can be off by a
-        few samples either way (the allocator's rounding and the step's phases are not linear in the
-        batch). A plan made with traces of the whole step (``memfit.plan(..., confirm=)``, the planning
-        session the callbacks and ``memfit plan`` use) starts from this answer and then traces its way to
-        the micro batch that fits while the next does not: where the two differ, the plan is right, and
-        its reasons say what the interpolation said.
+        This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
+        sizes traced, which can be off by a few samples either way (the allocator's rounding and the
+        step's phases are not linear in the batch). A plan made with traces of the whole step
+        (``memfit.plan(..., confirm=)``, the planning session the callbacks and ``memfit plan`` use)
+        starts from this answer and then checks its way to the micro batch that fits while the next does
+        not (replays of the symbolic trace, or concrete traces on the fallback path).
         """
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
