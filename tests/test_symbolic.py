@@ -13,7 +13,7 @@ from torch import nn
 import memfit
 from memfit.errors import ValueDependentError
 from memfit.prediction.estimator import estimate_for_runtimes
-from memfit.prediction.exact import clear_sessions
+from memfit.prediction.exact import clear_sessions, kept_sessions
 
 
 class MLP(nn.Module):
@@ -77,11 +77,17 @@ def test_inference_pass_is_symbolic_too() -> None:
         assert estimate.at(batch).allocated_bytes == concrete.peak_allocated_bytes
 
 
-def test_batch_one_is_traced_on_its_own_and_said_so() -> None:
+def test_batch_one_is_traced_concretely_and_the_symbolic_trace_taken_when_needed() -> None:
     case = mlp_case()
     estimate = _estimate(case, batch_size=1)
-    assert any("batch 1 is traced on its own" in note for note in estimate.notes), estimate.notes
+    assert any("traced at batch sizes 1 and 2" in note for note in estimate.notes), estimate.notes
     assert estimate.peak_allocated_bytes == _concrete(case, 1, estimate).peak_allocated_bytes
+    (session,) = kept_sessions()
+    assert not session.symbolic and sorted(session.concrete) == [1, 2]
+    assert estimate.at(2).allocated_bytes == _concrete(case, 2, estimate).peak_allocated_bytes
+    assert not session.symbolic  # batch 2 was traced: no symbolic trace yet
+    assert estimate.at(13).allocated_bytes == _concrete(case, 13, estimate).peak_allocated_bytes
+    assert len(session.symbolic) == 1
 
 
 class Branching(nn.Module):
@@ -191,7 +197,5 @@ def test_planning_session_traces_the_step_once() -> None:
     decision = session.decide(PlanRequest(capacity_bytes=budget, margin=0.0, target_batch_size="max"))
     micro, base = decision.plan.micro_batch_size, session.baseline
     assert micro >= 37 and base.at(micro).device_bytes <= budget < base.at(micro + 1).device_bytes
-    from memfit.prediction.exact import kept_sessions
-
     (only,) = [s for s in kept_sessions() if not s.settings.gradient_checkpointing]
     assert len(only.symbolic) == 1 and not only.concrete

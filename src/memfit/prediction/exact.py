@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from memfit.categories import Category
+from memfit.errors import ValueDependentError
 from memfit.simulation.replay import PhasePeak, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import rebatch
@@ -62,6 +63,8 @@ class StepSession:
 
     def trace_at(self, batch: int) -> tuple[StepTrace, str | None]:
         """The step's log at ``batch`` and, where it took a trace of its own, why (in plain words)."""
+        if not self.symbolic and batch in self.concrete:  # traced already, before any symbolic trace was needed
+            return self.concrete[batch], None
         for symbolic in self.symbolic:
             if symbolic.valid(batch):
                 return symbolic.at(batch), None
@@ -93,6 +96,17 @@ class StepSession:
             )
         return self.concrete[batch], _outside_note(batch, self.symbolic[0]) if self.symbolic else None
 
+    def concrete_trace(self, batch: int) -> StepTrace:
+        """A concrete trace at ``batch`` (kept)."""
+        model = self._model()
+        if model is None:
+            raise LookupError("the model was garbage collected")
+        if batch not in self.concrete:
+            self.concrete[batch] = self._timed(
+                lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
+            )
+        return self.concrete[batch]
+
     def _timed(self, trace: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         try:
@@ -117,6 +131,9 @@ class ExactPeaks:
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
 
     def __call__(self, batch: int) -> tuple[PhasePeak, ...] | None:
+        session = self._session
+        if batch not in self._cache and batch not in session.concrete and not session.ensure_symbolic(max(2, batch)):
+            return None  # no symbolic trace can be had: at() falls back to the fit, not a trace per batch
         if batch not in self._cache:
             try:
                 trace, _ = self._session.trace_at(batch)
@@ -239,13 +256,25 @@ def exact_estimates(
     where the step cannot be traced symbolically, why (in plain words)."""
     session = step_session(model, sample, sample_batch, settings)
     before, started = session.trace_seconds, time.perf_counter()
-    if not session.ensure_symbolic(max(2, batch)):
-        return session.unavailable or "the model is gone"
-    primary, note = session.trace_at(batch)
-    symbolic = session.symbolic[0]
-    other = next((b for b in (2 * batch, batch + 1, batch - 1) if b >= 2 and symbolic.valid(b)), 2 * batch)
-    secondary, _ = session.trace_at(other)
-    notes = [text for text in (session.range_note, note) if text]
+    if not session.symbolic and session.unavailable is None and (batch == 1 or batch in session.concrete):
+        # Batch 1 needs a concrete trace anyway: with one more at batch 2 it is the two-trace estimate, and the
+        # symbolic trace (several times a concrete one) is taken only when at() asks for another batch.
+        try:
+            primary, secondary = session.concrete_trace(batch), session.concrete_trace(2 * batch)
+        except ValueDependentError as exc:  # the caller's concrete path retries on the model's compile branch
+            return f"the model reads tensor values ({exc})"
+        notes = [
+            f"traced at batch sizes {batch} and {2 * batch}; any other batch size is read off one trace with the "
+            "batch size symbolic, taken when first asked"
+        ]
+    else:
+        if not session.ensure_symbolic(max(2, batch)):
+            return session.unavailable or "the model is gone"
+        primary, note = session.trace_at(batch)
+        symbolic = session.symbolic[0]
+        other = next((b for b in (2 * batch, batch + 1, batch - 1) if b >= 2 and symbolic.valid(b)), 2 * batch)
+        secondary, _ = session.trace_at(other)
+        notes = [text for text in (session.range_note, note) if text]
     estimates = []
     for runtime in runtimes:
         if settings.targets_cuda:
