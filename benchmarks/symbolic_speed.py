@@ -189,6 +189,10 @@ def main() -> None:
         else:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    previous = RESULTS / "symbolic_speed.json"
+    if sys.argv[1:] and previous.exists():  # a subset of cases re-run: keep the others' rows
+        kept = [row for row in json.loads(previous.read_text())["cases"] if row["case"] not in cases]
+        rows = sorted([*kept, *rows], key=lambda row: CASES.index(row["case"]))
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, shared (load average recorded per case)",
         "torch": torch.__version__,

@@ -204,7 +204,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def _sample_key(sample: Any, sample_batch: int) -> tuple:
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
-        return ("factory", id(sample), sample_batch)
+        return ("factory", id(sample))  # called at each batch traced: its own batch size does not matter
     shapes: list[Any] = []
     rebatch(sample, sample_batch, sample_batch, lambda t, shape: shapes.append((tuple(shape), t.dtype)))
     return ("batch", sample_batch, repr(_structure(sample)), tuple(shapes))
