@@ -19,6 +19,7 @@ from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import ZeroGrad
 
 __all__ = ["EXTRAPOLATION_DEPTHS", "EXTRAPOLATION_ERROR_BAND", "GpuPlan", "PlanReport", "plan_for_gpus"]
@@ -307,7 +308,8 @@ def _tracer(spec: ModelSpec, precision: Precision, optimizer: str, runtimes: lis
         return estimate_for_runtimes(
             spec.model,
             spec.sample,
-            batch_fits=fits_of(checkpointing) if fits_of is not None and batch > 1 else None,
+            # a symbolic trace answers every batch itself; the concrete path takes the fit from batch 1's
+            batch_fits=fits_of(checkpointing) if fits_of is not None and batch > 1 and not symbolic_enabled() else None,
             runtimes=runtimes,
             batch_size=batch,
             precision=precision,

@@ -3,8 +3,9 @@
 The estimate comes from running the user's real module through two real training steps (forward,
 loss, backward, optimizer step, ``zero_grad``) on fake tensors, which carry shapes and dtypes but
 no data, so a 7B model plans on a laptop. Every storage the step creates is logged and the log is
-replayed through a model of the CUDA caching allocator. Tracing at two batch sizes gives, for each
-phase, ``fixed + per_sample x batch``, so ``MemoryEstimate.at(b)`` answers for any batch.
+replayed through a model of the CUDA caching allocator. The step is traced once with the batch size
+symbolic, so ``MemoryEstimate.at(b)`` replays the log read at ``b`` (``memfit.prediction.exact``); where
+that cannot be done, tracing at two batch sizes gives, for each phase, ``fixed + per_sample x batch``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
+from memfit.prediction.exact import exact_estimates
 from memfit.prediction.sharded import (
     model_facts,
     rank_notes,
@@ -40,6 +42,7 @@ from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
 from memfit.tracing.sharding import ShardingConfig
+from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import (
     ForwardFn,
     LossFn,
@@ -129,6 +132,8 @@ class MemoryEstimate:
     sharding: ShardingConfig | None = None
     rank_terms: Mapping[str, int] = field(default_factory=dict)  # one rank's model-state terms (sharded runs)
     host_bytes_per_node: int | None = None  # offloaded states and pinned buffers of a node's ranks
+    # batch -> phase peaks replayed from a symbolic trace of the step (memfit.prediction.exact); None: the fit
+    exact_peaks: Callable[[int], tuple[PhasePeak, ...] | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -151,13 +156,21 @@ class MemoryEstimate:
         return self.peak_reserved_bytes - self.peak_allocated_bytes
 
     def at(self, batch_size: int) -> BatchPeak:
-        """Predicted peaks at ``batch_size``, from the per-phase linear models.
+        """Predicted peaks at ``batch_size``.
 
-        At the traced batch this is at least the traced peak (the worst allocator ratios of both
-        traces are applied); for a decision at one batch size, trace at that size.
+        From a symbolic trace (the default, ``memfit.prediction.exact``): the step's log read at that batch and
+        replayed, what a trace at it gives. Otherwise (``MEMFIT_TRACE=concrete``, or a step that cannot be
+        traced symbolically; the notes say) from the per-phase linear models: at the traced batch at least the
+        traced peak (the worst allocator ratios of both traces are applied); for a decision at one batch size,
+        trace at that size.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        replayed = self.exact_peaks(batch_size) if self.exact_peaks is not None else None
+        if replayed is not None:  # the step's log at this batch, replayed: what a trace at it gives
+            allocated = max(p.allocated_bytes for p in replayed)
+            reserved = max(p.reserved_bytes for p in replayed)
+            return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
         tensors = max(model.at(batch_size) for model in self.phase_models)
         # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by the
         # worst ratios traced, which keeps at() monotonic and never below the traced peaks.
@@ -171,21 +184,25 @@ class MemoryEstimate:
         ``include_context=False`` when the capacity was measured after CUDA started in this
         process (``torch.cuda.mem_get_info`` then already excludes the context).
 
-        This reads ``at()``, the interpolation from the two batch sizes traced, so it can be off by a
-        few samples either way (the allocator's rounding and the step's phases are not linear in the
-        batch). A plan made with traces of the whole step (``memfit.plan(..., confirm=)``, the planning
-        session the callbacks and ``memfit plan`` use) starts from this answer and then traces its way to
-        the micro batch that fits while the next does not: where the two differ, the plan is right, and
-        its reasons say what the interpolation said.
+        This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
+        sizes traced, which can be off by a few samples either way (the allocator's rounding and the
+        step's phases are not linear in the batch). A plan made with traces of the whole step
+        (``memfit.plan(..., confirm=)``, the planning session the callbacks and ``memfit plan`` use)
+        starts from this answer and then checks its way to the micro batch that fits while the next does
+        not (replays of the symbolic trace, or concrete traces on the fallback path).
         """
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
         def fits(batch: int) -> bool:
             return self.at(batch).reserved_bytes + overhead <= capacity_bytes
 
-        if not fits(1):
+        # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit
+        if self.exact_peaks is not None and fits(2):
+            low, high = 2, 4
+        elif not fits(1):
             return None
-        low, high = 1, 2
+        else:
+            low, high = 1, 2
         while high < _MAX_BATCH and fits(high):
             low, high = high, high * 2
         if high >= _MAX_BATCH and fits(_MAX_BATCH):
@@ -368,6 +385,12 @@ def estimate_for_runtimes(
     if loop.sharding is not None:
         settings = sharded_settings(settings, loop.sharding)
     primary_batch, secondary_batch, sample_batch = batches
+    fallback_note = None
+    if batch_fits is None and symbolic_enabled() and getattr(loop, "sharding", None) is None:
+        exact = exact_estimates(model, sample, sample_batch, primary_batch, settings, runtimes, _build_estimate)
+        if not isinstance(exact, str):
+            return exact
+        fallback_note = f"traced at two batch sizes, other batch sizes interpolated: {exact}"
     started = time.perf_counter()
     try:
         primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
@@ -382,19 +405,20 @@ def estimate_for_runtimes(
     secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
+    notes = [fallback_note] if fallback_note else []
     if loop.sharding is not None:  # one rank's log, rewritten from the single-process trace
         return _one_rank(model, primary, secondary, settings, loop.sharding, step, runtimes, elapsed, fits,
                          traced_fsdp2=lambda: traced_fsdp2_peak(model, sample, sample_batch, primary_batch, settings,
                                                                 loop.sharding, step.checkpoint_modules))  # fmt: skip
     if not settings.targets_cuda:
-        return [_build_estimate(primary, secondary, settings, None, elapsed, fit) for fit in fits]
+        return [_build_estimate(primary, secondary, settings, None, elapsed, fit).with_notes(*notes) for fit in fits]
     estimates = []
     for runtime, fit in zip(runtimes, fits, strict=True):
         runtime = runtime or CudaRuntime.of_current_device()
         for trace in (primary, secondary):
             if trace is not None:
                 _resize_workspace(trace, runtime.workspace_bytes)
-        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit))
+        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit).with_notes(*notes))
     return estimates
 
 
@@ -665,7 +689,7 @@ def extrapolate_depth(
     def line(a: float, b: float) -> int:
         return max(0, round(a + (b - a) * t))
 
-    phases = _extrapolated_phases(shallow, deeper, t)
+    phases = _extrapolated_phases(shallow.phases, deeper.phases, t)
     models = tuple(
         PhaseModel(m.step, m.phase, line(m.fixed_bytes, n.fixed_bytes),
                    m.per_sample_bytes + (n.per_sample_bytes - m.per_sample_bytes) * t)
@@ -674,7 +698,7 @@ def extrapolate_depth(
     peak = max(phases, key=lambda p: p.allocated_bytes)
     peak_model = next((m for m in models if (m.step, m.phase) == (peak.step, peak.phase)), models[0])
     peak_reserved = max(p.reserved_bytes for p in phases)
-    traced = [phases, *([_extrapolated_phases(*doubled, t)] if doubled is not None else [])]
+    traced = [phases, *([_extrapolated_phases(doubled[0].phases, doubled[1].phases, t)] if doubled is not None else [])]
     allocated_ratio = max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in traced)
     reserved_ratio = max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in traced)
     tensors = max(1, max(m.at(deeper.batch_size) for m in models))  # at() of the traced batch covers its peaks
@@ -682,6 +706,7 @@ def extrapolate_depth(
     reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
     return dataclasses.replace(
         deeper,
+        exact_peaks=_depth_line(shallow, deeper, t),
         peak_allocated_bytes=peak.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
         allocated_to_tensor_ratio=allocated_ratio,
@@ -705,7 +730,25 @@ def extrapolate_depth(
     )  # fmt: skip
 
 
-def _extrapolated_phases(shallow: MemoryEstimate, deeper: MemoryEstimate, t: float) -> list[PhasePeak]:
+def _depth_line(
+    shallow: MemoryEstimate, deeper: MemoryEstimate, t: float
+) -> Callable[[int], tuple[PhasePeak, ...] | None] | None:
+    """``at()`` of an extrapolated estimate from both depths' replays at that batch (symbolic traces), when both
+    have them: the same line in the depth, at every batch, instead of the fit in the batch."""
+    a, b = shallow.exact_peaks, deeper.exact_peaks
+    if a is None or b is None:
+        return None
+
+    def at(batch: int) -> tuple[PhasePeak, ...] | None:
+        low, high = a(batch), b(batch)
+        if low is None or high is None or [(p.step, p.phase) for p in low] != [(p.step, p.phase) for p in high]:
+            return None
+        return tuple(_extrapolated_phases(low, high, t))
+
+    return at
+
+
+def _extrapolated_phases(shallow: Sequence[PhasePeak], deeper: Sequence[PhasePeak], t: float) -> list[PhasePeak]:
     """Each phase's peaks at ``t`` on the line through the two depths (0: ``shallow``, 1: ``deeper``).
 
     Allocated and tensor bytes follow the line. What the allocator reserves beyond the allocated
@@ -725,7 +768,7 @@ def _extrapolated_phases(shallow: MemoryEstimate, deeper: MemoryEstimate, t: flo
 
     phases: list[PhasePeak] = []
     reserved = 0
-    for p, q in zip(shallow.phases, deeper.phases, strict=True):
+    for p, q in zip(shallow, deeper, strict=True):
         allocated = line(p.allocated_bytes, q.allocated_bytes)
         slack_a, slack_b = p.reserved_bytes - p.allocated_bytes, q.reserved_bytes - q.allocated_bytes
         growth = min(slack_b - slack_a, max(0, q.allocated_bytes - p.allocated_bytes))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.categories import Category, Phase
 
-__all__ = ["PhaseMark", "StorageRecorder"]
+__all__ = ["PhaseMark", "StorageRecorder", "storage_bytes", "symbolic_decompositions"]
 
 # Ops that reach cuBLAS on a GPU: the first one on each thread makes cuBLAS allocate its workspace.
 _CUBLAS_OPS = frozenset(
@@ -42,6 +43,32 @@ _CUBLAS_OPS = frozenset(
         "linear",
     }
 )
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> Any:
+    """The storage's size in bytes: an ``int``, or under a symbolic batch a sympy expression in it.
+
+    The expression is read off the ``SymInt`` without comparing it to anything, which would install a
+    guard on the batch (see ``memfit.tracing.symbolic``).
+    """
+    size = storage.nbytes()
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        return int(expr) if expr.is_number else expr
+    return size
+
+
+def symbolic_decompositions() -> dict[Any, Any]:
+    """Ops whose kernels read sizes as plain integers, run as their decompositions under a symbolic batch.
+
+    ``constant_pad_nd``'s kernel (``F.pad``, used by transformers' causal-LM loss) calls ``sizes()``, which
+    pins a symbolic batch to the value it was traced at; its decomposition allocates the same single
+    output from symbolic sizes.
+    """
+    from torch._decomp import decomposition_table
+
+    ops = (torch.ops.aten.constant_pad_nd.default,)
+    return {op: decomposition_table[op] for op in ops if op in decomposition_table}
 
 
 @dataclass(frozen=True)
@@ -77,6 +104,8 @@ class StorageRecorder(TorchDispatchMode):
         self._next_id = 1
         self._closed = False
         self._workspace_phases: set[Phase] = set()
+        # op -> implementation to run instead (a symbolic trace's stand-ins for kernels that read sizes)
+        self.decompositions: dict[Any, Any] = {}
 
     # ----------------------------------------------------------------- tracking
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int | None:
@@ -88,7 +117,7 @@ class StorageRecorder(TorchDispatchMode):
         if sid is None:
             sid = self._new_storage(storage)
         else:
-            size = storage.nbytes()
+            size = storage_bytes(storage)
             if size != self.sizes[sid]:  # resize_ grew or shrank the storage in place
                 self._free(sid)
                 self._ids.pop(storage, None)
@@ -100,7 +129,7 @@ class StorageRecorder(TorchDispatchMode):
     def _new_storage(self, storage: torch.UntypedStorage) -> int:
         sid = self._next_id
         self._next_id += 1
-        size = storage.nbytes()
+        size = storage_bytes(storage)
         self._ids[storage] = sid
         self.sizes[sid] = size
         self.alloc_phase[sid] = len(self.marks) - 1
@@ -172,7 +201,7 @@ class StorageRecorder(TorchDispatchMode):
         self.ops += 1
         if self.workspace_bytes and func.overloadpacket.__name__ in _CUBLAS_OPS:
             self._maybe_allocate_workspace()
-        out = func(*args, **kwargs)
+        out = self.decompositions.get(func, func)(*args, **kwargs)
         flat, _ = tree_flatten(out)
         for item in flat:
             if isinstance(item, torch.Tensor):

@@ -56,7 +56,7 @@ from memfit.tracing.quantized import (
     is_quantized_parameter,
     refuse_unsupported_quantization,
 )
-from memfit.tracing.recorder import StorageRecorder
+from memfit.tracing.recorder import StorageRecorder, symbolic_decompositions
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
 
@@ -135,15 +135,20 @@ def trace_steps(
     settings: TraceSettings,
     *,
     steps: int = STEPS,
+    fake_mode: FakeTensorMode | None = None,
 ) -> StepTrace:
     """Trace ``steps`` training steps of ``model`` at ``batch_size`` and return the storage log.
 
     ``sample`` is a real (or meta) batch of ``sample_batch`` samples, or a callable
-    ``batch_size -> batch``; only its shapes and dtypes are used.
+    ``batch_size -> batch``; only its shapes and dtypes are used. ``fake_mode`` (one with a shape
+    environment) and a ``SymInt`` ``batch_size`` trace the step with the batch symbolic
+    (``memfit.tracing.symbolic``).
     """
     refuse_unsupported_quantization(model)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     recorder = StorageRecorder(workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0)
+    if fake_mode.shape_env is not None:
+        recorder.decompositions = symbolic_decompositions()
     autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
     semantics = CudaSemantics(autocast_dtype) if settings.emulate_cuda else None
     checkpointing: str | None = None
@@ -165,7 +170,9 @@ def trace_steps(
         compilation_suspended(model) as model,
     ):
         if settings.inference:
-            inference = _trace_inference(model, sample, sample_batch, batch_size, settings, recorder, semantics)
+            inference = _trace_inference(
+                model, sample, sample_batch, batch_size, settings, recorder, semantics, fake_mode
+            )
             inference.compiled = compiled
             inference.substitutions.update(rnn_calls)
             return inference
@@ -219,13 +226,13 @@ def _trace_inference(
     settings: TraceSettings,
     recorder: StorageRecorder,
     semantics: CudaSemantics | None,
+    fake_mode: FakeTensorMode,
 ) -> StepTrace:
     """One forward in eval mode under ``no_grad``; what it returns (logits, a KV cache) stays alive to
     the end, as a caller holding the outputs would keep it."""
     model.eval()
     paths = module_path_tracker(model)
     paths.foreign_tensor_types = _foreign_tensor_types(model)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, recorder, dequantized_gemm(model), paths, torch.no_grad():
         _swap_in_fakes(model, settings, recorder)
 

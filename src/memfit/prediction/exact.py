@@ -1,0 +1,289 @@
+"""Estimates from one symbolic trace: every batch size answered by replaying the allocator, exactly.
+
+``estimate`` traces the step once with the batch symbolic (``memfit.tracing.symbolic``) and keeps the
+trace: the estimate at the batch asked for, and ``MemoryEstimate.at(b)`` for any other ``b``, are replays
+of that trace's log read at ``b``, the same log a concrete trace at ``b`` records. A batch the trace does
+not cover (batch 1, which symbolic shapes exclude, or one outside the conditions the model put on the
+batch) is traced again: symbolically with that batch as its hint where it can, else concretely.
+
+The traces are kept per model, sample and step settings (``_SESSIONS``), so a planner that asks
+``estimate`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
+once. A model whose parameters, buffers or modules changed since is traced again. The kept traces hold
+no tensors: the sample is kept as meta tensors, the model weakly (its sessions go when it goes), and
+only the last eight sessions are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.categories import Category
+from memfit.errors import ValueDependentError
+from memfit.simulation.replay import PhasePeak, replay
+from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.batch import rebatch
+from memfit.tracing.symbolic import SymbolicTrace, SymbolicUnavailable, trace_symbolic
+from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
+
+__all__ = ["ExactPeaks", "StepSession", "clear_sessions", "exact_estimates", "kept_sessions", "step_session"]
+
+_KEPT_SESSIONS = 8
+
+
+class StepSession:
+    """The traces of one step (model, sample, settings): symbolic ones, and concrete ones where needed."""
+
+    def __init__(self, model: nn.Module, sample: Any, sample_batch: int, settings: TraceSettings) -> None:
+        self._model = weakref.ref(model)
+        self._sample, self.sample_batch, self.settings = sample, sample_batch, settings
+        self.symbolic: list[SymbolicTrace] = []
+        self.concrete: dict[int, StepTrace] = {}
+        self.unavailable: str | None = None  # why the step cannot be traced symbolically
+        self.trace_seconds = 0.0
+
+    def ensure_symbolic(self, hint: int) -> bool:
+        """Trace symbolically once (at ``hint``, >= 2) unless done or known impossible; whether one exists."""
+        model = self._model()
+        if not self.symbolic and self.unavailable is None and model is not None:
+            try:
+                self.symbolic.append(self._timed(
+                    lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings, hint=hint)
+                ))  # fmt: skip
+            except SymbolicUnavailable as exc:
+                self.unavailable = exc.reason
+        return bool(self.symbolic)
+
+    def trace_at(self, batch: int) -> tuple[StepTrace, str | None]:
+        """The step's log at ``batch`` and, where it took a trace of its own, why (in plain words)."""
+        if not self.symbolic and batch in self.concrete:  # traced already, before any symbolic trace was needed
+            return self.concrete[batch], None
+        for symbolic in self.symbolic:
+            if symbolic.valid(batch):
+                return symbolic.at(batch), None
+        model = self._model()
+        if model is None:
+            raise LookupError("the model was garbage collected")
+        if batch >= 2 and self.unavailable is None:
+            try:
+                symbolic = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
+                                                              hint=batch))  # fmt: skip
+            except SymbolicUnavailable as exc:
+                if not self.symbolic:
+                    self.unavailable = exc.reason
+            else:
+                self.symbolic.append(symbolic)
+                if self.symbolic[0] is not symbolic:
+                    return symbolic.at(batch), _outside_note(batch, self.symbolic[0])
+                return symbolic.at(batch), None
+        if batch not in self.concrete:
+            self.concrete[batch] = self._timed(
+                lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
+            )
+        if self.unavailable is not None:
+            return self.concrete[batch], f"traced at each batch size: {self.unavailable}"
+        if batch == 1:
+            return self.concrete[batch], (
+                "batch 1 is traced on its own: a symbolic batch covers sizes from 2 up, as a dimension of size 1 "
+                "can broadcast and change the step"
+            )
+        return self.concrete[batch], _outside_note(batch, self.symbolic[0]) if self.symbolic else None
+
+    def concrete_trace(self, batch: int) -> StepTrace:
+        """A concrete trace at ``batch`` (kept)."""
+        model = self._model()
+        if model is None:
+            raise LookupError("the model was garbage collected")
+        if batch not in self.concrete:
+            self.concrete[batch] = self._timed(
+                lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
+            )
+        return self.concrete[batch]
+
+    def _timed(self, trace: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return trace()
+        finally:
+            self.trace_seconds += time.perf_counter() - started
+
+    @property
+    def range_note(self) -> str | None:
+        return self.symbolic[0].range_note() if self.symbolic else None
+
+
+def _outside_note(batch: int, symbolic: SymbolicTrace) -> str:
+    return f"batch {batch} is traced on its own: the model branches on the batch size ({symbolic.range_note()})"
+
+
+class ExactPeaks:
+    """``batch -> phase peaks`` of one step on one GPU, replayed from the session's traces (cached per batch)."""
+
+    def __init__(self, session: StepSession, runtime: CudaRuntime | None) -> None:
+        self._session, self._runtime = session, runtime
+        self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
+
+    def __call__(self, batch: int) -> tuple[PhasePeak, ...] | None:
+        session = self._session
+        if batch not in self._cache and batch not in session.concrete and not session.ensure_symbolic(max(2, batch)):
+            return None  # no symbolic trace can be had: at() falls back to the fit, not a trace per batch
+        if batch not in self._cache:
+            try:
+                trace, _ = self._session.trace_at(batch)
+            except Exception:  # a failure away from the traced batch: at() falls back to the fit in the batch
+                self._cache[batch] = None
+            else:
+                self._cache[batch] = tuple(replay_for(trace, self._runtime))
+        return self._cache[batch]
+
+
+def replay_for(trace: StepTrace, runtime: CudaRuntime | None) -> list[PhasePeak]:
+    """Replay ``trace`` for ``runtime``'s GPU (its cuBLAS workspace), or as plain tensor bytes on a CPU."""
+    if runtime is not None:
+        resize_workspace(trace, runtime.workspace_bytes)
+    return replay(trace.recorder, simulate_cuda_allocator=runtime is not None)
+
+
+def resize_workspace(trace: StepTrace, workspace_bytes: int) -> None:
+    recorder = trace.recorder
+    for sid, category in recorder.categories.items():
+        if category is Category.WORKSPACE:
+            recorder.sizes[sid] = workspace_bytes
+
+
+# model -> its kept sessions: an entry goes with its model (weakly keyed), and at most _KEPT_SESSIONS in all
+_SESSIONS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, StepSession]] = weakref.WeakKeyDictionary()
+_ORDER: OrderedDict[tuple[int, tuple], weakref.ref] = OrderedDict()
+
+
+def step_session(model: nn.Module, sample: Any, sample_batch: int, settings: TraceSettings) -> StepSession:
+    """The kept session of this step, or a new one (the last ``_KEPT_SESSIONS`` are kept)."""
+    key = (_fingerprint(model), _sample_key(sample, sample_batch), _settings_key(settings))
+    kept = _SESSIONS.setdefault(model, OrderedDict())
+    session = kept.get(key)
+    if session is not None:
+        _ORDER.move_to_end((id(model), key))
+        return session
+    session = StepSession(model, _shapes_only(sample, sample_batch), sample_batch, settings)
+    kept[key] = session
+    _ORDER[(id(model), key)] = weakref.ref(model)
+    while len(_ORDER) > _KEPT_SESSIONS:
+        (_, old_key), owner = _ORDER.popitem(last=False)
+        sessions = _SESSIONS.get(owner()) if owner() is not None else None
+        if sessions is not None:
+            sessions.pop(old_key, None)
+    return session
+
+
+def kept_sessions() -> list[StepSession]:
+    """The sessions kept now (for tests and diagnostics)."""
+    return [session for sessions in list(_SESSIONS.values()) for session in sessions.values()]
+
+
+def clear_sessions() -> None:
+    """Forget every kept trace (tests, and callers that change a model in place in ways shapes do not show)."""
+    _SESSIONS.clear()
+    _ORDER.clear()
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return (
+        tuple((n, tuple(t.shape), t.dtype, t.requires_grad, type(t).__name__, t.device.type) for n, t in tensors),
+        tuple(type(m).__name__ for m in model.modules()),
+        tuple(getattr(m, "gradient_checkpointing", None) for m in model.modules()),
+    )
+
+
+def _sample_key(sample: Any, sample_batch: int) -> tuple:
+    if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
+        return ("factory", id(sample))  # called at each batch traced: its own batch size does not matter
+    shapes: list[Any] = []
+    rebatch(sample, sample_batch, sample_batch, lambda t, shape: shapes.append((tuple(shape), t.dtype)))
+    return ("batch", sample_batch, repr(_structure(sample)), tuple(shapes))
+
+
+def _structure(sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return {k: _structure(v) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(_structure(v) for v in sample)
+    return type(sample).__name__ if isinstance(sample, torch.Tensor) else repr(sample)
+
+
+def _shapes_only(sample: Any, sample_batch: int) -> Any:
+    """The sample as meta tensors: the trace reads shapes and dtypes only, and the kept session must not
+    hold the user's batch (on the run's GPU, say) alive into training."""
+    if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
+        return sample
+    return rebatch(
+        sample, sample_batch, sample_batch, lambda t, shape: torch.empty(shape, dtype=t.dtype, device="meta")
+    )
+
+
+def _settings_key(settings: TraceSettings) -> tuple:
+    """The settings as a key; accumulation matters to the trace only as "more than one micro batch"."""
+    values = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name == "accumulation_steps":
+            value = min(value, 2)
+        try:
+            hash(value)
+        except TypeError:
+            value = ("id", id(value), repr(value))
+        values.append((f.name, value))
+    return tuple(values)
+
+
+def exact_estimates(
+    model: nn.Module,
+    sample: Any,
+    sample_batch: int,
+    batch: int,
+    settings: TraceSettings,
+    runtimes: Sequence[CudaRuntime | None],
+    build: Callable[..., Any],
+) -> list[Any] | str:
+    """One estimate per GPU at ``batch`` from the step's symbolic trace, each answering ``at()`` exactly;
+    where the step cannot be traced symbolically, why (in plain words)."""
+    session = step_session(model, sample, sample_batch, settings)
+    before, started = session.trace_seconds, time.perf_counter()
+    if not session.symbolic and session.unavailable is None and (batch == 1 or batch in session.concrete):
+        # Batch 1 needs a concrete trace anyway: with one more at batch 2 it is the two-trace estimate, and the
+        # symbolic trace (several times a concrete one) is taken only when at() asks for another batch.
+        try:
+            primary, secondary = session.concrete_trace(batch), session.concrete_trace(2 * batch)
+        except ValueDependentError as exc:  # the caller's concrete path retries on the model's compile branch
+            return f"the model reads tensor values ({exc})"
+        notes = [
+            f"traced at batch sizes {batch} and {2 * batch}; any other batch size is read off one trace with the "
+            "batch size symbolic, taken when first asked"
+        ]
+    else:
+        if not session.ensure_symbolic(max(2, batch)):
+            return session.unavailable or "the model is gone"
+        primary, note = session.trace_at(batch)
+        symbolic = session.symbolic[0]
+        other = next((b for b in (2 * batch, batch + 1, batch - 1) if b >= 2 and symbolic.valid(b)), 2 * batch)
+        secondary, _ = session.trace_at(other)
+        notes = [text for text in (session.range_note, note) if text]
+    estimates = []
+    for runtime in runtimes:
+        if settings.targets_cuda:
+            runtime = runtime or CudaRuntime.of_current_device()
+            resize_workspace(primary, runtime.workspace_bytes)
+            resize_workspace(secondary, runtime.workspace_bytes)
+        else:
+            runtime = None
+        elapsed = session.trace_seconds - before + (time.perf_counter() - started)
+        built = build(primary, secondary, settings, runtime, elapsed)
+        estimates.append(dataclasses.replace(built, exact_peaks=ExactPeaks(session, runtime)).with_notes(*notes))
+    return estimates
