@@ -68,17 +68,20 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
 
 
-def add_estimate_options(parser: argparse.ArgumentParser) -> None:
-    """The fine-tuning flags of ``memfit estimate``: the plan's, plus counts for when no config is given."""
+def add_estimate_options(parser: argparse.ArgumentParser, counts: Any) -> None:
+    """The fine-tuning flags of ``memfit estimate``: the plan's, plus where counts come from (``counts``: the
+    group that holds ``--params``, of which one is required)."""
     _add_common(parser)
-    parser.add_argument(
+    counts.add_argument(
         "--hf-config",
         metavar="NAME_OR_PATH",
-        help="count parameters, LoRA adapters and quantized "
-        "layers on this config built on meta (a preset or a config.json) instead of --params",
+        help="count parameters, LoRA adapters and quantized layers of this config built on meta (a preset or a "
+        "config.json) instead of --params",
     )
     parser.add_argument(
-        "--lora-params", metavar="N", help="trainable adapter parameters, when no --hf-config gives them (e.g. 42M)"
+        "--lora-params",
+        metavar="N",
+        help="trainable adapter parameters, when no --hf-config counts them (e.g. 42M)",
     )
 
 
@@ -109,8 +112,6 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     if args.hf_config:
         out.update(_counts_from_config(args, finetune))
     else:
-        if args.params is None:
-            raise InvalidInputError("give --params N (e.g. 7B) or --hf-config NAME_OR_PATH")
         out["parameters"] = parse_count(args.params, "--params")
         if finetune.lora:
             if args.lora_params is None:
@@ -123,6 +124,8 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
             out["trainable_parameters"] = adapters
     if args.lora_params is not None and not finetune.lora:
         raise InvalidInputError("--lora-params needs --lora-r (the adapter rank)")
+    if not finetune.active:
+        return out
     precision = Precision.parse(args.precision)
     if finetune.quantize and not precision.converts_to_half:
         out["frozen_bytes"] = 4  # prepare_model_for_kbit_training keeps every non-quantized weight in fp32

@@ -219,7 +219,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "Ignores temporaries, allocator overhead and the CUDA context.",
     )
     # Counts are parsed in _cmd_estimate, not by argparse, so bad ones get the same one-line error.
-    estimate.add_argument("--params", metavar="N", help="number of parameters (e.g. 124M, 7B); or --hf-config")
+    counts = estimate.add_mutually_exclusive_group(required=True)
+    counts.add_argument("--params", metavar="N", help="number of parameters (e.g. 124M, 7B)")
     estimate.add_argument("--batch-size", default="1", metavar="N", help="samples per step (default 1)")
     estimate.add_argument(
         "--activations-per-sample",
@@ -240,7 +241,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="share of parameters that are trained, 0 to 1 (default 1.0)",
     )
-    add_estimate_options(estimate)
+    add_estimate_options(estimate, counts)
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     estimate.set_defaults(handler=_cmd_estimate)
 
