@@ -256,6 +256,12 @@ def test_lora_targets_naming_no_layer_lists_the_layers(config_path: Path) -> Non
     assert all(name in message.split("layers are")[1] for name in ("q_proj", "k_proj", "gate_proj", "lm_head"))
 
 
+def test_dora_on_quantized_layers_is_refused_with_what_works(config_path: Path) -> None:
+    message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--lora-r", "8", "--dora",
+                       "--quantize", "nf4")  # fmt: skip
+    assert "QDoRA" in message and "--dora without --quantize" in message and "memfit estimate" in message
+
+
 def test_quantize_alone_asks_for_adapters_or_inference(config_path: Path) -> None:
     message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--quantize", "nf4")
     assert "--lora-r" in message and "--inference" in message

@@ -147,6 +147,12 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
             "--quantize freezes the quantized weights, so training needs adapters: add --lora-r 16 (QLoRA), "
             "or add --inference to plan serving the quantized model"
         )
+    if finetune.dora and finetune.quantize:
+        raise InvalidInputError(
+            "--dora with --quantize (QDoRA) is not traced yet: peft's DoRA dequantizes a bitsandbytes weight by its "
+            "class, which the trace's stand-in for it does not keep. Plan --dora without --quantize, or LoRA with "
+            "--quantize; memfit estimate --dora --quantize gives the formula tier's figure"
+        )
     model = spec.model
     compute = precision.compute_dtype if precision is not Precision.FP32 else torch.bfloat16
     if finetune.quantize:
@@ -321,7 +327,7 @@ def _with_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
     try:
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
-            return get_peft_model(model, config)
+            return get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as error:  # peft's own word on targets it cannot adapt
         raise InvalidInputError(f"peft could not add LoRA adapters: {' '.join(str(error).split())}") from None
 
