@@ -88,8 +88,7 @@ def add_estimate_options(parser: argparse.ArgumentParser, counts: Any) -> None:
 def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
     """The plan's ``FinetuneSpec``; resolves ``args.optimizer`` to a traceable name in place."""
     args.optimizer, note = resolve_optimizer(args.optimizer)
-    if args.quantize:  # its CPU backend's advice on optional kernels is about this machine, not the GPU planned
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    _quiet_bitsandbytes(args)
     return FinetuneSpec(
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -102,11 +101,19 @@ def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
     )
 
 
+def _quiet_bitsandbytes(args: argparse.Namespace) -> None:
+    """bitsandbytes' CPU backend advises on optional kernels when imported (peft imports it): advice about
+    this machine, not the GPU planned."""
+    if args.quantize or args.lora_r is not None:
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any]:
     """Keyword arguments for ``estimate_from_counts`` beyond the plain ones: parameters, trainable and
     quantized counts (from ``--hf-config`` built on meta with real peft, or from the counts given), the
     frozen weights' width and the optimizer's registry name."""
     optimizer, _ = resolve_optimizer(args.optimizer)
+    _quiet_bitsandbytes(args)
     finetune = plan_finetune_for_estimate(args)
     out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
     if args.hf_config:
