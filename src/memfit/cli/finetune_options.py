@@ -155,11 +155,11 @@ def plan_finetune_for_estimate(args: argparse.Namespace) -> FinetuneSpec:
 
 def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dict[str, Any]:
     """Counts of the config's model on meta: every parameter, the adapters peft adds, the quantized weights."""
-    from memfit.planning.finetune import apply_finetune, quantizable_parameters
+    from memfit.planning.finetune import apply_finetune, quantizable_linears
     from memfit.presets import from_hf_config
 
     spec = from_hf_config(args.hf_config)
-    quantized = quantizable_parameters(spec.model) if finetune.quantize else None
+    linears = quantizable_linears(spec.model) if finetune.quantize else None
     lora_only = FinetuneSpec(
         lora_r=finetune.lora_r, lora_alpha=finetune.lora_alpha, lora_targets=finetune.lora_targets, dora=finetune.dora
     )
@@ -167,6 +167,7 @@ def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dic
     out: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
     if finetune.lora:
         out["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if quantized is not None:
-        out["quantized_parameters"] = quantized
+    if linears is not None:
+        out["quantized_parameters"] = sum(linear.weight.numel() for _, linear in linears)
+        out["quantized_layers"] = len(linears)
     return out

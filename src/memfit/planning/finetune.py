@@ -43,7 +43,8 @@ __all__ = [
     "apply_finetune",
     "finetune_breakdown",
     "finetune_report",
-    "quantizable_parameters",
+    "from_config_quantization",
+    "quantizable_linears",
     "resolve_optimizer",
 ]
 
@@ -133,6 +134,27 @@ class FinetuneSpec:
         return ", ".join(parts)
 
 
+def from_config_quantization(spec: ModelSpec, finetune: FinetuneSpec) -> FinetuneSpec:
+    """``finetune`` with the bitsandbytes quantization a ``config.json``'s ``quantization_config`` names
+    (a pre-quantized checkpoint's), when ``--quantize`` did not say; a note says where it came from."""
+    config = getattr(getattr(spec.model, "config", None), "quantization_config", None)
+    if finetune.quantize is not None or config is None:
+        return finetune
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if str(get("quant_method", "")).lower().removeprefix("quantizationmethod.") != "bitsandbytes":
+        return finetune
+    if get("load_in_8bit", False):
+        kind, double = "int8", False
+    elif get("load_in_4bit", False):
+        kind, double = str(get("bnb_4bit_quant_type", "fp4")).lower(), bool(get("bnb_4bit_use_double_quant", False))
+    else:
+        return finetune
+    note = f"quantized as the config's quantization_config says: bitsandbytes {kind}" + (
+        " double-quant" if double else ""
+    )
+    return dataclasses.replace(finetune, quantize=kind, double_quant=double, notes=(*finetune.notes, note))
+
+
 def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision, *, inference: bool) -> ModelSpec:
     """``spec`` with the quantized layout and the adapters ``finetune`` asks for (see the module docstring).
 
@@ -144,8 +166,9 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
         return spec
     if finetune.quantize and not finetune.lora and not inference:
         raise InvalidInputError(
-            "--quantize freezes the quantized weights, so training needs adapters: add --lora-r 16 (QLoRA), "
-            "or add --inference to plan serving the quantized model"
+            f"{spec.name} is quantized ({finetune.describe()}: --quantize or its config's quantization_config), "
+            "which freezes its weights, so training needs adapters: add --lora-r 16 (QLoRA), or add --inference "
+            "to plan serving the quantized model"
         )
     if finetune.dora and finetune.quantize:
         raise InvalidInputError(
@@ -187,7 +210,7 @@ def _quantize_linears(model: nn.Module, kind: str, double_quant: bool, compute: 
     """Swap every ``nn.Linear`` but the output head for a shape-only bitsandbytes layer (see the docstring)."""
     import bitsandbytes as bnb
 
-    for name, linear in _quantizable_linears(model):
+    for name, linear in quantizable_linears(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         bias = linear.bias is not None
@@ -217,7 +240,7 @@ def _quantize_linears(model: nn.Module, kind: str, double_quant: bool, compute: 
         model.is_loaded_in_8bit = kind == "int8"
 
 
-def _quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers bitsandbytes quantizes (all but the output head); refuses a model with none."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = [
@@ -226,11 +249,6 @@ def _quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     if not linears:
         _refuse_no_linears(model)
     return linears
-
-
-def quantizable_parameters(model: nn.Module) -> int:
-    """Weight elements ``--quantize`` stores in 4 or 8 bits (biases stay in the compute dtype)."""
-    return sum(linear.weight.numel() for _, linear in _quantizable_linears(model))
 
 
 def _refuse_no_linears(model: nn.Module) -> None:

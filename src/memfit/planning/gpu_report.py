@@ -9,7 +9,13 @@ from typing import Any
 
 from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
-from memfit.planning.finetune import FinetuneReport, FinetuneSpec, apply_finetune, finetune_report
+from memfit.planning.finetune import (
+    FinetuneReport,
+    FinetuneSpec,
+    apply_finetune,
+    finetune_report,
+    from_config_quantization,
+)
 from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
@@ -170,7 +176,7 @@ def plan_for_gpus(
             from_factory(model, seq_len=seq_len)
         )  # fmt: skip
     parameters = sum(p.numel() for p in spec.model.parameters())
-    finetune = finetune or FinetuneSpec()
+    finetune = from_config_quantization(spec, finetune or FinetuneSpec())
     spec = apply_finetune(spec, finetune, default, inference=inference)
     runtimes = [
         CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets

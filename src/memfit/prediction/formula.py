@@ -26,8 +26,9 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
   the adapters exactly (``parameters`` includes them). ``quantize`` (``nf4``/``fp4``: 4 bits, ``int8``:
   8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one) packed, plus
   bitsandbytes' quantization state (4-bit: an fp32 absmax per block of 64, or with double quantization
-  a uint8 one and an fp32 one per 256 blocks; int8: its per-row scales are not counted, rows being
-  unknown here) as ``quantized_weights_bytes``. The other frozen weights take ``frozen_bytes`` each
+  a uint8 one and an fp32 one per 256 blocks, and per weight (``quantized_layers``) its code books; int8:
+  its per-row scales are not counted, rows being unknown here) as ``quantized_weights_bytes``. The
+  other frozen weights take ``frozen_bytes`` each
   (default as above; ``memfit estimate`` passes 2 for a LoRA base under mixed precision, as LoRA scripts
   load it in bf16, and 4 for QLoRA, as ``prepare_model_for_kbit_training`` keeps them in fp32).
 
@@ -134,6 +135,7 @@ def estimate_from_counts(
     quantized_parameters: int | None = None,
     double_quant: bool = True,
     frozen_bytes: int | None = None,
+    quantized_layers: int = 1,
 ) -> FormulaEstimate:
     """Estimate a training step's memory from counts (see the module docstring for the rules).
 
@@ -152,7 +154,10 @@ def estimate_from_counts(
         trainable = _whole("trainable_parameters", trainable_parameters, minimum=0)
         if trainable > parameters:
             raise InvalidInputError(f"trainable_parameters ({trainable:,}) exceeds parameters ({parameters:,})")
-    quantized, quantized_bytes = _quantized(quantize, quantized_parameters, parameters - trainable, double_quant)
+    layers = _whole("quantized_layers", quantized_layers, minimum=1)
+    quantized, quantized_bytes = _quantized(
+        quantize, quantized_parameters, parameters - trainable, double_quant, layers
+    )
     pure_half = precision in (Precision.FP16_TRUE, Precision.BF16_TRUE)
     weight_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
     state_size = _HALF_BYTES if pure_half else _FP32_BYTES
@@ -183,8 +188,9 @@ _QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
 _BLOCK_4BIT, _NESTED_BLOCK = 64, 256
 
 
-def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: bool) -> tuple[int, int]:
-    """``(weights quantized, their bytes with bitsandbytes' quantization state)``."""
+def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: bool, layers: int) -> tuple[int, int]:
+    """``(weights quantized, their bytes with bitsandbytes' quantization state)``; each of ``layers`` quantized
+    weights has its own code books (and, with double quantization, offset)."""
     if kind is None:
         if count:
             raise InvalidInputError("quantized_parameters needs quantize= (nf4, fp4 or int8)")
@@ -198,8 +204,9 @@ def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: b
     if _QUANT_BITS[kind] == 8:
         return count, packed
     blocks = math.ceil(count / _BLOCK_4BIT)
-    state = blocks + 4 * math.ceil(blocks / _NESTED_BLOCK) + 4 + 256 * 4 if double_quant else 4 * blocks + 16 * 4
-    return count, packed + state
+    per_layer = (16 + 256 + 1) * 4 if double_quant else 16 * 4  # 4-bit code, nested code, offset
+    state = blocks + 4 * math.ceil(blocks / _NESTED_BLOCK) if double_quant else 4 * blocks
+    return count, packed + state + layers * per_layer
 
 
 def _trainable(parameters: int, trainable_fraction: float) -> int:
