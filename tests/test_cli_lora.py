@@ -126,9 +126,10 @@ def real_quantized(checkpoint: Path, case: str, **lora: Any) -> torch.nn.Module:
     [
         ([], {"target_modules": "all-linear"}),
         (["--lora-targets", "q_proj,v_proj"], {"target_modules": ["q_proj", "v_proj"]}),
+        (["--lora-targets", "self_attn.o_proj,down_proj"], {"target_modules": ["self_attn.o_proj", "down_proj"]}),
         (["--dora"], {"target_modules": "all-linear", "use_dora": True}),
     ],
-    ids=["all-linear", "q-v", "dora"],
+    ids=["all-linear", "q-v", "path-suffix", "dora"],
 )
 def test_trainable_parameters_are_peft_own_count(config_path: Path, flags: list[str], lora: dict[str, Any]) -> None:
     report = plan_json(config_path, "--lora-r", str(RANK), *flags)

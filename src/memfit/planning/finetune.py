@@ -351,8 +351,10 @@ def _with_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
 
 
 def _check_targets(model: nn.Module, targets: list[str]) -> None:
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if _adaptable(module)}
-    missing = [t for t in targets if t not in names]
+    paths = [name for name, module in model.named_modules() if _adaptable(module)]
+    names = {path.rsplit(".", 1)[-1] for path in paths}
+    # peft matches a target by the end of a module's path: "q_proj" or "self_attn.q_proj"
+    missing = [t for t in targets if not any(path == t or path.endswith("." + t) for path in paths)]
     if missing:
         raise InvalidInputError(
             f"--lora-targets {','.join(missing)} names no layer of {type(model).__name__}; its linear layers are "
