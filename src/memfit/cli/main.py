@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import NoReturn
 
+from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
@@ -82,13 +83,14 @@ def _parse_fraction(text: str, option: str) -> float:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     """Formula tier: estimate from parameter and activation counts."""
+    from memfit.cli.finetune_options import estimate_counts
+
     estimate = estimate_from_counts(
-        parameters=_parse_count(args.params, "--params"),
         batch_size=_parse_count(args.batch_size, "--batch-size"),
         activations_per_sample=_parse_count(args.activations_per_sample, "--activations-per-sample"),
         precision=args.precision,
-        optimizer=args.optimizer,
         trainable_fraction=_parse_fraction(args.trainable_fraction, "--trainable-fraction"),
+        **estimate_counts(args, _parse_count),
     )
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
@@ -103,10 +105,19 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
+    from memfit.cli.finetune_options import plan_finetune
     from memfit.planning.gpu_report import plan_for_gpus
 
     if is_sharded(args):  # --strategy, --gpus auto, --nodes: one rank of a sharded job
+        if args.lora_r is not None or args.quantize:
+            print(
+                "memfit: error: --lora-r/--quantize are not planned together with --strategy/--gpus auto yet; "
+                "plan the adapters on one GPU, or drop them to plan the sharded full fine-tune",
+                file=sys.stderr,
+            )
+            return 2
         return run_sharded(args)
+    finetune = plan_finetune(args)
     report = plan_for_gpus(
         hf_config=args.hf_config,
         model=args.model,
@@ -129,6 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         offload_optimizer=args.offload == "optimizer",
         exact=args.exact,
         zero_grad=args.zero_grad,
+        finetune=finetune,
     )
     if args.plot:
         report.plot(args.plot)
@@ -137,10 +149,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from memfit.reporting.tables import plan_table
+        from memfit.reporting.tables import finetune_table, plan_table
 
         console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(plan_table(report))
+        if report.finetune is not None:
+            console.print(finetune_table(report))
         if report.host is not None:
             console.print(report.host.summary())
         if report.depth_extrapolated_from:
@@ -215,7 +229,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "Ignores temporaries, allocator overhead and the CUDA context.",
     )
     # Counts are parsed in _cmd_estimate, not by argparse, so bad ones get the same one-line error.
-    estimate.add_argument("--params", required=True, metavar="N", help="number of parameters (e.g. 124M, 7B)")
+    counts = estimate.add_mutually_exclusive_group(required=True)
+    counts.add_argument("--params", metavar="N", help="number of parameters (e.g. 124M, 7B)")
     estimate.add_argument("--batch-size", default="1", metavar="N", help="samples per step (default 1)")
     estimate.add_argument(
         "--activations-per-sample",
@@ -228,13 +243,15 @@ def _build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default fp32",
     )
-    estimate.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}; default adamw")
+    estimate.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)}, or a Hugging Face "
+                          "optim name (paged_adamw_8bit, adamw_bnb_8bit, ...); default adamw")  # fmt: skip
     estimate.add_argument(
         "--trainable-fraction",
         default="1.0",
         metavar="F",
         help="share of parameters that are trained, 0 to 1 (default 1.0)",
     )
+    add_estimate_options(estimate, counts)
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     estimate.set_defaults(handler=_cmd_estimate)
 
@@ -258,7 +275,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--precision", help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default "
                       "bf16-mixed, 16-mixed on cards without bf16 (T4, V100); with --inference bf16 weights (fp16 "
                       "on those cards)")  # fmt: skip
-    plan.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_NAMES)}; default adamw")
+    plan.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_NAMES)}, or a Hugging Face "
+                      "optim name (paged_adamw_8bit, adamw_bnb_8bit, ...); default adamw")  # fmt: skip
     plan.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
@@ -275,6 +293,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_sharding_arguments(plan)  # --gpus (--world-size), --strategy, --offload (--offload-optimizer), --nodes
     plan.add_argument("--exact", action="store_true", help="trace the whole model even when it is deep (slower; by "
                       "default deep configs are traced at 2 and 4 blocks and extrapolated)")  # fmt: skip
+    add_plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument(
         "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"

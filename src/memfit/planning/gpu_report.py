@@ -9,6 +9,13 @@ from typing import Any
 
 from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
+from memfit.planning.finetune import (
+    FinetuneReport,
+    FinetuneSpec,
+    apply_finetune,
+    finetune_report,
+    from_config_quantization,
+)
 from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
@@ -81,6 +88,7 @@ class PlanReport:
     inference: bool = False
     host: HostEstimate | None = None
     depth_extrapolated_from: tuple[int, int] | None = None  # the depths traced, when extrapolated
+    finetune: FinetuneReport | None = None  # LoRA / quantization: the weights by role
 
     def plot(self, path: str) -> None:
         """Both pictures: the traced step at the first plan's batch, and peak vs batch for every GPU.
@@ -108,6 +116,7 @@ class PlanReport:
             "gpus": [row.to_dict() for row in self.rows],
             "host": self.host.to_dict() if self.host else None,
             "depth_extrapolated_from": list(self.depth_extrapolated_from) if self.depth_extrapolated_from else None,
+            "finetune": self.finetune.to_dict() if self.finetune else None,
         }
 
 
@@ -134,6 +143,7 @@ def plan_for_gpus(
     offload_optimizer: bool = False,
     exact: bool = False,
     zero_grad: ZeroGrad = "after_step",
+    finetune: FinetuneSpec | None = None,
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
 
@@ -152,7 +162,9 @@ def plan_for_gpus(
     ``precision`` ``None`` plans each card in its usual precision (``GPU.precision_for``): bf16-mixed,
     or 16-mixed on cards without bf16 (T4, V100); with ``inference``, half-precision weights (bf16, or
     fp16 there). A bf16 precision asked of a card without bf16 is that row's error. One trace serves
-    every GPU planned in the same precision."""
+    every GPU planned in the same precision.
+
+    ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``)."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
@@ -164,6 +176,9 @@ def plan_for_gpus(
         spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
             from_factory(model, seq_len=seq_len)
         )  # fmt: skip
+    parameters = sum(p.numel() for p in spec.model.parameters())
+    finetune = from_config_quantization(spec, finetune or FinetuneSpec())
+    spec = apply_finetune(spec, finetune, default, inference=inference)
     runtimes = [
         CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
     ]
@@ -172,15 +187,15 @@ def plan_for_gpus(
     loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
     depth = model_depth(spec.model)
     extrapolated = None
-    parameters = sum(p.numel() for p in spec.model.parameters())
     large = parameters >= EXTRAPOLATION_MIN_PARAMETERS
     shallow: list[ModelSpec] = []
     if hf_config and not exact and layers is None and large and depth and depth > EXTRAPOLATION_DEPTHS[1]:
         with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
             shallow = [
-                from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d)
+                apply_finetune(from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d), finetune,
+                               default, inference=inference)
                 for d in EXTRAPOLATION_DEPTHS
-            ]
+            ]  # fmt: skip
         extrapolated = EXTRAPOLATION_DEPTHS
 
     @functools.cache
@@ -220,7 +235,8 @@ def plan_for_gpus(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
     return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
-                      inference=inference, host=host, depth_extrapolated_from=extrapolated)  # fmt: skip
+                      inference=inference, host=host, depth_extrapolated_from=extrapolated,
+                      finetune=finetune_report(spec.model, finetune, default, rows))  # fmt: skip
 
 
 def _default_precision(requested: str | None, inference: bool) -> Precision:

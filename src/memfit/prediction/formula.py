@@ -22,6 +22,15 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
   guide uses; ``adam-8bit`` 2 B (two 1-byte states).
 * **Activations**: ``activations_per_sample * batch_size`` elements, 4 B each in fp32 and 2 B in
   any half or mixed precision.
+* **LoRA and quantization** (``trainable_parameters``, ``quantize``): ``trainable_parameters`` counts
+  the adapters exactly (``parameters`` includes them). ``quantize`` (``nf4``/``fp4``: 4 bits, ``int8``:
+  8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one) packed, plus
+  bitsandbytes' quantization state (4-bit: an fp32 absmax per block of 64, or with double quantization
+  a uint8 one and an fp32 one per 256 blocks, and per weight (``quantized_layers``) its code books; int8:
+  its per-row scales are not counted, rows being unknown here) as ``quantized_weights_bytes``. The
+  other frozen weights take ``frozen_bytes`` each
+  (default as above; ``memfit estimate`` passes 2 for a LoRA base under mixed precision, as LoRA scripts
+  load it in bf16, and 4 for QLoRA, as ``prepare_model_for_kbit_training`` keeps them in fp32).
 
 Known limitations: no temporaries (the transient buffers of a forward/backward op), no caching
 allocator rounding or fragmentation, no CUDA context, no buffers or inputs; activations are
@@ -69,6 +78,9 @@ class FormulaEstimate:
     precision: Precision
     optimizer: str
     trainable_fraction: float
+    quantized_weights_bytes: int = 0
+    quantize: str | None = None
+    trainable_count: int | None = None  # exact adapter count, when given instead of a fraction
 
     @property
     def total_bytes(self) -> int:
@@ -78,11 +90,15 @@ class FormulaEstimate:
     @property
     def trainable_parameters(self) -> int:
         """Parameters that get gradients, master weights and optimizer state."""
+        if self.trainable_count is not None:
+            return self.trainable_count
         return _trainable(self.parameters, self.trainable_fraction)
 
     def components(self) -> dict[str, int]:
         """The ``*_bytes`` components, in display order."""
+        quantized = {"quantized_weights_bytes": self.quantized_weights_bytes} if self.quantize else {}
         return {
+            **quantized,
             "parameters_bytes": self.parameters_bytes,
             "gradients_bytes": self.gradients_bytes,
             "master_weights_bytes": self.master_weights_bytes,
@@ -102,6 +118,7 @@ class FormulaEstimate:
             "precision": self.precision.short_name,
             "optimizer": self.optimizer,
             "trainable_fraction": self.trainable_fraction,
+            "quantize": self.quantize,
         }
 
 
@@ -113,6 +130,12 @@ def estimate_from_counts(
     precision: Precision | str = "fp32",
     optimizer: str | None = "adamw",
     trainable_fraction: float = 1.0,
+    trainable_parameters: int | None = None,
+    quantize: str | None = None,
+    quantized_parameters: int | None = None,
+    double_quant: bool = True,
+    frozen_bytes: int | None = None,
+    quantized_layers: int = 1,
 ) -> FormulaEstimate:
     """Estimate a training step's memory from counts (see the module docstring for the rules).
 
@@ -127,14 +150,24 @@ def estimate_from_counts(
     optimizer = normalize_optimizer(optimizer)
 
     trainable = _trainable(parameters, trainable_fraction)
+    if trainable_parameters is not None:
+        trainable = _whole("trainable_parameters", trainable_parameters, minimum=0)
+        if trainable > parameters:
+            raise InvalidInputError(f"trainable_parameters ({trainable:,}) exceeds parameters ({parameters:,})")
+    layers = _whole("quantized_layers", quantized_layers, minimum=1)
+    quantized, quantized_bytes = _quantized(
+        quantize, quantized_parameters, parameters - trainable, double_quant, layers
+    )
     pure_half = precision in (Precision.FP16_TRUE, Precision.BF16_TRUE)
     weight_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
     state_size = _HALF_BYTES if pure_half else _FP32_BYTES
     activation_size = _FP32_BYTES if precision is Precision.FP32 else _HALF_BYTES
 
     frozen_size = _FP32_BYTES if precision.is_mixed else weight_size
+    if frozen_bytes is not None:
+        frozen_size = _whole("frozen_bytes", frozen_bytes, minimum=1)
     return FormulaEstimate(
-        parameters_bytes=trainable * weight_size + (parameters - trainable) * frozen_size,
+        parameters_bytes=trainable * weight_size + (parameters - trainable - quantized) * frozen_size,
         gradients_bytes=trainable * weight_size,
         master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
         optimizer_state_bytes=trainable * optimizer_info(optimizer).state_bytes(state_size),
@@ -145,7 +178,35 @@ def estimate_from_counts(
         precision=precision,
         optimizer=optimizer,
         trainable_fraction=trainable_fraction,
+        quantized_weights_bytes=quantized_bytes,
+        quantize=quantize,
+        trainable_count=trainable if trainable_parameters is not None else None,
     )
+
+
+_QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
+_BLOCK_4BIT, _NESTED_BLOCK = 64, 256
+
+
+def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: bool, layers: int) -> tuple[int, int]:
+    """``(weights quantized, their bytes with bitsandbytes' quantization state)``; each of ``layers`` quantized
+    weights has its own code books (and, with double quantization, offset)."""
+    if kind is None:
+        if count:
+            raise InvalidInputError("quantized_parameters needs quantize= (nf4, fp4 or int8)")
+        return 0, 0
+    if kind not in _QUANT_BITS:
+        raise InvalidInputError(f"quantize must be one of {', '.join(_QUANT_BITS)} or None, got {kind!r}")
+    count = frozen if count is None else _whole("quantized_parameters", count, minimum=0)
+    if count > frozen:
+        raise InvalidInputError(f"quantized_parameters ({count:,}) exceeds the frozen parameters ({frozen:,})")
+    packed = math.ceil(count * _QUANT_BITS[kind] / 8)
+    if _QUANT_BITS[kind] == 8:
+        return count, packed
+    blocks = math.ceil(count / _BLOCK_4BIT)
+    per_layer = (16 + 256 + 1) * 4 if double_quant else 16 * 4  # 4-bit code, nested code, offset
+    state = blocks + 4 * math.ceil(blocks / _NESTED_BLOCK) if double_quant else 4 * blocks
+    return count, packed + state + layers * per_layer
 
 
 def _trainable(parameters: int, trainable_fraction: float) -> int:

@@ -10,9 +10,10 @@ from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.formula import FormulaEstimate
 from memfit.units import format_bytes
 
-__all__ = ["estimate_table", "formula_table", "phases_table", "plan_table"]
+__all__ = ["estimate_table", "finetune_table", "formula_table", "phases_table", "plan_table"]
 
 _LABELS: dict[str, str] = {
+    "quantized_weights_bytes": "Quantized weights",
     "parameters_bytes": "Parameters",
     "gradients_bytes": "Gradients",
     "master_weights_bytes": "Master weights",
@@ -54,8 +55,12 @@ def formula_table(estimate: FormulaEstimate) -> Table:
         f"{estimate.precision.short_name}, optimizer {estimate.optimizer}\n"
         f"batch {estimate.batch_size} x {estimate.activations_per_sample:,} activations per sample"
     )
-    if estimate.trainable_fraction != 1.0:
+    if estimate.trainable_count is not None:
+        title += f", {estimate.trainable_count:,} trainable (adapters)"
+    elif estimate.trainable_fraction != 1.0:
         title += f", {estimate.trainable_fraction:g} of parameters trainable"
+    if estimate.quantize:
+        title += f", frozen weights in {estimate.quantize}"
     caption = "Excludes temporaries, allocator overhead and the CUDA context."
     return _sizes_table(title, estimate.components(), estimate.total_bytes, caption)
 
@@ -154,14 +159,17 @@ def plan_table(report: PlanReport) -> Table:
     seq = f", seq {report.seq_len}" if report.seq_len else ""
     title = f"{report.model}: {_count(report.parameters)} parameters, {report.precision}, {what}{seq}"
     table = Table(title=title)
-    for column in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
-                   *_STATE_COLUMNS, "activations", "other", "peak in"):  # fmt: skip
+    # A forward-only pass has no accumulation, checkpointing, gradients or optimizer state to show.
+    skipped = {"accum.", "ckpt", "effective", "grads", "optim state"} if report.inference else set()
+    columns = [c for c in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
+                           *_STATE_COLUMNS, "activations", "other", "peak in") if c not in skipped]  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column in ("GPU", "fits", "peak in") else "right")
     notes: list[str] = []
     for row in report.rows:
         name = row.gpu + (" (approx.)" if row.approximate else "")
         if row.plan is None or row.estimate is None:
-            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * 10, "")
+            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * (len(columns) - 4), "")
             continue
         plan, breakdown = row.plan, row.estimate.breakdown
         state = {column: sum(breakdown.get(c, 0) for c in kinds) for column, kinds in _STATE_COLUMNS.items()}
@@ -181,24 +189,58 @@ def plan_table(report: PlanReport) -> Table:
                 f"{row.gpu}: gradients are 0 B at the peak ({row.estimate.peak_phase.value} of step "
                 f"{row.estimate.peak_step}): they are freed after each optimizer step and counted where they live"
             )
-        table.add_row(
-            name,
-            format_bytes(row.capacity_bytes),
-            "[green]yes[/green]",
-            str(plan.micro_batch_size),
-            str(plan.accumulate_grad_batches),
-            "on" if plan.gradient_checkpointing else "off",
-            effective,
-            format_bytes(plan.predicted_peak_bytes),
-            *(format_bytes(size) for size in state.values()),
-            format_bytes(activations),
-            format_bytes(other),
-            f"step {row.estimate.peak_step} {row.estimate.peak_phase.value}",
-        )
+        cells = {
+            "GPU": name,
+            "memory": format_bytes(row.capacity_bytes),
+            "fits": "[green]yes[/green]",
+            "micro batch": str(plan.micro_batch_size),
+            "accum.": str(plan.accumulate_grad_batches),
+            "ckpt": "on" if plan.gradient_checkpointing else "off",
+            "effective": effective,
+            "predicted peak": format_bytes(plan.predicted_peak_bytes),
+            **{column: format_bytes(size) for column, size in state.items()},
+            "activations": format_bytes(activations),
+            "other": format_bytes(other),
+            "peak in": f"step {row.estimate.peak_step} {row.estimate.peak_phase.value}",
+        }
+        table.add_row(*(cells[column] for column in columns))
     notes.extend(f"{row.gpu}: {'; '.join(filter(None, (row.note, row.error)))}" for row in report.rows
                  if row.error or row.note)  # fmt: skip
     if notes:
         table.caption = "\n".join(notes)
+    return table
+
+
+_FINETUNE_LABELS = {
+    "quantized_weights_bytes": "Quantized weights (packed + quantization state)",
+    "frozen_weights_bytes": "Other frozen weights (embeddings, norms, head)",
+    "adapter_weights_bytes": "Adapters (trainable)",
+    "adapter_gradients_bytes": "Adapter gradients (largest in the step)",
+    "optimizer_state_bytes": "Optimizer state (adapters)",
+}
+
+
+def finetune_table(report: PlanReport) -> Table:
+    """The fine-tuning breakdown: the model's weights by role, then what the adapters add in training."""
+    finetune = report.finetune
+    if finetune is None:
+        raise ValueError("the report has no fine-tuning lines")
+    share = 100.0 * finetune.trainable_parameters / max(finetune.parameters, 1)
+    title = (
+        f"{finetune.label}: {_count(finetune.trainable_parameters)} of {_count(finetune.parameters)} "
+        f"parameters trainable ({share:.2f}%)"
+    )
+    table = Table(title=title, min_width=len(title))
+    table.add_column("Component")
+    table.add_column("Size", justify="right")
+    for key, size in finetune.components().items():
+        if report.inference and key in ("adapter_gradients_bytes", "optimizer_state_bytes"):
+            continue
+        if key == "quantized_weights_bytes" and not size:
+            continue
+        table.add_row(_FINETUNE_LABELS[key], "-" if size is None else format_bytes(size))
+    if finetune.notes:
+        table.caption = "\n".join(finetune.notes)
     return table
 
 

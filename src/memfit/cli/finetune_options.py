@@ -1,0 +1,173 @@
+"""The fine-tuning flags of ``memfit plan`` and ``memfit estimate``: LoRA, DoRA, bitsandbytes quantization.
+
+``add_plan_options`` / ``add_estimate_options`` declare them; ``plan_finetune`` turns them into a
+``FinetuneSpec`` for the planner, ``estimate_counts`` into the formula tier's counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from memfit.errors import InvalidInputError
+from memfit.planning.finetune import QUANTIZATIONS, FinetuneSpec, resolve_optimizer
+from memfit.precision import Precision
+
+__all__ = ["add_estimate_options", "add_plan_options", "estimate_counts", "plan_finetune"]
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive rank such as 8, 16 or 64, got {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA and quantization")
+    group.add_argument(
+        "--lora-r", type=_rank, metavar="R", help="train LoRA adapters of rank R (peft); the base model is frozen"
+    )
+    group.add_argument(
+        "--lora-alpha", type=_number, metavar="A", help="LoRA scaling alpha (default 2 x R; no effect on memory)"
+    )
+    group.add_argument(
+        "--lora-targets",
+        metavar="all-linear|NAMES",
+        help="layers that get adapters: all-linear (default) or comma-separated module names such as q_proj,v_proj",
+    )
+    group.add_argument("--lora-dropout", type=_number, default=0.0, metavar="P", help="LoRA dropout (default 0)")
+    group.add_argument("--dora", action="store_true", help="DoRA: LoRA with a learned magnitude vector (peft use_dora)")
+    group.add_argument(
+        "--quantize",
+        type=str.lower,
+        choices=QUANTIZATIONS,
+        help="store the frozen linear weights with bitsandbytes: nf4 or fp4 (QLoRA, 4-bit) or int8 (LLM.int8())",
+    )
+    group.add_argument(
+        "--double-quant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="4-bit double quantization of the scales (bnb_4bit_use_double_quant; default on)",
+    )
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """The fine-tuning flags of ``memfit plan``."""
+    _add_common(parser)
+
+
+def add_estimate_options(parser: argparse.ArgumentParser, counts: Any) -> None:
+    """The fine-tuning flags of ``memfit estimate``: the plan's, plus where counts come from (``counts``: the
+    group that holds ``--params``, of which one is required)."""
+    _add_common(parser)
+    counts.add_argument(
+        "--hf-config",
+        metavar="NAME_OR_PATH",
+        help="count parameters, LoRA adapters and quantized layers of this config built on meta (a preset or a "
+        "config.json) instead of --params",
+    )
+    parser.add_argument(
+        "--lora-params",
+        metavar="N",
+        help="trainable adapter parameters, when no --hf-config counts them (e.g. 42M)",
+    )
+
+
+def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
+    """The plan's ``FinetuneSpec``; resolves ``args.optimizer`` to a traceable name in place."""
+    args.optimizer, note = resolve_optimizer(args.optimizer)
+    _quiet_bitsandbytes(args)
+    return FinetuneSpec(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        lora_dropout=args.lora_dropout,
+        dora=args.dora,
+        quantize=args.quantize,
+        double_quant=args.double_quant,
+        notes=(note,) if note else (),
+    )
+
+
+def _quiet_bitsandbytes(args: argparse.Namespace) -> None:
+    """bitsandbytes' CPU backend advises on optional kernels when imported (peft imports it): advice about
+    this machine, not the GPU planned."""
+    if args.quantize or args.lora_r is not None:
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any]:
+    """Keyword arguments for ``estimate_from_counts`` beyond the plain ones: parameters, trainable and
+    quantized counts (from ``--hf-config`` built on meta with real peft, or from the counts given), the
+    frozen weights' width and the optimizer's registry name."""
+    optimizer, _ = resolve_optimizer(args.optimizer)
+    _quiet_bitsandbytes(args)
+    finetune = plan_finetune_for_estimate(args)
+    out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
+    if args.hf_config:
+        out.update(_counts_from_config(args, finetune))
+    else:
+        out["parameters"] = parse_count(args.params, "--params")
+        if finetune.lora:
+            if args.lora_params is None:
+                raise InvalidInputError(
+                    "--lora-r needs the model's layers to count adapters: give --hf-config NAME_OR_PATH, or the "
+                    "adapter count itself with --lora-params N"
+                )
+            adapters = parse_count(args.lora_params, "--lora-params")
+            out["parameters"] += adapters
+            out["trainable_parameters"] = adapters
+    if args.lora_params is not None and not finetune.lora:
+        raise InvalidInputError("--lora-params needs --lora-r (the adapter rank)")
+    if not finetune.active:
+        return out
+    precision = Precision.parse(args.precision)
+    if finetune.quantize and not precision.converts_to_half:
+        out["frozen_bytes"] = 4  # prepare_model_for_kbit_training keeps every non-quantized weight in fp32
+    elif finetune.lora and not finetune.quantize and precision.is_mixed:
+        out["frozen_bytes"] = 2  # the base loaded in bf16/fp16, as LoRA scripts load it (the plan's assumption)
+    return out
+
+
+def plan_finetune_for_estimate(args: argparse.Namespace) -> FinetuneSpec:
+    return FinetuneSpec(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        lora_dropout=args.lora_dropout,
+        dora=args.dora,
+        quantize=args.quantize,
+        double_quant=args.double_quant,
+    )
+
+
+def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dict[str, Any]:
+    """Counts of the config's model on meta: every parameter, the adapters peft adds, the quantized weights."""
+    from memfit.planning.finetune import apply_finetune, quantizable_linears
+    from memfit.presets import from_hf_config
+
+    spec = from_hf_config(args.hf_config)
+    linears = quantizable_linears(spec.model) if finetune.quantize else None
+    lora_only = FinetuneSpec(
+        lora_r=finetune.lora_r, lora_alpha=finetune.lora_alpha, lora_targets=finetune.lora_targets, dora=finetune.dora
+    )
+    model = apply_finetune(spec, lora_only, Precision.FP32, inference=False).model
+    out: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
+    if finetune.lora:
+        out["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if linears is not None:
+        out["quantized_parameters"] = sum(linear.weight.numel() for _, linear in linears)
+        out["quantized_layers"] = len(linears)
+    return out

@@ -1,0 +1,326 @@
+"""``memfit plan`` / ``memfit estimate`` with LoRA, DoRA and bitsandbytes quantization flags, run as a user would.
+
+The model the CLI builds on ``meta`` is checked against real ones built from the same config: peft's own
+trainable count, bitsandbytes' own quantized layout (``from_pretrained`` with a ``BitsAndBytesConfig``),
+and ``memfit.estimate`` of that real quantized model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig, GPT2Config, LlamaConfig, LlamaForCausalLM
+
+import memfit
+from memfit.cli.main import main
+from memfit.planning.finetune import finetune_breakdown
+from memfit.presets import from_hf_config
+from memfit.simulation.runtime import CudaRuntime
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+SEQ, BATCH, RANK = 32, 2, 8
+PLAN = ["--budget", "1GiB", "--seq-len", str(SEQ), "--target-batch-size", str(BATCH), "--checkpointing", "off"]
+BNB: dict[str, dict[str, Any]] = {
+    "nf4": {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": torch.bfloat16,
+    },
+    "fp4": {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "fp4",
+        "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_compute_dtype": torch.bfloat16,
+    },
+    "int8": {"load_in_8bit": True},
+}
+FLAGS = {
+    "nf4": ["--quantize", "nf4"],
+    "fp4": ["--quantize", "fp4", "--no-double-quant"],
+    "int8": ["--quantize", "int8"],
+}
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """bitsandbytes and transformers warn about optional CPU kernels and deprecated names on every call."""
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same config with weights, saved in bf16 as published checkpoints are, for real quantization."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-weights")
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+_PLANS: dict[tuple[str, ...], dict[str, Any]] = {}
+
+
+def plan_json(config_path: Path, *flags: str) -> dict[str, Any]:
+    """``memfit plan ... --json`` (each set of flags run once per session)."""
+    if flags not in _PLANS:
+        code, out, err = cli("plan", "--hf-config", str(config_path), *PLAN, *flags, "--json")
+        assert code == 0, err
+        _PLANS[flags] = json.loads(out)
+    return _PLANS[flags]
+
+
+def real_quantized(checkpoint: Path, case: str, **lora: Any) -> torch.nn.Module:
+    """A real bitsandbytes model as a QLoRA script builds it: load quantized, prepare, add adapters."""
+    model = LlamaForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(**BNB[case]), dtype=torch.bfloat16, device_map="cpu"
+    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear", **lora))
+
+
+@pytest.mark.parametrize(
+    ("flags", "lora"),
+    [
+        ([], {"target_modules": "all-linear"}),
+        (["--lora-targets", "q_proj,v_proj"], {"target_modules": ["q_proj", "v_proj"]}),
+        (["--lora-targets", "self_attn.o_proj,down_proj"], {"target_modules": ["self_attn.o_proj", "down_proj"]}),
+        (["--dora"], {"target_modules": "all-linear", "use_dora": True}),
+    ],
+    ids=["all-linear", "q-v", "path-suffix", "dora"],
+)
+def test_trainable_parameters_are_peft_own_count(config_path: Path, flags: list[str], lora: dict[str, Any]) -> None:
+    report = plan_json(config_path, "--lora-r", str(RANK), *flags)
+    real = get_peft_model(LlamaForCausalLM(LlamaConfig(**CONFIG)), LoraConfig(r=RANK, **lora))
+    trainable, total = real.get_nb_trainable_parameters()
+    assert report["finetune"]["trainable_parameters"] == trainable
+    assert report["finetune"]["parameters"] == total
+    assert report["finetune"]["adapter_weights_bytes"] == 4 * trainable  # peft keeps adapters in fp32
+
+
+@pytest.mark.parametrize("case", ["nf4", "fp4", "int8"])
+def test_quantized_layout_is_bitsandbytes_own(config_path: Path, checkpoint: Path, case: str) -> None:
+    report = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case])["finetune"]
+    real = real_quantized(checkpoint, case)
+    assert (report["trainable_parameters"], report["parameters"]) == real.get_nb_trainable_parameters()
+    sizes = finetune_breakdown(real)
+    assert {k: report[k] for k in sizes} == sizes
+    expected = sum(
+        _bnb_bytes(m.weight.shape, case)
+        for name, m in LlamaForCausalLM(LlamaConfig(**CONFIG)).named_modules()
+        if type(m) is torch.nn.Linear and name != "lm_head"
+    )
+    assert report["quantized_weights_bytes"] == expected
+
+
+def _bnb_bytes(shape: torch.Size, case: str) -> int:
+    """bitsandbytes' bytes for one weight: numel / 2 packed plus the quantization state (see its QuantState)."""
+    numel, rows = shape.numel(), shape[0]
+    if case == "int8":
+        return numel + 4 * rows  # int8 weight, fp32 scale per row
+    blocks = math.ceil(numel / 64)
+    if case == "fp4":  # no double quantization: fp32 absmax per block of 64, 16-entry fp32 code
+        return numel // 2 + 4 * blocks + 16 * 4
+    # uint8 absmax, fp32 absmax per 256 blocks, 256-entry dynamic code, fp32 offset, 16-entry code
+    return numel // 2 + blocks + 4 * math.ceil(blocks / 256) + 256 * 4 + 4 + 16 * 4
+
+
+@pytest.mark.parametrize("case", ["nf4", "int8"])
+def test_traced_plan_equals_estimate_of_real_quantized_model(config_path: Path, checkpoint: Path, case: str) -> None:
+    row = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case], "--optimizer", "paged_adamw_8bit")["gpus"][0]
+    assert row["micro_batch_size"] == BATCH and not row["gradient_checkpointing"]
+    real = real_quantized(checkpoint, case)
+    sample = from_hf_config(str(config_path), seq_len=SEQ).sample  # the batch the CLI feeds its meta model
+    estimate = memfit.estimate(
+        real,
+        sample,
+        batch_size=BATCH,
+        optimizer="adam-8bit",
+        precision="bf16-mixed",
+        target=memfit.Target("cuda", CudaRuntime(compute_capability=(9, 0))),
+    )
+    assert row["breakdown_bytes"] == estimate.to_dict()["breakdown_bytes"]
+    assert row["predicted_peak_bytes"] >= estimate.peak_bytes  # the plan's figure is at(batch): never below the trace
+
+
+def test_qlora_below_lora_below_full_fine_tuning(config_path: Path) -> None:
+    def held(*flags: str) -> int:
+        """Weights, gradients and optimizer state at the peak of the step at the same micro batch."""
+        row = plan_json(config_path, *flags)["gpus"][0]
+        assert row["micro_batch_size"] == BATCH
+        return sum(row["breakdown_bytes"].get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+
+    full, lora, qlora = held(), held("--lora-r", str(RANK)), held("--lora-r", str(RANK), "--quantize", "nf4")
+    assert qlora < lora < full
+
+
+def test_json_names_the_paged_optimizer_it_stands_in_for(config_path: Path) -> None:
+    report = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"], "--optimizer", "paged_adamw_8bit")
+    finetune = report["finetune"]
+    assert finetune["label"] == f"nf4 double-quant, LoRA r={RANK}"
+    assert finetune["adapter_gradients_bytes"] == finetune["adapter_weights_bytes"]  # fp32 adapters, fp32 grads
+    unpaged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"], "--optimizer", "adam-8bit")["finetune"]
+    assert finetune["optimizer_state_bytes"] == unpaged["optimizer_state_bytes"] > 0
+    if report["optimizer"] != "paged-adamw-8bit":  # traced as its unpaged twin: the report says so
+        assert report["optimizer"] == "adam-8bit" and "paged" in finetune["notes"][0]
+
+
+def test_table_shows_the_finetune_lines_and_no_training_columns_for_inference(config_path: Path) -> None:
+    code, out, err = cli("plan", "--hf-config", str(config_path), *PLAN, "--lora-r", str(RANK), "--quantize", "nf4")
+    assert code == 0, err
+    assert "Quantized weights" in out and "Adapter gradients" in out and "accum." in out
+    code, out, err = cli(
+        "plan",
+        "--hf-config",
+        str(config_path),
+        "--budget",
+        "1GiB",
+        "--seq-len",
+        str(SEQ),
+        "--inference",
+        "--quantize",
+        "nf4",
+    )
+    assert code == 0, err
+    assert "Quantized weights" in out
+    assert not any(column in out for column in ("accum.", "ckpt", "effective", "Adapter gradients", "optim state"))
+
+
+def _refused(*argv: str) -> str:
+    code, out, err = cli(*argv)
+    assert code == 2 and not out
+    message = err.strip()
+    assert message.startswith("memfit: error:") and "\n" not in message and "sample" not in message
+    return message
+
+
+def test_foreign_quantization_is_named_with_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", "--lora-r", "8")
+    assert "AWQ" in message and "--quantize" in message and "memfit estimate" in message
+
+
+def test_a_bitsandbytes_checkpoint_config_is_planned_quantized(config_path: Path, tmp_path: Path) -> None:
+    """A pre-quantized checkpoint's config.json carries its BitsAndBytesConfig: planned as it says."""
+    path = tmp_path / "config.json"
+    quantization = BitsAndBytesConfig(**BNB["nf4"]).to_dict()
+    path.write_text(json.dumps({**CONFIG, "quantization_config": quantization}))
+    code, out, err = cli("plan", "--hf-config", str(path), *PLAN, "--lora-r", str(RANK), "--json")
+    assert code == 0, err
+    finetune = json.loads(out)["finetune"]
+    flagged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"])["finetune"]
+    assert finetune["quantized_weights_bytes"] == flagged["quantized_weights_bytes"] > 0
+    assert "quantization_config" in finetune["notes"][-1]
+    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB")
+    assert "quantization_config" in message and "--lora-r" in message
+
+
+def test_quantize_refuses_conv1d_models_naming_the_layers(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64).to_json_string())
+    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", "--lora-r", "8", "--quantize", "nf4")
+    assert "c_attn" in message and "Conv1D" in message and "Drop --quantize" in message and "Llama" in message
+
+
+def test_lora_targets_naming_no_layer_lists_the_layers(config_path: Path) -> None:
+    message = _refused(
+        "plan", "--hf-config", str(config_path), "--budget", "1GiB", "--lora-r", "8", "--lora-targets", "q_proj,query"
+    )
+    assert "query" in message and "q_proj," not in message.split("layers are")[0]
+    assert all(name in message.split("layers are")[1] for name in ("q_proj", "k_proj", "gate_proj", "lm_head"))
+
+
+def test_dora_on_quantized_layers_is_refused_with_what_works(config_path: Path) -> None:
+    message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--lora-r", "8", "--dora",
+                       "--quantize", "nf4")  # fmt: skip
+    assert "QDoRA" in message and "--dora without --quantize" in message and "memfit estimate" in message
+
+
+def test_quantize_alone_asks_for_adapters_or_inference(config_path: Path) -> None:
+    message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--quantize", "nf4")
+    assert "--lora-r" in message and "--inference" in message
+
+
+def test_estimate_counts_adapters_with_peft_and_quantized_weights(config_path: Path) -> None:
+    code, out, err = cli(
+        "estimate",
+        "--hf-config",
+        str(config_path),
+        "--lora-r",
+        str(RANK),
+        "--quantize",
+        "nf4",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "paged_adamw_8bit",
+        "--json",
+    )
+    assert code == 0, err
+    formula = json.loads(out)
+    real = get_peft_model(LlamaForCausalLM(LlamaConfig(**CONFIG)), LoraConfig(r=RANK, target_modules="all-linear"))
+    trainable, total = real.get_nb_trainable_parameters()
+    assert (formula["trainable_parameters"], formula["parameters"]) == (trainable, total)
+    traced = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"])["finetune"]
+    # the scales of all layers counted at once: the same bytes up to a few blocks rounded per layer
+    assert formula["quantized_weights_bytes"] == pytest.approx(traced["quantized_weights_bytes"], abs=4 * 14)
+    assert formula["gradients_bytes"] == 2 * trainable and formula["master_weights_bytes"] == 4 * trainable
+    assert formula["optimizer_state_bytes"] == 2 * trainable  # two 1-byte states
+
+
+def test_estimate_orders_qlora_lora_and_full_fine_tuning_of_an_8b_model() -> None:
+    def total(*flags: str) -> int:
+        code, out, err = cli("estimate", "--params", "8B", "--precision", "bf16-mixed", *flags, "--json")
+        assert code == 0, err
+        return json.loads(out)["total_bytes"]
+
+    full = total("--optimizer", "adamw")
+    lora = total("--lora-r", "16", "--lora-params", "42M")
+    qlora = total("--lora-r", "16", "--lora-params", "42M", "--quantize", "nf4", "--optimizer", "paged_adamw_8bit")
+    assert qlora < lora < full
+    assert 4e9 < qlora < 6e9 and 16e9 < lora < 18e9  # 8B at ~4.1 bits / 16 bits, plus 42M adapters
+    message = _refused("estimate", "--params", "8B", "--lora-r", "16")
+    assert "--hf-config" in message and "--lora-params" in message
