@@ -78,3 +78,27 @@ def quiet_bitsandbytes() -> Iterator[None]:
             yield
     finally:
         logging.disable(logging.NOTSET)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters as they are stored, bitsandbytes' quantization state included (each
+    tensor once: the nested code book is shared between weights)."""
+    tensors: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        tensors[id(param)] = param
+        state = param.__dict__.get("quant_state")
+        while state is not None:
+            for name in ("absmax", "code", "offset"):
+                value = getattr(state, name, None)
+                if isinstance(value, torch.Tensor):
+                    tensors[id(value)] = value
+            state = getattr(state, "state2", None)
+        scb = param.__dict__.get("SCB")
+        if isinstance(scb, torch.Tensor):
+            tensors[id(scb)] = scb
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def adapter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters that train (the LoRA adapters)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -25,6 +25,7 @@ from memfit.integrations.huggingface.arguments import (
     run_notes,
     run_precision,
     sharding,
+    trainer_model_config,
     trainer_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
@@ -114,8 +115,9 @@ def plan_training_arguments(
     def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
         held = held_batches(accumulation_steps, device)
         loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp)
-        traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                          gradient_checkpointing=checkpointing, loop=loop, target=planning.target)  # fmt: skip
+        with trainer_model_config(model, args):  # use_cache as the Trainer will set it
+            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
+                              gradient_checkpointing=checkpointing, loop=loop, target=planning.target)  # fmt: skip
         return traced.with_notes(*sample_notes)
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
