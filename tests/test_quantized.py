@@ -7,8 +7,6 @@ traced CPU-target peak with the peak the CPU allocator reports to ``torch.profil
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,68 +19,43 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 import transformers
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import memfit
 from integrations.accuracy.reference import profiled_cpu_peak
 from memfit import Category, InvalidInputError, TraceError
+from quantized_models import llama_config, quantized_llama, quiet_bitsandbytes, save_random_llama
 
 # CPU tensors are allocated at their exact size, so a right model is off by a few scalars at most
 # (the measured run's loss and optimizer step counters); 1 KiB is far below one dequantized weight
 # (the smallest here, v_proj in bf16, is 64 KiB), so a missing temporary cannot pass.
 EXACT = 1024
 BATCH, SEQUENCE, VOCAB = 4, 64, 256
-TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 
 @pytest.fixture(autouse=True)
 def quiet() -> Iterator[None]:
-    """bitsandbytes warns about its optional CPU kernels and dtype casts on every import and call."""
-    logging.disable(logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_bitsandbytes():
         yield
-    logging.disable(logging.NOTSET)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama saved once: ``from_pretrained`` with a quantization config quantizes it on load."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("tiny-llama"), llama_config(vocab=VOCAB))
 
 
-QUANTIZATIONS: dict[str, dict[str, Any]] = {
-    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16},
-    "fp4-double": {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "fp4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": torch.bfloat16,
-    },
-    "nf4-double-kbit": {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": torch.bfloat16,
-    },
-    "int8": {"load_in_8bit": True},
+# case -> (quantization, through prepare_model_for_kbit_training)
+CASES: dict[str, tuple[str, bool]] = {
+    "nf4": ("nf4", False),
+    "fp4-double": ("fp4-double", False),
+    "nf4-double-kbit": ("nf4-double", True),
+    "int8": ("int8", False),
 }
 
 
 def quantized_lora(checkpoint: Path, case: str) -> nn.Module:
-    model = LlamaForCausalLM.from_pretrained(
-        checkpoint, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[case]), device_map="cpu"
-    )
-    if case.endswith("kbit"):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS))
+    quantization, kbit = CASES[case]
+    return quantized_llama(checkpoint, quantization, kbit=kbit)
 
 
 def tokens() -> dict[str, torch.Tensor]:
@@ -126,7 +99,7 @@ _INT8_ON_TRANSFORMERS_4 = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(case, marks=_INT8_ON_TRANSFORMERS_4) if case == "int8" else case for case in QUANTIZATIONS]
+    "case", [pytest.param(case, marks=_INT8_ON_TRANSFORMERS_4) if case == "int8" else case for case in CASES]
 )
 def test_quantized_lora_peaks_where_the_cpu_allocator_does(checkpoint: Path, case: str) -> None:
     model = quantized_lora(checkpoint, case)

@@ -41,6 +41,7 @@ from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
+from memfit.tracing.paged import paged_note
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import (
@@ -613,6 +614,8 @@ def _build_estimate(
         )
     if settings.extra_batches:
         notes.append(f"{settings.extra_batches} more batch(es) held on the device through the step")
+    if primary.paged is not None and primary.paged.total_bytes:
+        notes.append(paged_note(primary.paged))
     if settings.ddp is not None:
         buckets = top.breakdown.get(Category.GRADIENT_BUCKETS, 0)
         notes.append(f"{settings.ddp.describe()}: {format_bytes(buckets)} at the peak")

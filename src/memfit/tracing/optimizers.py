@@ -148,7 +148,8 @@ def build_optimizer(
         optimizer = _rebuild(spec, params)
     elif callable(spec):
         try:
-            optimizer = spec(trainable, **kwargs)
+            # a class goes through _construct: bitsandbytes' 8-bit classes read values as they are built
+            optimizer = _construct(spec, trainable, **kwargs) if isinstance(spec, type) else spec(trainable, **kwargs)
         except Exception as exc:
             raise InvalidInputError(
                 f"calling optimizer={optimizer_name(spec)!r} with the model's parameters failed: "

@@ -12,7 +12,9 @@ workspaces, NCCL buffers) never passes through dispatch; ``runtime`` models the 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +108,8 @@ class StorageRecorder(TorchDispatchMode):
         self._workspace_phases: set[Phase] = set()
         # op -> implementation to run instead (a symbolic trace's stand-ins for kernels that read sizes)
         self.decompositions: dict[Any, Any] = {}
+        self._off_device: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages outside the device's allocator
+        self._allocating_off_device = False
 
     # ----------------------------------------------------------------- tracking
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int | None:
@@ -113,6 +117,10 @@ class StorageRecorder(TorchDispatchMode):
         if not isinstance(tensor, torch.Tensor):
             return None
         storage = tensor.untyped_storage()
+        if self._allocating_off_device:
+            self._off_device[storage] = True
+        if storage in self._off_device:
+            return None
         sid = self._ids.get(storage)
         if sid is None:
             sid = self._new_storage(storage)
@@ -144,6 +152,16 @@ class StorageRecorder(TorchDispatchMode):
         del self._live[sid]
         self._refs.pop(sid, None)
         self.events.append(-sid)
+
+    @contextlib.contextmanager
+    def off_device(self) -> Iterator[None]:
+        """Storages created inside are never logged, now or later: memory the device's caching
+        allocator does not hold (CUDA unified memory that bitsandbytes' paged optimizers allocate)."""
+        self._allocating_off_device = True
+        try:
+            yield
+        finally:
+            self._allocating_off_device = False
 
     def allocate_untracked(self, size: int, category: Category) -> int:
         """An allocation that no traced tensor owns (cuBLAS workspace, DDP buckets); it lives until

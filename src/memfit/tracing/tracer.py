@@ -49,6 +49,7 @@ from memfit.tracing.model_state import (
     swap_tensors_in,
 )
 from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
+from memfit.tracing.paged import PagedState, page_optimizer_state
 from memfit.tracing.quantized import (
     bind_quantized_modules,
     dequantized_gemm,
@@ -112,6 +113,7 @@ class StepTrace:
     substitutions: dict[str, int]
     ops: int
     compiled: bool = False  # the model holds torch.compile'd modules, traced eagerly
+    paged: PagedState | None = None  # a paged optimizer's state in CUDA unified memory, outside the trace
 
 
 @contextlib.contextmanager
@@ -200,6 +202,7 @@ def trace_steps(
             # Batches the loop holds besides the step's (a recovery that can replay the window), whole steps long.
             held = [fake_batch() for _ in range(settings.extra_batches)]
             optimizer = _build_optimizer(settings, fakes, trainable)
+            paged = page_optimizer_state(optimizer, recorder) if settings.targets_cuda else None
             buckets = _DDPBuckets(settings.ddp, trainable, recorder) if settings.ddp else None
             for step in range(1, steps + 1):
                 on_forward = buckets.rebuild if buckets is not None and step == 2 else None
@@ -215,6 +218,7 @@ def trace_steps(
         substitutions={**(semantics.substitutions if semantics else {}), **rnn_calls},
         ops=recorder.ops,
         compiled=compiled,
+        paged=paged,
     )
 
 

@@ -24,6 +24,7 @@ from memfit.integrations.huggingface.arguments import (
     run_device,
     run_notes,
     run_precision,
+    trainer_model_config,
     trainer_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
@@ -132,9 +133,10 @@ def plan_training_arguments(
         held = held_batches(accumulation_steps, device)
         loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
                             sharding=layout.sharding)  # fmt: skip
-        traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                          gradient_checkpointing=checkpointing, loop=loop, target=planning.target,
-                          checkpoint_modules=layout.units)  # fmt: skip
+        with trainer_model_config(model, args):  # use_cache as the Trainer will set it
+            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
+                              gradient_checkpointing=checkpointing, loop=loop, target=planning.target,
+                              checkpoint_modules=layout.units)  # fmt: skip
         return traced.with_notes(*sample_notes)
 
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
