@@ -1,0 +1,127 @@
+"""LoRA fine-tuning in litgpt, as its resource tables measured it.
+
+Source: Lightning-AI/litgpt ``tutorials/resource-tables.md`` (updated 10/20/2023, lit-gpt commit 8641822,
+A100-SXM4-40GB, PyTorch 2.1.0+cu121, bitsandbytes 0.41.1): ``finetune/lora.py`` with
+``--precision bf16-true``, Alpaca, a global batch of 128. The figure is what the script prints at the end,
+``torch.cuda.max_memory_allocated() / 1e9`` ("GB").
+
+The configuration is the script's of that commit (``finetune/lora.py``): ``lora_r=8, lora_alpha=16,
+lora_dropout=0.05`` on the query and value projections only (the trainable counts of the table, such as
+4,194,304 for Llama 2 7B, confirm it), ``torch.optim.AdamW(lr=3e-4, weight_decay=0.01)`` over the LoRA
+weights (torch 2.1 picks ``foreach`` on CUDA), the whole model in bf16 (Fabric's ``bf16-true`` builds it
+under ``init_module``), gradient accumulation to 128, and every micro batch padded to its longest
+sample, the first one holding the longest of the data set (1304 tokens with Llama 2's tokenizer, 1044
+with phi-1.5's; the table states both). The step is ``model(input_ids, lm_head_chunk_size=128)`` then
+``chunked_cross_entropy`` on the shifted targets.
+
+memfit traces litgpt's own ``GPT`` (``litgpt.lora``) built from ``Config.from_name`` on ``meta``: today's
+litgpt, not the 2023 ``lit_gpt`` package, so these rows are "today's model code". What they leave out: the
+``validate()`` the script runs before training (forward-only, with a KV cache for one generated
+sample) also counts in ``max_memory_allocated``; memfit predicts the training step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from integrations.published.rows import GB, Row, estimate_details
+
+SOURCE = 'Lightning-AI/litgpt tutorials/resource-tables.md ("Finetuning with LoRA on 1 GPU", 10/20/2023)'
+SOFTWARE = "lit-gpt 8641822, torch 2.1.0+cu121, bitsandbytes 0.41.1, A100-SXM4-40GB"
+GLOBAL_BATCH = 128
+HOW = (
+    "today's litgpt GPT (litgpt.lora) on meta with the 2023 script's LoRA settings (r 8, alpha 16, dropout 0.05, "
+    "query and value), bf16-true, torch AdamW (foreach), lm_head_chunk_size=128 + chunked_cross_entropy, "
+    "accumulation to 128; the validate() before training is not modelled"
+)
+
+
+def _predictor(name: str, batch: int, sequence: int, quantize: str | None) -> Any:
+    def predict(layers: int | None) -> Any:
+        import memfit
+        from integrations.published.rows import Prediction
+
+        try:
+            from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+            from litgpt.utils import chunked_cross_entropy
+        except ImportError as error:  # the runner skips the row before calling this; said here too
+            return Prediction(None, (f"litgpt is not installed ({error})",))
+        if quantize is not None:
+            return Prediction(
+                None,
+                (
+                    "not predicted: the 2023 script quantized with Fabric's BitsandbytesPrecision('nf4') (every "
+                    "nn.Linear, the LoRA bases included, replaced by a bnb Linear4bit subclass on the GPU) and "
+                    "stepped bnb.optim.PagedAdamW, whose paged state lives in CUDA managed memory; memfit's "
+                    "Linear4bit trace needs the model quantized on the CPU first, which a 7B model on meta does "
+                    "not allow here, and paged state is not modelled",
+                ),
+            )
+        overrides = {"n_layer": layers} if layers else {}
+        config = Config.from_name(
+            name, lora_r=8, lora_alpha=16, lora_dropout=0.05, lora_query=True, lora_key=False, lora_value=True,
+            lora_projection=False, lora_mlp=False, lora_head=False, **overrides,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = GPT(config)
+        mark_only_lora_as_trainable(model)
+        model.max_seq_length = sequence  # the script sets the longest sequence of the data
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+        def forward(module: torch.nn.Module, batch_: dict[str, torch.Tensor]) -> Any:
+            return module(batch_["input_ids"], lm_head_chunk_size=128)
+
+        def loss(logits: Any, batch_: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits[-1] = logits[-1][..., :-1, :]
+            return chunked_cross_entropy(logits, batch_["targets"][..., 1:])
+
+        sample = {
+            "input_ids": torch.randint(0, config.vocab_size, (batch, sequence)),
+            "targets": torch.randint(0, config.vocab_size, (batch, sequence)),
+        }
+        estimate = memfit.estimate(
+            model, sample, optimizer="adamw", optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.01},
+            precision="bf16-true", forward_fn=forward, loss_fn=loss,
+            loop=memfit.TrainingLoop(accumulation_steps=GLOBAL_BATCH // batch),
+            target=memfit.Target(runtime=memfit.CudaRuntime(compute_capability=(8, 0))),
+        )  # fmt: skip
+        return Prediction(
+            estimate.peak_allocated_bytes,
+            (HOW,),
+            {"trainable_parameters": trainable, **estimate_details(estimate)},
+        )
+
+    return predict
+
+
+def _row(model: str, name: str, batch: int, sequence: int, published: float, quantize: str | None = None) -> Row:
+    quantized = f", {quantize}" if quantize else ""
+    return Row(
+        id=f"litgpt {model} b{batch}{quantized.replace(', ', ' ')}",
+        source=SOURCE,
+        configuration=(
+            f"{model} ({name}) LoRA r=8 on query+value, bf16-true{quantized}, micro batch {batch}, seq {sequence}, "
+            f"global batch {GLOBAL_BATCH}"
+        ),
+        published=published,
+        unit="GB",
+        unit_bytes=GB,
+        quantity="max_memory_allocated",
+        software=SOFTWARE,
+        section="today",
+        requires="litgpt",
+        predict=_predictor(name, batch, sequence, quantize),
+    )
+
+
+ROWS = [
+    _row("phi-1.5", "phi-1_5", 1, 1044, 4.82),
+    _row("phi-1.5", "phi-1_5", 2, 1044, 6.76),
+    _row("phi-1.5", "phi-1_5", 4, 1044, 10.68),
+    _row("Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 21.30),
+    _row("Llama-2-7B", "Llama-2-7b-hf", 2, 1304, 29.07),
+    _row("Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 14.14, quantize="bnb.nf4"),
+    _row("Llama-2-13B", "Llama-2-13b-hf", 1, 1304, 38.12),
+]
