@@ -36,13 +36,13 @@ def test_a_shortened_row_runs_end_to_end(tmp_path: Path) -> None:
 
 def test_rows_of_a_missing_package_are_kept_from_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     output = tmp_path / "published.json"
-    kept = {"id": "litgpt phi-1.5 b1", "section": "today", "traced_with": "torch x, litgpt y", "error_pct": 1.0,
+    kept = {"id": "litgpt today phi-1.5 b1", "section": "today", "traced_with": "torch x, litgpt y", "error_pct": 1.0,
             "predicted_bytes": 1}  # fmt: skip
     output.write_text(json.dumps({"rows": [kept]}))
-    monkeypatch.setattr(run, "available", lambda package: package != "litgpt")
-    data = run.run(["phi-1.5 b1", "bert-large b1x4 fp32 ckpt"], 1, output)
+    monkeypatch.setattr(run, "available", lambda package: package not in ("litgpt", "lit_gpt"))
+    data = run.run(["phi-1.5 b1", "bert-large b1x4 fp32 ckpt"], 1, output)  # phi: both packages missing
     ids = [row["id"] for row in data["rows"]]
-    assert ids == ["bert-large b1x4 fp32 ckpt", "litgpt phi-1.5 b1"]  # in the order of the tables
+    assert ids == ["bert-large b1x4 fp32 ckpt", "litgpt today phi-1.5 b1"]  # table order; lit_gpt: no row kept
     assert data["rows"][1] == kept
 
 

@@ -22,15 +22,22 @@ sample) also counts in ``max_memory_allocated``; memfit predicts the training st
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 
-from integrations.published.rows import GB, Row, estimate_details
+from integrations.published.rows import GB, Prediction, Row, estimate_details
 
 SOURCE = 'Lightning-AI/litgpt tutorials/resource-tables.md ("Finetuning with LoRA on 1 GPU", 10/20/2023)'
 SOFTWARE = "lit-gpt 8641822, torch 2.1.0+cu121, bitsandbytes 0.41.1, A100-SXM4-40GB"
 GLOBAL_BATCH = 128
+HOW_2023 = (
+    "lit_gpt of commit 8641822 itself (its lit_gpt.lora GPT on meta, PYTHONPATH to a checkout of that commit) with "
+    "its finetune/lora.py settings: LoRA r 8, alpha 16, dropout 0.05 on query and value, bf16-true, torch AdamW "
+    "(foreach, as torch 2.1 picks on CUDA), lm_head_chunk_size=128 + chunked_cross_entropy, accumulation to 128; "
+    "the validate() before training is not modelled"
+)
 HOW = (
     "today's litgpt GPT (litgpt.lora) on meta with the 2023 script's LoRA settings (r 8, alpha 16, dropout 0.05, "
     "query and value), bf16-true, torch AdamW (foreach), lm_head_chunk_size=128 + chunked_cross_entropy, "
@@ -38,32 +45,43 @@ HOW = (
 )
 
 
-def _predictor(name: str, batch: int, sequence: int, quantize: str | None) -> Any:
-    def predict(layers: int | None) -> Any:
+def _import(package: str) -> tuple[Any, Any, Any, Any]:
+    """``GPT, Config, mark_only_lora_as_trainable, chunked_cross_entropy`` of litgpt, or of lit_gpt (2023)."""
+    lora = importlib.import_module(f"{package}.lora")
+    utils = importlib.import_module(f"{package}.utils")
+    return lora.GPT, lora.Config, lora.mark_only_lora_as_trainable, utils.chunked_cross_entropy
+
+
+def _lora_settings(package: str) -> dict[str, Any]:
+    """The 2023 script's LoRA settings, in the names each package's ``Config`` takes."""
+    settings = {"r": 8, "alpha": 16, "dropout": 0.05, "query": True, "key": False, "value": True,
+                "projection": False, "mlp": False, "head": False}  # fmt: skip
+    if package == "lit_gpt":  # Config(r=, alpha=, dropout=, to_query=, ...)
+        return {key if key in ("r", "alpha", "dropout") else f"to_{key}": value for key, value in settings.items()}
+    return {f"lora_{key}": value for key, value in settings.items()}
+
+
+def _predictor(package: str, name: str, batch: int, sequence: int, quantize: str | None) -> Any:
+    def predict(layers: int | None) -> Prediction:
         import memfit
-        from integrations.published.rows import Prediction
 
         try:
-            from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
-            from litgpt.utils import chunked_cross_entropy
+            GPT, Config, mark_only_lora_as_trainable, chunked_cross_entropy = _import(package)
         except ImportError as error:  # the runner skips the row before calling this; said here too
-            return Prediction(None, (f"litgpt is not installed ({error})",))
+            return Prediction(None, (f"{package} is not importable ({error})",))
         if quantize is not None:
             return Prediction(
                 None,
                 (
                     "not predicted: the 2023 script quantized with Fabric's BitsandbytesPrecision('nf4') (every "
-                    "nn.Linear, the LoRA bases included, replaced by a bnb Linear4bit subclass on the GPU) and "
-                    "stepped bnb.optim.PagedAdamW, whose paged state lives in CUDA managed memory; memfit's "
-                    "Linear4bit trace needs the model quantized on the CPU first, which a 7B model on meta does "
-                    "not allow here, and paged state is not modelled",
+                    "nn.Linear, the LoRA bases and the LM head included, became a bnb Linear4bit quantized on the "
+                    "GPU) and stepped bnb.optim.PagedAdamW (state in CUDA managed memory); memfit traces a Linear4bit "
+                    "from its quantized weight and quant_state, which a model built on meta does not have, and "
+                    "building the packed weights and quant_state of a 7B model on meta is not implemented",
                 ),
             )
         overrides = {"n_layer": layers} if layers else {}
-        config = Config.from_name(
-            name, lora_r=8, lora_alpha=16, lora_dropout=0.05, lora_query=True, lora_key=False, lora_value=True,
-            lora_projection=False, lora_mlp=False, lora_head=False, **overrides,
-        )  # fmt: skip
+        config = Config.from_name(name, **_lora_settings(package), **overrides)
         with torch.device("meta"):
             model = GPT(config)
         mark_only_lora_as_trainable(model)
@@ -89,17 +107,20 @@ def _predictor(name: str, batch: int, sequence: int, quantize: str | None) -> An
         )  # fmt: skip
         return Prediction(
             estimate.peak_allocated_bytes,
-            (HOW,),
+            (HOW_2023 if package == "lit_gpt" else HOW,),
             {"trainable_parameters": trainable, **estimate_details(estimate)},
         )
 
     return predict
 
 
-def _row(model: str, name: str, batch: int, sequence: int, published: float, quantize: str | None = None) -> Row:
+def _row(
+    package: str, model: str, name: str, batch: int, sequence: int, published: float, quantize: str | None = None
+) -> Row:
     quantized = f", {quantize}" if quantize else ""
+    prefix = "lit-gpt 2023" if package == "lit_gpt" else "litgpt today"
     return Row(
-        id=f"litgpt {model} b{batch}{quantized.replace(', ', ' ')}",
+        id=f"{prefix} {model} b{batch}{quantized.replace(', ', ' ')}",
         source=SOURCE,
         configuration=(
             f"{model} ({name}) LoRA r=8 on query+value, bf16-true{quantized}, micro batch {batch}, seq {sequence}, "
@@ -110,18 +131,23 @@ def _row(model: str, name: str, batch: int, sequence: int, published: float, qua
         unit_bytes=GB,
         quantity="max_memory_allocated",
         software=SOFTWARE,
-        section="today",
-        requires="litgpt",
-        predict=_predictor(name, batch, sequence, quantize),
+        section="reproduced" if package == "lit_gpt" else "today",
+        requires=package,
+        predict=_predictor(package, name, batch, sequence, quantize),
     )
 
 
-ROWS = [
-    _row("phi-1.5", "phi-1_5", 1, 1044, 4.82),
-    _row("phi-1.5", "phi-1_5", 2, 1044, 6.76),
-    _row("phi-1.5", "phi-1_5", 4, 1044, 10.68),
-    _row("Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 21.30),
-    _row("Llama-2-7B", "Llama-2-7b-hf", 2, 1304, 29.07),
-    _row("Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 14.14, quantize="bnb.nf4"),
-    _row("Llama-2-13B", "Llama-2-13b-hf", 1, 1304, 38.12),
-]
+def _rows(package: str) -> list[Row]:
+    return [
+        _row(package, "phi-1.5", "phi-1_5", 1, 1044, 4.82),
+        _row(package, "phi-1.5", "phi-1_5", 2, 1044, 6.76),
+        _row(package, "phi-1.5", "phi-1_5", 4, 1044, 10.68),
+        _row(package, "Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 21.30),
+        _row(package, "Llama-2-7B", "Llama-2-7b-hf", 2, 1304, 29.07),
+        _row(package, "Llama-2-7B", "Llama-2-7b-hf", 1, 1304, 14.14, quantize="bnb.nf4"),
+        _row(package, "Llama-2-13B", "Llama-2-13b-hf", 1, 1304, 38.12),
+    ]
+
+
+# the 2023 package itself first (reproduced software), then today's litgpt with the same configuration
+ROWS = [*_rows("lit_gpt"), *_rows("litgpt")]

@@ -46,7 +46,8 @@ def available(package: str) -> bool:
 
 def environment(row: Row) -> str:
     """The software memfit traced this row with."""
-    return f"torch {torch.__version__}, {row.requires} {_version(row.requires)}, memfit traced on {platform.machine()}"
+    version = _version(row.requires) or "(a source checkout)"
+    return f"torch {torch.__version__}, {row.requires} {version}, memfit traced on {platform.machine()}"
 
 
 def error_pct(predicted: int | None, published: int) -> float | None:
