@@ -92,3 +92,18 @@ def test_zero_grad_in_place_is_a_real_loop_that_never_frees_gradients() -> None:
     freed = loops.predicted("cpu", zero_grad="after_step").peak_allocated_bytes
     assert abs(predicted - measured) <= 4096
     assert measured - freed > 4 * 1024 * 1024  # a trace that frees them misses the gradients
+
+
+def test_a_shortened_litgpt_row_traces_litgpt_s_own_model(tmp_path: Path) -> None:
+    """Runs where litgpt is installed (its own environment, see integrations/published/README.md)."""
+    pytest.importorskip("litgpt")
+    from litgpt import Config
+
+    data = run.run(["litgpt today phi-1.5 b1"], 2, tmp_path / "published.json")
+    (row,) = data["rows"]
+    config = Config.from_name("phi-1_5")
+    # LoRA r=8 on query and value of two blocks: A is r x n_embd, B is n_embd x r, for each of the two
+    assert row["trainable_parameters"] == 2 * 2 * 8 * (config.n_embd + config.n_embd)
+    # the quantity is max_memory_allocated; the bf16 embedding and LM head alone hold 2 x vocab x n_embd x 2 B
+    embedding_and_head = 2 * config.padded_vocab_size * config.n_embd * 2
+    assert row["predicted_bytes"] == row["predicted_peak_allocated_bytes"] > embedding_and_head
