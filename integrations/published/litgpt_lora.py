@@ -22,7 +22,9 @@ sample) also counts in ``max_memory_allocated``; memfit predicts the training st
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,73 @@ def _lora_settings(package: str) -> dict[str, Any]:
     return {f"lora_{key}": value for key, value in settings.items()}
 
 
+NF4_DEPTHS = (2, 4)
+HOW_NF4 = (
+    "lit_gpt of commit 8641822 with Fabric 2.1's BitsandbytesPrecision('nf4', bf16) reproduced: every nn.Linear "
+    "(LoRA bases and LM head included) a bitsandbytes Linear4bit, nf4, no double quantization, blocksize 64, "
+    "compute in bf16, quantized from random bf16 weights on the CPU; the rest bf16; bitsandbytes' MatMul4Bit "
+    "keeping its input activation for backward, as its 2023 release did (ctx.tensors = (A, B); today's keeps "
+    "(None, B)). Quantizing needs real weights, so memfit traced 2 and 4 blocks and extrapolated linearly to the "
+    "full depth (the peak grows by the same bytes per block). torch AdamW stands for bnb PagedAdamW (its state is "
+    "in managed memory, not in max_memory_allocated: the LoRA state, ~17 MB, is counted here and was not there)"
+)
+
+
+def _nf4_model(gpt: Any, config: Any) -> torch.nn.Module:
+    """``gpt(config)`` with real bf16 weights on the CPU and every ``nn.Linear`` replaced by an nf4 ``Linear4bit``,
+    as Lightning 2.1's ``BitsandbytesPrecision("nf4", torch.bfloat16)`` replaced them (``_NF4Linear``: nf4, no
+    double quantization) before quantizing them on the GPU."""
+    import bitsandbytes as bnb
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # Fabric's init_module under bf16
+    try:
+        model = gpt(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+    def convert(module: torch.nn.Module) -> None:
+        for child_name, child in module.named_children():
+            if not isinstance(child, torch.nn.Linear):
+                convert(child)
+                continue
+            linear = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=torch.bfloat16,
+                compress_statistics=False, quant_type="nf4", device="meta",
+            )  # fmt: skip
+            linear.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, compress_statistics=False, quant_type="nf4"
+            )
+            if child.bias is not None:
+                linear.bias = child.bias
+            setattr(module, child_name, linear.to("cpu"))  # quantizes
+
+    convert(model)
+    return model
+
+
+@contextlib.contextmanager
+def _matmul_4bit_keeping_its_input() -> Iterator[None]:
+    """bitsandbytes' ``MatMul4Bit`` as of 2023 (0.41): its forward kept ``ctx.tensors = (A, B)``, the input
+    activation of every 4-bit linear alive until backward, though only ``B`` is read there; today's keeps
+    ``(None, B)``. Patched for the trace of the 2023 run only, and restored."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    original = MatMul4Bit.forward
+
+    def forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output = original(ctx, A, B, *args, **kwargs)
+        if getattr(ctx, "tensors", (None, None))[1] is not None:
+            ctx.tensors = (A, ctx.tensors[1])
+        return output
+
+    MatMul4Bit.forward = staticmethod(forward)
+    try:
+        yield
+    finally:
+        MatMul4Bit.forward = staticmethod(original)
+
+
 def _predictor(package: str, name: str, batch: int, sequence: int, quantize: str | None) -> Any:
     def predict(layers: int | None) -> Prediction:
         import memfit
@@ -69,24 +138,14 @@ def _predictor(package: str, name: str, batch: int, sequence: int, quantize: str
             GPT, Config, mark_only_lora_as_trainable, chunked_cross_entropy = _import(package)
         except ImportError as error:  # the runner skips the row before calling this; said here too
             return Prediction(None, (f"{package} is not importable ({error})",))
-        if quantize is not None:
+        if quantize is not None and package != "lit_gpt":
             return Prediction(
                 None,
                 (
-                    "not predicted: the 2023 script quantized with Fabric's BitsandbytesPrecision('nf4') (every "
-                    "nn.Linear, the LoRA bases and the LM head included, became a bnb Linear4bit quantized on the "
-                    "GPU) and stepped bnb.optim.PagedAdamW (state in CUDA managed memory); memfit traces a Linear4bit "
-                    "from its quantized weight and quant_state, which a model built on meta does not have, and "
-                    "building the packed weights and quant_state of a 7B model on meta is not implemented",
+                    "not predicted with today's litgpt (its nf4 path also swaps in bitsandbytes' StableEmbedding); "
+                    "the lit-gpt 2023 row predicts the published software's nf4 run",
                 ),
             )
-        overrides = {"n_layer": layers} if layers else {}
-        config = Config.from_name(name, **_lora_settings(package), **overrides)
-        with torch.device("meta"):
-            model = GPT(config)
-        mark_only_lora_as_trainable(model)
-        model.max_seq_length = sequence  # the script sets the longest sequence of the data
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
         def forward(module: torch.nn.Module, batch_: dict[str, torch.Tensor]) -> Any:
             return module(batch_["input_ids"], lm_head_chunk_size=128)
@@ -95,20 +154,57 @@ def _predictor(package: str, name: str, batch: int, sequence: int, quantize: str
             logits[-1] = logits[-1][..., :-1, :]
             return chunked_cross_entropy(logits, batch_["targets"][..., 1:])
 
-        sample = {
-            "input_ids": torch.randint(0, config.vocab_size, (batch, sequence)),
-            "targets": torch.randint(0, config.vocab_size, (batch, sequence)),
-        }
-        estimate = memfit.estimate(
-            model, sample, optimizer="adamw", optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.01},
-            precision="bf16-true", forward_fn=forward, loss_fn=loss,
-            loop=memfit.TrainingLoop(accumulation_steps=GLOBAL_BATCH // batch),
-            target=memfit.Target(runtime=memfit.CudaRuntime(compute_capability=(8, 0))),
-        )  # fmt: skip
+        def trace(depth: int | None, quantized: bool) -> tuple[Any, int]:
+            overrides = {"n_layer": depth} if depth else {}
+            config = Config.from_name(name, **_lora_settings(package), **overrides)
+            if quantized:
+                model = _nf4_model(GPT, config)  # real bf16 weights on the CPU, quantized as Fabric did on the GPU
+            else:
+                with torch.device("meta"):
+                    model = GPT(config)
+            mark_only_lora_as_trainable(model)
+            model.max_seq_length = sequence  # the script sets the longest sequence of the data
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            sample = {
+                "input_ids": torch.randint(0, config.vocab_size, (batch, sequence)),
+                "targets": torch.randint(0, config.vocab_size, (batch, sequence)),
+            }
+            with _matmul_4bit_keeping_its_input() if quantized else contextlib.nullcontext():
+                estimate = memfit.estimate(
+                    model, sample, optimizer="adamw", optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.01},
+                    precision="fp32" if quantized else "bf16-true",  # quantized: the model's own dtypes, as built
+                    forward_fn=forward, loss_fn=loss,
+                    loop=memfit.TrainingLoop(accumulation_steps=GLOBAL_BATCH // batch),
+                    target=memfit.Target(runtime=memfit.CudaRuntime(compute_capability=(8, 0))),
+                )  # fmt: skip
+            return estimate, trainable
+
+        if quantize is None:
+            estimate, trainable = trace(layers, quantized=False)
+            return Prediction(
+                estimate.peak_allocated_bytes,
+                (HOW_2023 if package == "lit_gpt" else HOW,),
+                {"trainable_parameters": trainable, **estimate_details(estimate)},
+            )
+        # nf4: quantizing means real weights, so the whole depth is extrapolated from two shallow models
+        if layers:
+            estimate, trainable = trace(layers, quantized=True)
+            return Prediction(estimate.peak_allocated_bytes, (HOW_NF4,), {"trainable_parameters": trainable})
+        depth = Config.from_name(name).n_layer
+        shallow, _ = trace(NF4_DEPTHS[0], quantized=True)
+        deeper, _ = trace(NF4_DEPTHS[1], quantized=True)
+        per_block = (deeper.peak_allocated_bytes - shallow.peak_allocated_bytes) / (NF4_DEPTHS[1] - NF4_DEPTHS[0])
+        predicted = round(shallow.peak_allocated_bytes + per_block * (depth - NF4_DEPTHS[0]))
         return Prediction(
-            estimate.peak_allocated_bytes,
-            (HOW_2023 if package == "lit_gpt" else HOW,),
-            {"trainable_parameters": trainable, **estimate_details(estimate)},
+            predicted,
+            (HOW_NF4,),
+            {
+                "extrapolated_from": {
+                    f"{NF4_DEPTHS[0]} blocks": shallow.peak_allocated_bytes,
+                    f"{NF4_DEPTHS[1]} blocks": deeper.peak_allocated_bytes,
+                },
+                "peak_phase": f"step {deeper.peak_step} {deeper.peak_phase.value}",
+            },
         )
 
     return predict
