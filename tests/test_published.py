@@ -107,3 +107,32 @@ def test_a_shortened_litgpt_row_traces_litgpt_s_own_model(tmp_path: Path) -> Non
     # the quantity is max_memory_allocated; the bf16 embedding and LM head alone hold 2 x vocab x n_embd x 2 B
     embedding_and_head = 2 * config.padded_vocab_size * config.n_embd * 2
     assert row["predicted_bytes"] == row["predicted_peak_allocated_bytes"] > embedding_and_head
+
+
+def test_the_2023_matmul_4bit_keeps_its_input_only_inside_the_patch() -> None:
+    """The nf4 row reproduces bitsandbytes' 2023 MatMul4Bit, which kept its input for backward; outside the
+    row's trace bitsandbytes is as installed."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+    from bitsandbytes.autograd import _functions as bnb_functions
+
+    from integrations.published.litgpt_lora import _matmul_4bit_keeping_its_input
+
+    installed = bnb_functions.MatMul4Bit.forward
+
+    class Ctx:
+        needs_input_grad = (True, False, False, False, False)
+
+    def kept(ctx: Ctx) -> tuple[object, object]:
+        layer = bnb.nn.Linear4bit(64, 32, bias=False, quant_type="nf4").to("cpu")  # .to quantizes
+        weight = layer.weight
+        A = torch.randn(4, 64)
+        bnb_functions.MatMul4Bit.forward(ctx, A, weight.t(), None, None, weight.quant_state)
+        return ctx.tensors[0], A
+
+    with _matmul_4bit_keeping_its_input():
+        saved, A = kept(Ctx())
+        assert saved is A
+    assert bnb_functions.MatMul4Bit.forward is installed
+    saved, _ = kept(Ctx())
+    assert saved is None  # today's bitsandbytes keeps (None, B)
