@@ -521,9 +521,11 @@ def published_status(results: Path) -> list[str]:
     if data is None:
         return [f"- **Published record:** not predicted yet (`{_PUBLISHED_COMMAND}`)."]
     stats, reproduced, today = data["summary"]["all"], data["summary"]["reproduced"], data["summary"]["today"]
+    figures = len({(row["source"], row["configuration"], row["published"]) for row in data["rows"]})
     return [
-        f"- **Published record:** {stats['n']} GPU measurements published with their configurations (Hugging Face's "
-        f"BERT-large Trainer runs, litgpt's LoRA tables), predicted from the configuration alone: median error "
+        f"- **Published record:** {figures} GPU measurements published with their configurations (Hugging Face's "
+        f"BERT-large Trainer runs, litgpt's LoRA tables), {stats['n']} predictions from the configuration alone "
+        "(litgpt's with its 2023 code and with today's): median error "
         f"{_pct(stats['median_abs_error_pct'])}, largest {_pct(stats['max_abs_error_pct'])} "
         f"(reproduced software: {_pct(reproduced['median_abs_error_pct'])} median over {reproduced['n']}; today's "
         f"model code: {_pct(today['median_abs_error_pct'])} over {today['n']}"
