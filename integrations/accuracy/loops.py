@@ -67,7 +67,8 @@ def hand_loop(
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
     device: str = "cpu",
 ) -> Callable[[], None]:
-    """Three optimizer steps of a hand-written loop with ``zero_grad`` where the argument says."""
+    """Three optimizer steps of a hand-written loop with ``zero_grad`` where the argument says (``"in_place"``:
+    after the step, ``set_to_none=False``, as torch < 2.0 did by default)."""
 
     def run() -> None:
         torch.manual_seed(0)
@@ -82,8 +83,8 @@ def hand_loop(
                 loss.backward()
                 del loss
             optimizer.step()
-            if zero_grad == "after_step":
-                optimizer.zero_grad()
+            if zero_grad in ("after_step", "in_place"):
+                optimizer.zero_grad(set_to_none=zero_grad == "after_step")
 
     return run
 

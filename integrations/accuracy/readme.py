@@ -449,6 +449,91 @@ LORA_HEADER = [
 ]
 
 
+# --------------------------------------------------------------------------- the published record
+
+_PUBLISHED_COMMAND = "python -m integrations.published.run"
+_QUANTITY_SHORT = {
+    "nvml_used": "NVML used",
+    "max_memory_allocated": "`max_memory_allocated`",
+    "max_memory_reserved": "`max_memory_reserved`",
+}
+
+
+def _in_unit(value: int, row: dict[str, Any]) -> str:
+    """Bytes in the unit the publication printed (MB as NVML's // 1024**2, GB as / 1e9)."""
+    scaled = value / (row["published_bytes"] / row["published"])
+    return f"{scaled:.0f} {row['unit']}" if row["unit"] == "MB" else f"{scaled:.2f} {row['unit']}"
+
+
+def _published_rows(rows: list[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
+    table, unpredicted = [], []
+    for row in rows:
+        predicted = row.get("predicted_bytes")
+        if predicted is None:
+            unpredicted.append(f"`{row['id']}`: {row['notes'][0] if row.get('notes') else 'not predicted'}")
+        table.append(
+            [
+                f"{row['id']}: {row['configuration']}",
+                _QUANTITY_SHORT.get(row["quantity"], row["quantity"]),
+                f"{row['published']:g} {row['unit']}",
+                "not predicted" if predicted is None else _in_unit(predicted, row),
+                _pct(row.get("error_pct"), True),
+            ]
+        )
+    return table, unpredicted
+
+
+def published(results: Path) -> list[str]:
+    data = _load("published.json", results)
+    if data is None:
+        return [f"**Published measurements: not predicted yet.** `{_PUBLISHED_COMMAND}`."]
+    lines = [
+        f"**Published measurements** (`{_PUBLISHED_COMMAND}`, `benchmarks/results/published.json`, "
+        f"{data['meta']['date']}): "
+        "GPU memory other people measured and published with the full configuration, predicted by memfit from "
+        "that configuration alone (models built on `meta`); error = (memfit - published) / published, on the "
+        "quantity the publication measured.",
+    ]
+    for section, title in (("reproduced", "Reproduced software"), ("today", "Today's software")):
+        rows = [row for row in data["rows"] if row["section"] == section]
+        if not rows:
+            continue
+        stats = data["summary"][section]
+        software = "; ".join(dict.fromkeys(row["software"] for row in rows))
+        sources = "; ".join(dict.fromkeys(row["source"] for row in rows))
+        table, unpredicted = _published_rows(rows)
+        lines += [
+            "",
+            f"*{title}* ({data['meta']['sections'][section]}): median absolute error "
+            f"{_pct(stats['median_abs_error_pct'])}, largest {_pct(stats['max_abs_error_pct'])} over {stats['n']} "
+            f"rows. Sources: {sources}. Measured with: {software}.",
+            "",
+            *_table(["measurement", "measures", "published", "memfit", "error"], table),
+        ]
+        if unpredicted:
+            lines += ["", *(f"- {line}" for line in unpredicted)]
+    return lines
+
+
+def published_status(results: Path) -> list[str]:
+    """One line for the README: how close memfit comes to the published record."""
+    data = _load("published.json", results)
+    if data is None:
+        return [f"- **Published record:** not predicted yet (`{_PUBLISHED_COMMAND}`)."]
+    stats, reproduced, today = data["summary"]["all"], data["summary"]["reproduced"], data["summary"]["today"]
+    figures = len({(row["source"], row["configuration"], row["published"]) for row in data["rows"]})
+    return [
+        f"- **Published record:** {figures} GPU measurements published with their configurations (Hugging Face's "
+        f"BERT-large Trainer runs, litgpt's LoRA tables), {stats['n']} predictions from the configuration alone "
+        "(litgpt's with its 2023 code and with today's): median error "
+        f"{_pct(stats['median_abs_error_pct'])}, largest {_pct(stats['max_abs_error_pct'])} "
+        f"(reproduced software: {_pct(reproduced['median_abs_error_pct'])} median over {reproduced['n']}; today's "
+        f"model code: {_pct(today['median_abs_error_pct'])} over {today['n']}"
+        + (f"; {stats['not_predicted']} not predicted, with the reason" if stats["not_predicted"] else "")
+        + ")."
+    ]
+
+
 BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "gpu-accuracy": gpu_accuracy,
     "trace-zoo-gpu": trace_zoo_gpu,
@@ -459,8 +544,9 @@ BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "training-loops-gpu": lambda results: training_loops(results, "gpu"),
     "speed": speed,
     "depth-extrapolation": depth_extrapolation,
+    "published": published,
 }
-README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {"status": status}
+README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {"status": status, "published-status": published_status}
 
 
 def targets() -> dict[Path, dict[str, Callable[[Path], list[str]]]]:

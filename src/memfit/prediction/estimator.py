@@ -607,6 +607,8 @@ def _build_estimate(
         notes.append(COMPILED_NOTE)
     if settings.zero_grad == "before_backward" and settings.accumulation_steps == 1:
         notes.append("zero_grad before backward (Lightning): each forward carries the last step's gradients")
+    if settings.zero_grad == "in_place":
+        notes.append("zero_grad(set_to_none=False): gradients are zeroed, never freed, so every step carries them")
     if settings.accumulation_steps > 1:
         notes.append(
             f"gradient accumulation over {settings.accumulation_steps} micro batches: step 2 is a later micro "

@@ -27,7 +27,8 @@ class TrainingLoop:
     Attributes:
         zero_grad: where the loop frees gradients: ``"after_step"`` (after ``optimizer.step()``, as the
             Hugging Face Trainer does) or ``"before_backward"`` (Lightning's automatic optimization, whose
-            ``training_step`` runs with the last step's gradients still alive).
+            ``training_step`` runs with the last step's gradients still alive), or ``"in_place"``
+            (``zero_grad(set_to_none=False)``, torch's default before 2.0: gradients zeroed, never freed).
         accumulation_steps: gradient accumulation; above 1, later micro batches of a window run forward
             and backward with the window's gradients alive.
         extra_batches: batches the loop keeps on the device besides the step's own (memfit's

@@ -7,7 +7,8 @@ the one every later step repeats.
 When gradients are freed decides what the second forward carries. ``zero_grad="after_step"``
 frees them after ``optimizer.step()`` (Hugging Face Trainer, most hand-written loops); Lightning's
 automatic optimization calls ``zero_grad`` between ``training_step`` and ``backward``
-(``"before_backward"``), so every forward runs with the last step's gradients alive. With gradient
+(``"before_backward"``), so every forward runs with the last step's gradients alive. ``"in_place"`` is
+``zero_grad(set_to_none=False)``, torch's default before 2.0: gradients are zeroed, never freed. With gradient
 accumulation the second step stands for a later micro batch of a window: forward and backward
 with the window's gradients alive, then the optimizer step.
 """
@@ -61,8 +62,8 @@ from memfit.tracing.recorder import StorageRecorder, symbolic_decompositions
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
 
-ZeroGrad = Literal["after_step", "before_backward"]
-ZERO_GRAD_ORDERS: tuple[ZeroGrad, ...] = ("after_step", "before_backward")
+ZeroGrad = Literal["after_step", "before_backward", "in_place"]
+ZERO_GRAD_ORDERS: tuple[ZeroGrad, ...] = ("after_step", "before_backward", "in_place")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 ForwardFn = Callable[[nn.Module, Any], Any]
@@ -306,13 +307,18 @@ def _one_step(
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         recorder.track(value, Category.OPTIMIZER_STATE)
-    if (settings.zero_grad == "after_step" and not accumulating) or (accumulating and step > 1):
-        _zero_grad(trainable)
+    if (settings.zero_grad in ("after_step", "in_place") and not accumulating) or (accumulating and step > 1):
+        _zero_grad(trainable, in_place=settings.zero_grad == "in_place")
 
 
-def _zero_grad(trainable: Sequence[torch.Tensor]) -> None:
+def _zero_grad(trainable: Sequence[torch.Tensor], in_place: bool = False) -> None:
     for param in trainable:
-        param.grad = None  # zero_grad(set_to_none=True), the default in torch, Lightning and HF
+        if not in_place:
+            param.grad = None  # zero_grad(set_to_none=True), the default in torch, Lightning and HF
+        elif param.grad is not None:
+            # zero_grad(set_to_none=False), torch's default before 2.0: the gradients are never freed, so
+            # the next forward runs with them alive and the backward accumulates into them
+            param.grad.zero_()
 
 
 class _DDPBuckets:

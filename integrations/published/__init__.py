@@ -1,0 +1,1 @@
+"""Published GPU memory measurements, predicted by memfit from their configurations alone."""
