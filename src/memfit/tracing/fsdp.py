@@ -88,6 +88,7 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         world_size=sharding.world_size,
         resize={Category.PARAMETERS: shard, Category.GRADIENTS: shard, Category.OPTIMIZER_STATE: state},
         buffers=buffers,
+        step_temporaries=state,
         terms=terms,
         host_bytes=host,
         notes=(note,),

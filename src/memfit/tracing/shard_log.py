@@ -56,7 +56,9 @@ class RankPlan:
     """How one rank's step differs from the traced one.
 
     ``resize`` maps a category to the new size of each of its storages (absent: unchanged; 0: not on the
-    device). ``terms`` are the documented per-rank model-state terms, in bytes (reports and tests read
+    device). ``step_temporaries`` resizes the temporaries the optimizer step allocates: each rank steps only its
+    own shard (FSDP's local shards, ZeRO's partition), so a ``foreach`` optimizer's temporaries shrink with
+    the state. ``terms`` are the documented per-rank model-state terms, in bytes (reports and tests read
     them); ``host_bytes`` is what one rank keeps in host RAM (offloaded states, pinned buffers).
     """
 
@@ -64,6 +66,7 @@ class RankPlan:
     world_size: int
     resize: Mapping[Category, Resize] = field(default_factory=dict)
     buffers: tuple[Buffer, ...] = ()
+    step_temporaries: Resize | None = None
     terms: Mapping[str, int] = field(default_factory=dict)
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
@@ -80,6 +83,13 @@ def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorde
         resize = plan.resize.get(category)
         if resize is not None:
             sizes[sid] = max(0, int(resize(sizes[sid])))
+        elif (
+            plan.step_temporaries is not None
+            and category is Category.TEMPORARIES
+            and recorder.alloc_phase.get(sid, -1) >= 0
+            and recorder.marks[recorder.alloc_phase[sid]].phase is Phase.OPTIMIZER
+        ):
+            sizes[sid] = max(0, int(plan.step_temporaries(sizes[sid])))
     dropped = {sid for sid, size in sizes.items() if size == 0 and recorder.sizes.get(sid, 0) > 0}
     next_id = max(sizes, default=0) + 1
     categories = dict(recorder.categories)

@@ -143,6 +143,7 @@ def zero_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         world_size=n,
         resize={Category.PARAMETERS: parameter, Category.GRADIENTS: gradient, Category.OPTIMIZER_STATE: state},
         buffers=tuple(buffers),
+        step_temporaries=state,
         terms=terms,
         host_bytes=host,
         notes=tuple(notes),
