@@ -256,6 +256,7 @@ def per_rank(
         allocated_to_tensor_ratio=allocated_ratio,
         reserved_to_allocated_ratio=reserved_ratio,
         timeline=(),
+        exact_peaks=None,  # the whole step's replays are not one rank's: at() reads the rank's phase models
         notes=(*estimate.notes, f"one rank of {describe(config)}"),
     )
 
