@@ -68,7 +68,9 @@ class CollectedOutputs:
         ):
             raise InvalidInputError(f"flush_every must be a positive integer or None, got {self.flush_every!r}")
         for name in ("bytes_per_sample", "end_copy_bytes_per_sample"):
-            sizes = getattr(self, name)
+            # sizes read off a symbolic trace arrive as sympy numbers: plain floats keep the sums plain ints
+            sizes = {key: float(size) for key, size in getattr(self, name).items()}
+            object.__setattr__(self, name, sizes)
             if any(size < 0 for size in sizes.values()):
                 raise InvalidInputError(f"{name} must not be negative, got {dict(sizes)}")
         if unknown := set(self.end_copy_bytes_per_sample) - set(self.bytes_per_sample):

@@ -99,6 +99,7 @@ class SymbolicTrace:
             substitutions=dict(self.trace.substitutions),
             ops=self.trace.ops,
             compiled=self.trace.compiled,
+            paged=self.trace.paged,  # parameter-sized, so the same at every batch
         )
 
     def _evaluate(self, size: Any, batch: int) -> int:
