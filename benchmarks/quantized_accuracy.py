@@ -32,13 +32,17 @@ from typing import Any
 import torch
 
 import memfit
-from memfit import Category
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # integrations/
 sys.path.insert(0, str(ROOT / "tests"))  # the one builder of quantized test models
-from integrations.accuracy.reference import profiled_cpu_peak  # noqa: E402
-from quantized_models import llama_config, quantized_llama, quiet_bitsandbytes, save_random_llama  # noqa: E402
+from quantized_models import (  # noqa: E402
+    llama_config,
+    quantized_llama,
+    quiet_bitsandbytes,
+    save_random_llama,
+    step_peaks,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "quantized-cpu.json"
 BATCH, SEQUENCE, VOCAB = 2, 256, 2048
@@ -57,23 +61,9 @@ def measure(checkpoint: Path, name: str) -> dict[str, Any]:
     started = time.perf_counter()
     estimate = memfit.estimate(model, tokens(), target=memfit.Target("cpu"))
     trace_seconds = time.perf_counter() - started
-    at_peak = next(p for p in estimate.phases if p.allocated_bytes == estimate.peak_allocated_bytes)
-    static = at_peak.breakdown[Category.PARAMETERS] + at_peak.breakdown[Category.BUFFERS]
-    model.train()  # as the trace (and every trainer) runs it; from_pretrained returns it in eval mode
+    predicted, measured = step_peaks(model, estimate, tokens)
+    static = estimate.peak_allocated_bytes - predicted  # the weights and buffers, there before the measurement
     adapters = [p for p in model.parameters() if p.requires_grad]
-
-    def run() -> None:
-        batch = tokens()
-        optimizer = torch.optim.AdamW(adapters)
-        for _ in range(2):
-            loss = model(**batch).loss
-            loss.backward()
-            del loss
-            optimizer.step()
-            optimizer.zero_grad()
-
-    measured = profiled_cpu_peak(run)
-    predicted = estimate.peak_allocated_bytes - static
     return {
         "config": name,
         "quantization": quantization,

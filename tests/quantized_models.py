@@ -102,3 +102,27 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def adapter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters that train (the LoRA adapters)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def step_peaks(model: torch.nn.Module, estimate: Any, batch: Any) -> tuple[int, int]:
+    """``(predicted, measured)`` peak bytes of two real AdamW steps of ``model``'s adapters on the CPU, beyond the
+    weights and buffers (the model exists before the measurement, so its weights are not in the measured peak)."""
+    from integrations.accuracy.reference import profiled_cpu_peak
+    from memfit import Category
+
+    at_peak = next(p for p in estimate.phases if p.allocated_bytes == estimate.peak_allocated_bytes)
+    static_bytes = at_peak.breakdown[Category.PARAMETERS] + at_peak.breakdown[Category.BUFFERS]
+    model.train()  # as the trace (and every trainer) runs it; from_pretrained returns the model in eval mode
+    adapters = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        inputs = batch()
+        optimizer = torch.optim.AdamW(adapters)
+        for _ in range(2):
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return estimate.peak_allocated_bytes - static_bytes, profiled_cpu_peak(run)

@@ -25,7 +25,7 @@ from transformers.training_args import OptimizerNames
 
 from memfit import Category, InvalidInputError, Phase, format_bytes
 from memfit.huggingface import plan_training_arguments
-from test_optimizers import NEEDS_PACKAGE, STEPS_IN_BACKWARD, restored_bitsandbytes_manager  # noqa: F401
+from test_optimizers import NEEDS_PACKAGE, STEPS_IN_BACKWARD, Tokens, restored_bitsandbytes_manager  # noqa: F401
 
 SEQ, VOCAB = 8, 1024
 FP32 = 4
@@ -44,17 +44,6 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
                         eos_token_id=0, loss_type="ForCausalLM")  # fmt: skip
     return GPT2LMHeadModel(config)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 def is_embedding(model: nn.Module, param: torch.Tensor) -> bool:
@@ -144,23 +133,23 @@ def test_every_optim_plans_its_documented_state_or_is_refused(optim: str, tmp_pa
     model, args = tiny_gpt2(), args_for(optim, tmp_path)
     if optim in STEPS_IN_BACKWARD:
         with pytest.raises(InvalidInputError, match=rf"optim='{optim}'.*inside backward.*Plan with optim="):
-            plan_training_arguments(model, args, Tokens(), budget="1GiB")
+            plan_training_arguments(model, args, Tokens(VOCAB, SEQ), budget="1GiB")
         return
     if optim in NEEDS_PACKAGE and importlib.util.find_spec(NEEDS_PACKAGE[optim]) is None:
         with pytest.raises(InvalidInputError, match=rf"cannot build optim='{optim}'.*install what it needs"):
-            plan_training_arguments(model, args, Tokens(), budget="1GiB")
+            plan_training_arguments(model, args, Tokens(VOCAB, SEQ), budget="1GiB")
         return
     if optim not in EXPECTED:
         pytest.skip(f"{optim}: its package is installed here; tests/test_optimizers.py compares it with the real one")
     if optim in PAGED_WITHOUT_CPU:  # for a GPU, as its unpaged twin less the embedding's state in unified memory
-        planned = plan_training_arguments(model, args, Tokens(), budget="h100")
-        twin = plan_training_arguments(model, args_for(UNPAGED[optim], tmp_path), Tokens(), budget="h100")
+        planned = plan_training_arguments(model, args, Tokens(VOCAB, SEQ), budget="h100")
+        twin = plan_training_arguments(model, args_for(UNPAGED[optim], tmp_path), Tokens(VOCAB, SEQ), budget="h100")
         wte = model.transformer.wte.weight
         assert planned_state_bytes(planned) == planned_state_bytes(twin) - 3 * wte.numel() * FP32
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
-        planned = plan_training_arguments(model, args, Tokens(), budget="1GiB")
+        planned = plan_training_arguments(model, args, Tokens(VOCAB, SEQ), budget="1GiB")
     assert planned.plan.micro_batch_size >= 2
     assert planned_state_bytes(planned) == expected_state_bytes(optim, model)
 
@@ -176,11 +165,11 @@ def test_paged_state_is_out_of_the_gpu_peak_and_said_so(optim: str, tmp_path: Pa
     """For a CUDA target the state of parameters of 100,000 elements or more (here the embedding, 32-bit
     by the Trainer's override) lives in unified memory, out of the planned state; the notes say how much."""
     model = tiny_gpt2()
-    on_gpu = plan_training_arguments(model, args_for(optim, tmp_path), Tokens(), budget="h100")
+    on_gpu = plan_training_arguments(model, args_for(optim, tmp_path), Tokens(VOCAB, SEQ), budget="h100")
     states = 3 if "ademamix" in optim else 1 if "lion" in optim else 2
     unified = states * model.transformer.wte.weight.numel() * FP32
     if UNPAGED[optim] is not None:
-        unpaged = plan_training_arguments(model, args_for(UNPAGED[optim], tmp_path), Tokens(), budget="h100")
+        unpaged = plan_training_arguments(model, args_for(UNPAGED[optim], tmp_path), Tokens(VOCAB, SEQ), budget="h100")
         assert planned_state_bytes(unpaged) - planned_state_bytes(on_gpu) == unified
         assert not any(note.startswith("paged optimizer") for note in unpaged.estimate.notes)
     notes = [note for note in on_gpu.estimate.notes if note.startswith("paged optimizer")]

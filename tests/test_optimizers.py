@@ -207,8 +207,10 @@ SEQ, VOCAB = 8, 128
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(0))
+    """Eight random causal-LM rows (the same at every call)."""
+
+    def __init__(self, vocab: int = VOCAB, seq: int = SEQ) -> None:
+        self.ids = torch.randint(0, vocab, (8, seq), generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -89,6 +89,11 @@ def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
     """The plan's ``FinetuneSpec``; resolves ``args.optimizer`` to a traceable name in place."""
     args.optimizer, note = resolve_optimizer(args.optimizer)
     _quiet_bitsandbytes(args)
+    return finetune_spec(args, notes=(note,) if note else ())
+
+
+def finetune_spec(args: argparse.Namespace, notes: tuple[str, ...] = ()) -> FinetuneSpec:
+    """The adapters and quantization the flags ask for, as one ``FinetuneSpec``."""
     return FinetuneSpec(
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -97,7 +102,7 @@ def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
         dora=args.dora,
         quantize=args.quantize,
         double_quant=args.double_quant,
-        notes=(note,) if note else (),
+        notes=notes,
     )
 
 
@@ -114,7 +119,7 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     frozen weights' width and the optimizer's registry name."""
     optimizer, _ = resolve_optimizer(args.optimizer)
     _quiet_bitsandbytes(args)
-    finetune = plan_finetune_for_estimate(args)
+    finetune = finetune_spec(args)
     out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
     if args.hf_config:
         out.update(_counts_from_config(args, finetune))
@@ -139,18 +144,6 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     elif finetune.lora and not finetune.quantize and precision.is_mixed:
         out["frozen_bytes"] = 2  # the base loaded in bf16/fp16, as LoRA scripts load it (the plan's assumption)
     return out
-
-
-def plan_finetune_for_estimate(args: argparse.Namespace) -> FinetuneSpec:
-    return FinetuneSpec(
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets,
-        lora_dropout=args.lora_dropout,
-        dora=args.dora,
-        quantize=args.quantize,
-        double_quant=args.double_quant,
-    )
 
 
 def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dict[str, Any]:
