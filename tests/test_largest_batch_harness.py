@@ -35,11 +35,6 @@ def test_the_search_finds_the_limit_from_any_seed(limit: int, seed: int, cap: in
     assert len(calls) == len(set(calls)) and all(1 <= b <= cap for b in calls)  # no batch tried twice
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: since the symbolic trace, the harness's memfit_plan picks 573 for the CPU gpt2 row where "
-    "memfit.plan on an estimate of the same model, sample and settings built here picks 735",
-)
 def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> None:
     output = tmp_path / "largest.json"
     code = main(["--simulate-max-batch", "6", "--only", "gpt2", "--in-process", "--check-steps", "2",

@@ -90,6 +90,23 @@ def test_batch_one_is_traced_concretely_and_the_symbolic_trace_taken_when_needed
     assert len(session.symbolic) == 1
 
 
+def test_an_estimate_of_a_model_the_caller_let_go_still_replays_its_trace() -> None:
+    """``estimate(build(), ...)``: nothing but the estimate holds the model, whose symbolic trace at() takes
+    later (after batch 1's concrete traces). at() must be that trace's replay, as when the caller kept the
+    model, not the fit in the batch from batches 1 and 2."""
+    import gc
+
+    twin = mlp_case()  # the same step, kept here for the concrete traces
+    estimate = _estimate(mlp_case(), batch_size=1)
+    gc.collect()
+    for batch in (13, 200):
+        predicted, concrete = estimate.at(batch), _concrete(twin, batch, estimate)
+        assert (predicted.allocated_bytes, predicted.reserved_bytes) == (
+            concrete.peak_allocated_bytes, concrete.peak_reserved_bytes), batch  # fmt: skip
+    (session,) = kept_sessions()
+    assert len(session.symbolic) == 1
+
+
 class Branching(nn.Module):
     """Branches on the batch size, as real code does (``cdist`` itself switches kernels above 25 rows)."""
 

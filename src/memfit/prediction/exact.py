@@ -10,7 +10,9 @@ The traces are kept per model, sample and step settings (``_SESSIONS``), so a pl
 ``estimate`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
 once. A model whose parameters, buffers or modules changed since is traced again. The kept traces hold
 no tensors: the sample is kept as meta tensors, the model weakly (its sessions go when it goes), and
-only the last eight sessions are kept.
+only the last eight sessions are kept. An estimate holds its model itself: its ``at()`` may have to trace
+it again (the symbolic trace after an estimate at batch 1, a batch outside the trace's conditions), and
+answers the same whether or not the caller kept the model.
 """
 
 from __future__ import annotations
@@ -124,10 +126,13 @@ def _outside_note(batch: int, symbolic: SymbolicTrace) -> str:
 
 
 class ExactPeaks:
-    """``batch -> phase peaks`` of one step on one GPU, replayed from the session's traces (cached per batch)."""
+    """``batch -> phase peaks`` of one step on one GPU, replayed from the session's traces (cached per batch).
 
-    def __init__(self, session: StepSession, runtime: CudaRuntime | None) -> None:
-        self._session, self._runtime = session, runtime
+    It holds ``model`` (the session holds it weakly): a batch the traces do not cover yet is traced on it,
+    so a caller that let go of its model after ``estimate`` must get the same answers as one that kept it."""
+
+    def __init__(self, session: StepSession, runtime: CudaRuntime | None, model: nn.Module) -> None:
+        self._session, self._runtime, self._model = session, runtime, model
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
 
     def __call__(self, batch: int) -> tuple[PhasePeak, ...] | None:
@@ -285,5 +290,5 @@ def exact_estimates(
             runtime = None
         elapsed = session.trace_seconds - before + (time.perf_counter() - started)
         built = build(primary, secondary, settings, runtime, elapsed)
-        estimates.append(dataclasses.replace(built, exact_peaks=ExactPeaks(session, runtime)).with_notes(*notes))
+        estimates.append(dataclasses.replace(built, exact_peaks=ExactPeaks(session, runtime, model)).with_notes(*notes))
     return estimates
