@@ -110,6 +110,25 @@ class StorageRecorder(TorchDispatchMode):
         self.decompositions: dict[Any, Any] = {}
         self._off_device: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages outside the device's allocator
         self._allocating_off_device = False
+        # Which repeated block each event happened in, for building a deeper model's log from this one's
+        # (``memfit.tracing.depth``); ``None`` unless ``record_blocks`` turned it on.
+        self.current_block: int | None = None
+        self.event_blocks: list[int | None] | None = None
+        self.claimed_by: dict[int, int] = {}  # storage -> the storage whose block it belongs to (optimizer state)
+        self.derived_from: dict[int, int] = {}  # storage made outside any block -> the storage it was made from
+
+    def record_blocks(self) -> None:
+        """Log, with every event from now on, the block running when it happened (``current_block``)."""
+        self.event_blocks = [None] * len(self.events)
+
+    def claim(self, tensor: torch.Tensor, owner: torch.Tensor) -> None:
+        """Say that ``tensor``'s storage belongs to the block ``owner``'s storage was made in (a parameter's
+        optimizer state, which the optimizer may make from nothing, as a step count)."""
+        if self.event_blocks is None:
+            return
+        sid, owner_sid = self.track(tensor), self._ids.get(owner.untyped_storage())
+        if sid is not None and owner_sid is not None:
+            self.claimed_by[sid] = owner_sid
 
     # ----------------------------------------------------------------- tracking
     def track(self, tensor: torch.Tensor, category: Category | None = None) -> int | None:
@@ -142,16 +161,21 @@ class StorageRecorder(TorchDispatchMode):
         self.sizes[sid] = size
         self.alloc_phase[sid] = len(self.marks) - 1
         self._live[sid] = size
-        self.events.append(sid)
+        self._log(sid)
         self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: self._free(sid))
         return sid
+
+    def _log(self, event: int, *, in_block: bool = True) -> None:
+        self.events.append(event)
+        if self.event_blocks is not None:
+            self.event_blocks.append(self.current_block if in_block else None)
 
     def _free(self, sid: int) -> None:
         if self._closed or sid not in self._live:
             return
         del self._live[sid]
         self._refs.pop(sid, None)
-        self.events.append(-sid)
+        self._log(-sid)
 
     @contextlib.contextmanager
     def off_device(self) -> Iterator[None]:
@@ -172,7 +196,7 @@ class StorageRecorder(TorchDispatchMode):
         self.categories[sid] = category
         self.alloc_phase[sid] = len(self.marks) - 1
         self._live[sid] = size
-        self.events.append(sid)
+        self._log(sid, in_block=False)  # the run's, not the block's that happened to need it first
         return sid
 
     def free_untracked(self, sid: int) -> None:
@@ -183,21 +207,28 @@ class StorageRecorder(TorchDispatchMode):
         are copied elsewhere the moment they appear (gradients as DDP bucket views)."""
         doomed = {sid for sid, c in self.categories.items() if c is category}
         events: list[int] = []
+        blocks: list[int | None] = []
         moved_to: list[int] = []  # new index of each old one, for the phase marks
-        for event in self.events:
+        for index, event in enumerate(self.events):
             moved_to.append(len(events))
             if event < 0 and -event in doomed:
                 continue
+            block = self.event_blocks[index] if self.event_blocks is not None else None
             events.append(event)
+            blocks.append(block)
             if event > 0 and event in doomed:
                 events.append(-event)
+                blocks.append(block)
         moved_to.append(len(events))
         self.marks = [PhaseMark(moved_to[m.event_index], m.step, m.phase) for m in self.marks]
         self.events = events
+        if self.event_blocks is not None:
+            self.event_blocks = blocks
 
     # ------------------------------------------------------------------ phases
     def mark(self, step: int, phase: Phase) -> None:
         self.marks.append(PhaseMark(len(self.events), step, phase))
+        self.current_block = None  # a phase starts outside every block
 
     @property
     def current_phase(self) -> Phase | None:
@@ -221,10 +252,31 @@ class StorageRecorder(TorchDispatchMode):
             self._maybe_allocate_workspace()
         out = self.decompositions.get(func, func)(*args, **kwargs)
         flat, _ = tree_flatten(out)
+        first_new = self._next_id
         for item in flat:
             if isinstance(item, torch.Tensor):
                 self.track(item)
+        if self.event_blocks is not None and self._next_id > first_new and self.current_phase is Phase.OPTIMIZER:
+            self._note_sources(func, args, kwargs, flat, first_new)
         return out
+
+    def _note_sources(self, func: Any, args: Any, kwargs: Any, outputs: list[Any], first_new: int) -> None:
+        """Which input each new storage of an optimizer step was made from: the i-th tensor of a ``_foreach_``
+        op's first list for its i-th output, else the first input. A step's temporaries then belong to the
+        block of the parameter they were computed for."""
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        foreach = func.overloadpacket.__name__.startswith("_foreach_") and lists
+        first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+        for index, item in enumerate(outputs):
+            if not isinstance(item, torch.Tensor):
+                continue
+            sid = self._ids.get(item.untyped_storage())
+            if sid is None or sid < first_new:
+                continue
+            source = lists[0][index] if foreach and index < len(lists[0]) else first
+            source_sid = self._ids.get(source.untyped_storage()) if isinstance(source, torch.Tensor) else None
+            if source_sid is not None and source_sid != sid:
+                self.derived_from[sid] = source_sid
 
     def _maybe_allocate_workspace(self) -> None:
         # cuBLAS keeps one workspace per (handle, stream); the autograd engine runs backward on

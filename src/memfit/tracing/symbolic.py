@@ -100,6 +100,7 @@ class SymbolicTrace:
             ops=self.trace.ops,
             compiled=self.trace.compiled,
             paged=self.trace.paged,  # parameter-sized, so the same at every batch
+            blocks=self.trace.blocks,
         )
 
     def _evaluate(self, size: Any, batch: int) -> int:

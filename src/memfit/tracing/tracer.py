@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,7 +36,8 @@ from memfit.errors import InvalidInputError, MemfitError, TraceError, ValueDepen
 from memfit.precision import Precision
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, call_model, describe, rebatch
-from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.tracing.blocks import BlockContext, tensor_blocks
+from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing, find_blocks
 from memfit.tracing.cuda_semantics import CudaSemantics
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
@@ -98,6 +99,7 @@ class TraceSettings:
     ddp: DDPConfig | None = None
     extra_batches: int = 0
     compile_paths: bool = False  # take the branch models keep for torch.compile (see ``compile_paths``)
+    record_blocks: bool = False  # log which repeated block each event is in (``memfit.tracing.depth``)
 
     @property
     def targets_cuda(self) -> bool:
@@ -115,6 +117,7 @@ class StepTrace:
     ops: int
     compiled: bool = False  # the model holds torch.compile'd modules, traced eagerly
     paged: PagedState | None = None  # a paged optimizer's state in CUDA unified memory, outside the trace
+    blocks: int = 0  # repeated blocks whose events the log tells apart (``TraceSettings.record_blocks``)
 
 
 @contextlib.contextmanager
@@ -190,8 +193,9 @@ def trace_steps(
             checkpointing = "the model's own checkpointing, as configured"
         paths = module_path_tracker(model)
         paths.foreign_tensor_types = _foreign_tensor_types(model)
-        with fake_mode, recorder, dequantized_gemm(model), paths:
-            fakes = _swap_in_fakes(model, settings, recorder)
+        blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
+        with fake_mode, recorder, dequantized_gemm(model), paths, _block_context(blocks, recorder):
+            fakes = _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
 
             def fake_batch() -> Any:
@@ -220,7 +224,22 @@ def trace_steps(
         ops=recorder.ops,
         compiled=compiled,
         paged=paged,
+        blocks=len(blocks),
     )
+
+
+def _repeated_blocks(model: nn.Module, recorder: StorageRecorder) -> list[nn.Module]:
+    """The model's longest run of identical blocks, with the recorder set to log which one each event is in."""
+    try:
+        blocks = find_blocks(model)
+    except InvalidInputError:
+        return []
+    recorder.record_blocks()
+    return blocks
+
+
+def _block_context(blocks: list[nn.Module], recorder: StorageRecorder) -> contextlib.AbstractContextManager[Any]:
+    return BlockContext(blocks, recorder) if blocks else contextlib.nullcontext()
 
 
 def _trace_inference(
@@ -238,8 +257,9 @@ def _trace_inference(
     model.eval()
     paths = module_path_tracker(model)
     paths.foreign_tensor_types = _foreign_tensor_types(model)
-    with fake_mode, recorder, dequantized_gemm(model), paths, torch.no_grad():
-        _swap_in_fakes(model, settings, recorder)
+    blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
+    with fake_mode, recorder, dequantized_gemm(model), paths, _block_context(blocks, recorder), torch.no_grad():
+        _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
 
         def fake_batch() -> Any:
             batch = rebatch(
@@ -254,10 +274,12 @@ def _trace_inference(
         recorder.mark(1, Phase.FORWARD)
         with _autocast(settings, semantics), _failure("forward", model, batch, paths):
             output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
+            recorder.current_block = None
         recorder.settle_unclassified(Category.ACTIVATIONS, phase_index=0)
         recorder.close()
         del output, held
-    return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops)
+    return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops,
+                     blocks=len(blocks))  # fmt: skip
 
 
 def _one_step(
@@ -283,6 +305,7 @@ def _one_step(
         on_forward()
     with _autocast(settings, semantics), _failure("forward", model, batch, paths):
         output = settings.forward_fn(model, batch) if settings.forward_fn else call_model(model, batch)
+        recorder.current_block = None  # the model's call returned: the loop's own work is no block's
     with _autocast(settings, semantics), _failure("loss", model, batch, paths):
         loss = _loss_of(output, batch, settings.loss_fn)
     del output
@@ -293,20 +316,24 @@ def _one_step(
     recorder.mark(step, Phase.BACKWARD)
     with _failure("backward", model, batch, paths):
         loss.backward()
+    recorder.current_block = None  # a first block whose input needs no gradient never says its backward ended
     del loss
     for param in trainable:
         if param.grad is not None:
             recorder.track(param.grad, Category.GRADIENTS)
+            recorder.claim(param.grad, param)
 
     recorder.mark(step, Phase.OPTIMIZER)
     with _failure("optimizer step", model, batch, paths):
         if optimizer is not None:
             with stepping(optimizer):  # the step-size reads some optimizers make (Adafactor), answered
                 optimizer.step()
-            for state in optimizer.state.values():
+            for param, state in optimizer.state.items():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         recorder.track(value, Category.OPTIMIZER_STATE)
+                        if isinstance(param, torch.Tensor):
+                            recorder.claim(value, param)
     if (settings.zero_grad in ("after_step", "in_place") and not accumulating) or (accumulating and step > 1):
         _zero_grad(trainable, in_place=settings.zero_grad == "in_place")
 
@@ -492,8 +519,11 @@ def _builtin_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def _swap_in_fakes(model: nn.Module, settings: TraceSettings, recorder: StorageRecorder) -> dict[int, Any]:
+def _swap_in_fakes(
+    model: nn.Module, settings: TraceSettings, recorder: StorageRecorder, blocks: Mapping[int, int] | None = None
+) -> dict[int, Any]:
     """Stand fake tensors in for the model's parameters and buffers (and bitsandbytes' quantization state).
+    ``blocks`` (``id(tensor) -> block``) says which repeated block each tensor's fakes belong to.
 
     A failure here is about the model's own tensors, never the sample, and says so.
     """
@@ -507,11 +537,13 @@ def _swap_in_fakes(model: nn.Module, settings: TraceSettings, recorder: StorageR
         return states[id(tensor)]
 
     def make(tensor: torch.Tensor, is_param: bool) -> Any:
+        recorder.current_block = blocks.get(id(tensor)) if blocks else None
         fake = _fake_like(tensor, is_param, settings, recorder)
         return fake_quantized_parameter(tensor, fake, make_state) if is_param else fake
 
     try:
         fakes = swap_tensors_in(model, make)
+        recorder.current_block = None
         bind_quantized_modules(model, make_state)
     except MemfitError:
         raise
