@@ -354,11 +354,11 @@ def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, caps
                  "--plot", str(picture)])  # fmt: skip
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["depth_extrapolated_from"] == [2, 4]
+    assert report["depth_built_from"] == [3, 4] and report["depth_extrapolated_from"] is None
     (row,) = report["gpus"]
     assert not row["fits"] and "checkpointing cannot help" in row["error"]
-    assert "extrapolated in depth from traces at 2 and 4 blocks" in row["error"]  # a far "no", and it says so
-    assert _png_size(picture) == (1100, 990)  # the timeline is the extrapolated one: no full trace is needed
+    assert "extrapolated" not in row["error"]  # the whole model's log, built: no extrapolation to hedge
+    assert _png_size(picture) == (1100, 990)  # the timeline is the built log's: no full trace is needed
 
 
 # A TinyLlama-shaped causal LM, narrow and 12 blocks deep so that a whole trace takes seconds: like TinyLlama
@@ -374,6 +374,14 @@ def _narrow_llama(tmp_path: Path) -> str:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(NARROW_LLAMA))
     return str(path)
+
+
+def _unbuildable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan as for a model whose blocks do not repeat one another: its log cannot be built from shallow traces, so a
+    large one is searched on traces extrapolated in depth and confirmed on the whole model."""
+    from memfit.tracing import depth
+
+    monkeypatch.setattr(depth, "log_difference", lambda built, traced: "blocks of two kinds")
 
 
 def _whole(config: str, checkpointing: bool, layers: int | None = None, batch: int = 1) -> MemoryEstimate:
@@ -394,6 +402,7 @@ def test_a_no_near_the_budget_is_decided_on_the_whole_model(tmp_path: Path, monk
     from memfit.planning import gpu_report
 
     monkeypatch.setattr(gpu_report, "EXTRAPOLATION_MIN_PARAMETERS", 0)  # extrapolate this small model too
+    _unbuildable(monkeypatch)
     config = _narrow_llama(tmp_path)
     checkpointed = _whole(config, True)  # without checkpointing micro batch 1 needs more
     needed = max(checkpointed.peak_bytes, checkpointed.at(1).device_bytes)  # what the exact search asks of micro 1
@@ -411,6 +420,7 @@ def test_a_far_no_from_the_extrapolation_says_so(tmp_path: Path, monkeypatch: py
     from memfit.planning import gpu_report
 
     monkeypatch.setattr(gpu_report, "EXTRAPOLATION_MIN_PARAMETERS", 0)
+    _unbuildable(monkeypatch)
     config = _narrow_llama(tmp_path)
     floor = _whole(config, True, layers=2).peak_bytes  # the whole model needs more than its 2-block trace
     report = gpu_report.plan_for_gpus(hf_config=config, model=None, gpus=[], budget=f"{floor // 2}B",

@@ -157,6 +157,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             console.print(finetune_table(report))
         if report.host is not None:
             console.print(report.host.summary())
+        if report.depth_built_from:
+            low, high = report.depth_built_from
+            console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
+                          "the whole model)")  # fmt: skip
         if report.depth_extrapolated_from:
             low, high = report.depth_extrapolated_from
             console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")

@@ -7,8 +7,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
+from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
+from memfit.planning.deep_models import BUILD_DEPTHS, EXTRAPOLATION_DEPTHS, DeepModel, model_depth
 from memfit.planning.finetune import (
     FinetuneReport,
     FinetuneSpec,
@@ -20,7 +21,7 @@ from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
-from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
+from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes
 from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.runtime import CudaRuntime
@@ -29,11 +30,18 @@ from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import ZeroGrad
 
-__all__ = ["EXTRAPOLATION_DEPTHS", "EXTRAPOLATION_ERROR_BAND", "GpuPlan", "PlanReport", "plan_for_gpus"]
+__all__ = [
+    "BUILD_DEPTHS",
+    "EXTRAPOLATION_DEPTHS",
+    "EXTRAPOLATION_ERROR_BAND",
+    "GpuPlan",
+    "PlanReport",
+    "model_depth",
+    "plan_for_gpus",
+]
 
-# Large, deep models are searched on traces at these depths, extrapolated (seconds instead of a minute);
-# the chosen plan is then confirmed on a trace of the whole model.
-EXTRAPOLATION_DEPTHS = (2, 4)
+# A deep preset's log is built from traces at BUILD_DEPTHS (memfit.planning.deep_models); where it cannot be, a
+# large one is searched on traces at EXTRAPOLATION_DEPTHS extrapolated in depth, and confirmed on the whole model.
 EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds anyway
 # How far an extrapolated peak may sit above the whole model's: the search's figure (at(batch) with the CUDA
 # context) is within +-3 % of the whole trace's on the billion-parameter configs benchmarks/depth_extrapolation.py
@@ -88,6 +96,7 @@ class PlanReport:
     inference: bool = False
     host: HostEstimate | None = None
     depth_extrapolated_from: tuple[int, int] | None = None  # the depths traced, when extrapolated
+    depth_built_from: tuple[int, int] | None = None  # the depths traced, when the whole log was built from them
     finetune: FinetuneReport | None = None  # LoRA / quantization: the weights by role
 
     def plot(self, path: str) -> None:
@@ -116,6 +125,7 @@ class PlanReport:
             "gpus": [row.to_dict() for row in self.rows],
             "host": self.host.to_dict() if self.host else None,
             "depth_extrapolated_from": list(self.depth_extrapolated_from) if self.depth_extrapolated_from else None,
+            "depth_built_from": list(self.depth_built_from) if self.depth_built_from else None,
             "finetune": self.finetune.to_dict() if self.finetune else None,
         }
 
@@ -147,13 +157,14 @@ def plan_for_gpus(
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
 
-    A ``hf_config`` with a billion parameters or more, deeper than ``EXTRAPOLATION_DEPTHS[1]``
-    blocks, is searched on traces at those two depths extrapolated in depth (``extrapolate_depth``:
-    the allocated peak follows the depth closely, the allocator's reserved peak less so), unless
-    ``exact``; the plan found is then confirmed, and its row's figures taken, from a trace of the
-    whole model at the chosen batch. A "does not fit" is decided again on traces of the whole model
-    unless even its smallest extrapolated peak is more than ``EXTRAPOLATION_ERROR_BAND`` over the
-    budget; such a far "no" says in its message that it rests on the extrapolation.
+    A ``hf_config`` deeper than ``BUILD_DEPTHS[1]`` blocks is traced at those depths and the whole
+    model's log built from them (``memfit.planning.deep_models``), unless ``exact`` or ``layers``. Where
+    the log cannot be built, one with a billion parameters or more is searched on traces at
+    ``EXTRAPOLATION_DEPTHS`` extrapolated in depth (the allocated peak follows the depth closely, the
+    allocator's reserved peak less so); the plan found is then confirmed, and its row's figures taken,
+    from a trace of the whole model at the chosen batch. A "does not fit" is then decided again on traces
+    of the whole model unless even its smallest extrapolated peak is more than ``EXTRAPOLATION_ERROR_BAND``
+    over the budget; such a far "no" says in its message that it rests on the extrapolation.
     ``benchmarks/depth_extrapolation.py`` compares both with full traces.
 
     ``world_size`` above 1 means DistributedDataParallel (its gradient buckets count); a plan that
@@ -185,29 +196,25 @@ def plan_for_gpus(
     # One trace serves every GPU of a precision. Confirmations at a chosen batch take their fit in the
     # batch from the search's trace at batch 1, so they trace once instead of twice.
     loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
-    depth = model_depth(spec.model)
-    extrapolated = None
-    large = parameters >= EXTRAPOLATION_MIN_PARAMETERS
-    shallow: list[ModelSpec] = []
-    if hf_config and not exact and layers is None and large and depth and depth > EXTRAPOLATION_DEPTHS[1]:
-        with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
-            shallow = [
-                apply_finetune(from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=d), finetune,
-                               default, inference=inference)
-                for d in EXTRAPOLATION_DEPTHS
-            ]  # fmt: skip
-        extrapolated = EXTRAPOLATION_DEPTHS
+
+    def build_at(depth: int) -> ModelSpec:
+        with _progress(show_progress, f"building {spec.name} at {depth} blocks"):
+            shallow = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=depth)
+            return apply_finetune(shallow, finetune, default, inference=inference)
+
+    whole_only = not hf_config or exact or layers is not None
+    deep = DeepModel.of(spec, None if whole_only else build_at, large=parameters >= EXTRAPOLATION_MIN_PARAMETERS)
+    probe = checkpointing == "on" and not inference
 
     @functools.cache
     def traces_in(precision: Precision) -> tuple[Any, Any]:
         """``(search trace, full trace)`` in ``precision``, over the runtimes of the cards planned in it."""
         group = [runtime for runtime, p in zip(runtimes, precisions, strict=True) if p is precision]
-        full_trace = _tracer(spec, precision, optimizer, group, inference, loop, fits_of=lambda ckpt: trace(1, ckpt, 1))
-        trace = full_trace
-        if shallow:
-            tracers = [_tracer(s, precision, optimizer, group, inference, loop) for s in shallow]
-            trace = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth, full_trace)
-        return trace, full_trace
+
+        def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
+            return _tracer(model_spec, precision, optimizer, group, inference, loop, **keywords)
+
+        return deep.tracers(tracer, probe)
 
     rows = []
     for position, ((name, capacity, gpu), row_precision) in enumerate(zip(targets, precisions, strict=True)):
@@ -229,13 +236,14 @@ def plan_for_gpus(
             request = PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size,
                                   world_size=world_size, allow_checkpointing=allow == "auto",
                                   always_checkpoint=allow == "on")  # fmt: skip
-            row = _plan_one(name, gpu, for_gpu, request, whole, extrapolated)
+            row = _plan_one(name, gpu, for_gpu, request, whole, deep.extrapolated)
             rows.append(_in_precision(row, row_precision, default, gpu))
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
     return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
-                      inference=inference, host=host, depth_extrapolated_from=extrapolated,
+                      inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
+                      depth_built_from=deep.built,
                       finetune=finetune_report(spec.model, finetune, default, rows))  # fmt: skip
 
 
@@ -265,36 +273,6 @@ def _in_precision(row: GpuPlan, precision: Precision, default: Precision, gpu: G
     return dataclasses.replace(row, plan=plan, precision=precision.value, note=note)
 
 
-def model_depth(model: Any) -> int | None:
-    """The number of blocks a transformers config gives its model (``None`` if it names none)."""
-    config = getattr(model, "config", None)
-    for attribute in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(config, attribute, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _extrapolating(tracers: list[Any], depths: tuple[int, int], depth: int, full_trace: Any) -> Any:
-    """``trace(batch, checkpointing, accumulation)`` from the two shallow traces; the full trace if they
-    disagree."""
-
-    @functools.cache
-    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
-        shallow, deeper = (tracer(batch, checkpointing, accumulation) for tracer in tracers)
-        # at twice the batch too: at()'s allocator ratios come from both, as a whole trace's do
-        shallow2, deeper2 = (tracer(2 * batch, checkpointing, accumulation) for tracer in tracers)
-        try:
-            return [
-                extrapolate_depth(a, b, *depths, depth, doubled=(a2, b2))
-                for a, b, a2, b2 in zip(shallow, deeper, shallow2, deeper2, strict=True)
-            ]
-        except EstimationError:
-            return full_trace(batch, checkpointing, accumulation)
-
-    return trace
-
-
 def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_factor: int, pin_memory: bool,
           offload_optimizer: bool, optimizer: str, inference: bool, precision: str) -> HostEstimate:  # fmt: skip
     """Host RAM for the largest planned micro batch (weights as stored, batches in flight, offload)."""
@@ -315,9 +293,10 @@ def _host(spec: ModelSpec, rows: list[GpuPlan], num_workers: int, prefetch_facto
 
 
 def _tracer(spec: ModelSpec, precision: Precision, optimizer: str, runtimes: list[CudaRuntime], inference: bool,
-            loop: TrainingLoop, fits_of: Any = None) -> Any:  # fmt: skip
+            loop: TrainingLoop, fits_of: Any = None, repeated: list[Any] | None = None) -> Any:  # fmt: skip
     """``trace(batch, checkpointing, accumulation)``, cached; above batch 1 with ``fits_of``, one trace plus
-    that fit (of the loop without accumulation: ``at()`` is raised to cover what accumulation adds)."""
+    that fit (of the loop without accumulation: ``at()`` is raised to cover what accumulation adds). ``repeated``
+    (the model at two shallow depths) builds the whole model's log from theirs."""
 
     @functools.cache
     def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
@@ -334,6 +313,7 @@ def _tracer(spec: ModelSpec, precision: Precision, optimizer: str, runtimes: lis
             loop=dataclasses.replace(loop, accumulation_steps=accumulation),
             target=Target("cuda"),
             inference=inference,
+            repeated=repeated,
         )
 
     return trace

@@ -20,19 +20,17 @@ from typing import Any
 
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
+from memfit.planning.deep_models import DeepModel
 from memfit.planning.gpu_report import (
-    EXTRAPOLATION_DEPTHS,
     EXTRAPOLATION_MIN_PARAMETERS,
     GpuPlan,
     PlanReport,
     _card_precision,
     _default_precision,
-    _extrapolating,
     _in_precision,
     _plan_one,
     _progress,
     _tracer,
-    model_depth,
 )
 from memfit.planning.gpus import gpu_by_name
 from memfit.planning.session import PlanningSession, PlanRequest
@@ -221,15 +219,13 @@ def plan_sharded(
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
     units = model_units(spec.model)
     runtime = CudaRuntime(compute_capability=(card.compute_capability if card else None) or (9, 0))
-    depth = model_depth(spec.model)
-    shallow: list[ModelSpec] = []
-    extrapolated = None
-    if hf_config and not exact and layers is None and parameters >= EXTRAPOLATION_MIN_PARAMETERS and depth and (
-        depth > EXTRAPOLATION_DEPTHS[1]
-    ):  # fmt: skip
-        with _progress(show_progress, f"building {spec.name} at depths {EXTRAPOLATION_DEPTHS}"):
-            shallow = [_spec(hf_config, None, seq_len, image_size, d) for d in EXTRAPOLATION_DEPTHS]
-        extrapolated = EXTRAPOLATION_DEPTHS
+
+    def build_at(depth: int) -> ModelSpec:
+        with _progress(show_progress, f"building {spec.name} at {depth} blocks"):
+            return _spec(hf_config, None, seq_len, image_size, depth)
+
+    whole_only = not hf_config or exact or layers is not None
+    deep = DeepModel.of(spec, None if whole_only else build_at, large=parameters >= EXTRAPOLATION_MIN_PARAMETERS)
 
     @functools.cache
     def traces(kind: bool | ShardingConfig) -> tuple[Any, Any]:
@@ -239,14 +235,11 @@ def plan_sharded(
             loop = TrainingLoop(zero_grad=zero_grad, sharding=kind)
         else:
             loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if kind else None)
-        # the whole model is traced at the chosen batch only, its fit in the batch taken from the search's
-        # traces at batch 1 (as ``plan_for_gpus`` does)
-        whole = _tracer(spec, row_precision, optimizer, [runtime], False, loop, fits_of=lambda c: search(1, c, 1))
-        search = whole
-        if shallow:
-            tracers = [_tracer(s, row_precision, optimizer, [runtime], False, loop) for s in shallow]
-            search = _extrapolating(tracers, EXTRAPOLATION_DEPTHS, depth or 0, whole)
-        return search, whole
+
+        def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
+            return _tracer(model_spec, row_precision, optimizer, [runtime], False, loop, **keywords)
+
+        return deep.tracers(tracer, checkpointing == "on")
 
     def screen(option: Option, count: int, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
         """The rank's search estimate under ``config`` read off the plain trace (DDP's own above one GPU)."""
@@ -282,13 +275,13 @@ def plan_sharded(
                 except InsufficientMemoryError as error:
                     row = GpuPlan(label, capacity, None, None, error=str(error))
             else:
-                row = _plan_one(label, card, search, request(count), whole, extrapolated)
+                row = _plan_one(label, card, search, request(count), whole, deep.extrapolated)
         return _in_precision(row, row_precision, default, card), config
 
     def finish(row: GpuPlan, config: ShardingConfig | None, option: Option | None,
                considered: tuple[CountCheck, ...]) -> ShardedReport:  # fmt: skip
         report = PlanReport(spec.name, parameters, default.value, optimizer, seq_len, (row,),
-                            depth_extrapolated_from=extrapolated)  # fmt: skip
+                            depth_extrapolated_from=deep.extrapolated, depth_built_from=deep.built)  # fmt: skip
         states: dict[str, int] = {}
         host = 0
         estimate = row.estimate  # a whole-model trace (a depth-extrapolated one carries its shallow terms)

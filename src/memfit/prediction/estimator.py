@@ -358,6 +358,7 @@ def estimate_for_runtimes(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     inference: bool = False,
     batch_fits: Sequence[MemoryEstimate] | None = None,
+    repeated: Sequence[nn.Module] | None = None,
 ) -> list[MemoryEstimate]:
     """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
 
@@ -369,6 +370,10 @@ def estimate_for_runtimes(
     ``batch_fits`` (one estimate of the same step per runtime) skips the second trace, which only
     serves the fit in the batch: the peaks are traced at ``batch_size`` and ``at()`` keeps those
     estimates' per-phase fits. A planner confirming a batch it chose from them needs no more.
+
+    ``repeated`` is ``model`` built at two shallow depths, one block apart: the whole model's log is built from
+    theirs (``memfit.tracing.depth``) instead of traced, and a model whose blocks do not repeat one another raises
+    ``DepthMismatch`` (a model that cannot be traced with a symbolic batch, ``EstimationError``).
     """
     loop, target = loop or TrainingLoop(), target or Target()
     if runtimes is None:
@@ -387,11 +392,18 @@ def estimate_for_runtimes(
         settings = sharded_settings(settings, loop.sharding)
     primary_batch, secondary_batch, sample_batch = batches
     fallback_note = None
-    if batch_fits is None and symbolic_enabled() and getattr(loop, "sharding", None) is None:
-        exact = exact_estimates(model, sample, sample_batch, primary_batch, settings, runtimes, _build_estimate)
+    sharding = loop.sharding
+    # FSDP on a CPU target is answered by real fully_shard on a fake process group, traced at the batch asked
+    traced_fsdp = sharding is not None and sharding.strategy in ("fsdp", "fsdp-grad-op") and not settings.targets_cuda
+    if batch_fits is None and symbolic_enabled() and not traced_fsdp:
+        rewrite = _RankRewrite(sharding, model_facts(model, settings, step.checkpoint_modules)) if sharding else None
+        exact = exact_estimates(model, sample, sample_batch, primary_batch, settings, runtimes, _build_estimate,
+                                repeated=repeated, transform=rewrite)  # fmt: skip
         if not isinstance(exact, str):
-            return exact
+            return [rewrite.annotate(e) for e in exact] if rewrite is not None else exact
         fallback_note = f"traced at two batch sizes, other batch sizes interpolated: {exact}"
+    if repeated is not None:
+        raise EstimationError(f"the model's log cannot be built from shallower traces: {fallback_note}")
     started = time.perf_counter()
     try:
         primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
@@ -421,6 +433,27 @@ def estimate_for_runtimes(
                 _resize_workspace(trace, runtime.workspace_bytes)
         estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit).with_notes(*notes))
     return estimates
+
+
+class _RankRewrite:
+    """One rank's log of ``sharding``'s run, rewritten from any trace of the step (``memfit.prediction.sharded``);
+    the rank's plan is made from the first trace it sees (its model states are the same at every batch)."""
+
+    def __init__(self, sharding: ShardingConfig, facts: Any) -> None:
+        self._sharding, self._facts = sharding, facts
+        self.plan: Any = None
+
+    def __call__(self, trace: StepTrace) -> StepTrace:
+        if self.plan is None:
+            self.plan = rank_plan(self._sharding, self._facts, traced_bytes(trace))
+        return shard_trace(trace, self.plan)
+
+    def annotate(self, estimate: MemoryEstimate) -> MemoryEstimate:
+        sharding, plan = self._sharding, self.plan
+        return dataclasses.replace(
+            estimate.with_notes(*rank_notes(sharding, plan)), sharding=sharding, rank_terms=dict(plan.terms),
+            host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
+        )  # fmt: skip
 
 
 def _one_rank(

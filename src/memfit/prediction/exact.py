@@ -32,10 +32,21 @@ from memfit.errors import ValueDependentError
 from memfit.simulation.replay import PhasePeak, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import rebatch
+from memfit.tracing.checkpointing import find_blocks
+from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
 from memfit.tracing.symbolic import SymbolicTrace, SymbolicUnavailable, trace_symbolic
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
-__all__ = ["ExactPeaks", "StepSession", "clear_sessions", "exact_estimates", "kept_sessions", "step_session"]
+__all__ = [
+    "DeepSession",
+    "ExactPeaks",
+    "StepSession",
+    "clear_sessions",
+    "deep_session",
+    "exact_estimates",
+    "kept_sessions",
+    "step_session",
+]
 
 _KEPT_SESSIONS = 8
 
@@ -125,14 +136,82 @@ def _outside_note(batch: int, symbolic: SymbolicTrace) -> str:
     return f"batch {batch} is traced on its own: the model branches on the batch size ({symbolic.range_note()})"
 
 
-class ExactPeaks:
-    """``batch -> phase peaks`` of one step on one GPU, replayed from the session's traces (cached per batch).
+class DeepSession:
+    """The traces of a model ``depth`` blocks deep, each built from the same step's traces at two shallow depths
+    (``memfit.tracing.depth``): a plan of an eighty-block model from traces of three and four blocks.
 
-    It holds ``model`` (the session holds it weakly): a batch the traces do not cover yet is traced on it,
+    It answers as a ``StepSession`` of the whole model does: with a symbolic batch from 2 up, batch 1 (and any
+    batch outside the symbolic traces' conditions) from concrete traces.
+
+    Raises (from ``ensure_symbolic``, ``trace_at``, ``concrete_trace``):
+        DepthMismatch: the model's blocks do not repeat one another; trace the whole model instead.
+    """
+
+    def __init__(self, shallow: StepSession, deeper: StepSession, depth: int, depths: tuple[int, int]) -> None:
+        self._shallow, self._deeper, self.depth, self.depths = shallow, deeper, depth, depths
+        self.symbolic: list[SymbolicTrace] = []
+        self.concrete: dict[int, StepTrace] = {}
+
+    @property
+    def unavailable(self) -> str | None:
+        return self._shallow.unavailable or self._deeper.unavailable
+
+    @property
+    def trace_seconds(self) -> float:
+        return self._shallow.trace_seconds + self._deeper.trace_seconds
+
+    def ensure_symbolic(self, hint: int) -> bool:
+        """Both models' symbolic traces, the shallow one built to the whole depth (checked against the other)."""
+        if not self.symbolic and self._shallow.ensure_symbolic(hint) and self._deeper.ensure_symbolic(hint):
+            base, check = self._shallow.symbolic[0], self._deeper.symbolic[0]
+            self.symbolic.append(deepen_symbolic(base, self.depth, check=check))
+        return bool(self.symbolic)
+
+    def trace_at(self, batch: int) -> tuple[StepTrace, str | None]:
+        for symbolic in self.symbolic:
+            if symbolic.valid(batch):
+                return symbolic.at(batch), None
+        note = None
+        if self.unavailable is not None:
+            note = f"traced at each batch size: {self.unavailable}"
+        elif batch == 1:
+            note = (
+                "batch 1 is traced on its own: a symbolic batch covers sizes from 2 up, as a dimension of size 1 "
+                "can broadcast and change the step"
+            )
+        elif self.symbolic:
+            note = _outside_note(batch, self.symbolic[0])
+        return self.concrete_trace(batch), note
+
+    def concrete_trace(self, batch: int) -> StepTrace:
+        if batch not in self.concrete:
+            shallow = self._shallow.concrete_trace(batch)
+            self.concrete[batch] = deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch)))
+        return self.concrete[batch]
+
+    @property
+    def range_note(self) -> str | None:
+        return self.symbolic[0].range_note() if self.symbolic else None
+
+
+Session = StepSession | DeepSession
+
+
+class ExactPeaks:
+    """``batch -> phase peaks`` of one step on one GPU, replayed from the session's traces (cached per batch);
+    ``transform`` rewrites each trace first (one rank's log of a sharded run).
+
+    It holds ``models`` (the session holds them weakly): a batch the traces do not cover yet is traced on them,
     so a caller that let go of its model after ``estimate`` must get the same answers as one that kept it."""
 
-    def __init__(self, session: StepSession, runtime: CudaRuntime | None, model: nn.Module) -> None:
-        self._session, self._runtime, self._model = session, runtime, model
+    def __init__(
+        self,
+        session: Session,
+        runtime: CudaRuntime | None,
+        models: Sequence[nn.Module],
+        transform: Callable[[StepTrace], StepTrace] | None = None,
+    ) -> None:
+        self._session, self._runtime, self._models, self._transform = session, runtime, tuple(models), transform
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
 
     def __call__(self, batch: int) -> tuple[PhasePeak, ...] | None:
@@ -145,6 +224,8 @@ class ExactPeaks:
             except Exception:  # a failure away from the traced batch: at() falls back to the fit in the batch
                 self._cache[batch] = None
             else:
+                if self._transform is not None:
+                    trace = self._transform(trace)
                 self._cache[batch] = tuple(replay_for(trace, self._runtime))
         return self._cache[batch]
 
@@ -248,6 +329,19 @@ def _settings_key(settings: TraceSettings) -> tuple:
     return tuple(values)
 
 
+def deep_session(
+    models: Sequence[nn.Module], sample: Any, sample_batch: int, settings: TraceSettings, depth: int
+) -> DeepSession:
+    """The session of the model ``depth`` blocks deep whose traces are built from ``models`` (the same model at two
+    depths, one block apart), each traced with its blocks recorded."""
+    recorded = dataclasses.replace(settings, record_blocks=True)
+    shallow, deeper = (step_session(model, sample, sample_batch, recorded) for model in models)
+    low, high = (_depth_of(model) for model in models)
+    if high != low + 1:
+        raise DepthMismatch(f"the shallow models must be one block apart, got {low} and {high} blocks")
+    return DeepSession(shallow, deeper, depth, (low, high))
+
+
 def exact_estimates(
     model: nn.Module,
     sample: Any,
@@ -256,16 +350,35 @@ def exact_estimates(
     settings: TraceSettings,
     runtimes: Sequence[CudaRuntime | None],
     build: Callable[..., Any],
+    *,
+    repeated: Sequence[nn.Module] | None = None,
+    transform: Callable[[StepTrace], StepTrace] | None = None,
 ) -> list[Any] | str:
     """One estimate per GPU at ``batch`` from the step's symbolic trace, each answering ``at()`` exactly;
-    where the step cannot be traced symbolically, why (in plain words)."""
-    session = step_session(model, sample, sample_batch, settings)
+    where the step cannot be traced symbolically, why (in plain words).
+
+    ``repeated`` (``model`` built at two shallow depths, one block apart) builds the whole model's traces from
+    theirs instead of tracing it (``DeepSession``). ``transform`` rewrites every trace before it is replayed.
+
+    Raises:
+        DepthMismatch: ``repeated`` was given and the model's blocks do not repeat one another.
+    """
+    if repeated is not None:
+        session: Session = deep_session(repeated, sample, sample_batch, settings, _depth_of(model))
+        keep: Sequence[nn.Module] = (model, *repeated)
+    else:
+        session, keep = step_session(model, sample, sample_batch, settings), (model,)
     before, started = session.trace_seconds, time.perf_counter()
     if not session.symbolic and session.unavailable is None and (batch == 1 or batch in session.concrete):
         # Batch 1 needs a concrete trace anyway: with one more at batch 2 it is the two-trace estimate, and the
         # symbolic trace (several times a concrete one) is taken only when at() asks for another batch.
         try:
-            primary, secondary = session.concrete_trace(batch), session.concrete_trace(2 * batch)
+            primary = session.concrete_trace(batch)
+            # a plan from a built log reads other batches next: its symbolic trace serves the second batch too
+            if isinstance(session, DeepSession) and session.ensure_symbolic(2 * batch):
+                secondary, _ = session.trace_at(2 * batch)
+            else:
+                secondary = session.concrete_trace(2 * batch)
         except ValueDependentError as exc:  # the caller's concrete path retries on the model's compile branch
             return f"the model reads tensor values ({exc})"
         notes = [
@@ -280,6 +393,14 @@ def exact_estimates(
         other = next((b for b in (2 * batch, batch + 1, batch - 1) if b >= 2 and symbolic.valid(b)), 2 * batch)
         secondary, _ = session.trace_at(other)
         notes = [text for text in (session.range_note, note) if text]
+    if isinstance(session, DeepSession):
+        low, high = session.depths
+        notes.append(
+            f"the {session.depth} blocks' log built from traces at {low} and {high} blocks (block {TEMPLATE_BLOCK}'s "
+            f"events repeated, checked against the {high}-block trace); --exact traces the whole model"
+        )
+    if transform is not None:
+        primary, secondary = transform(primary), transform(secondary)
     estimates = []
     for runtime in runtimes:
         if settings.targets_cuda:
@@ -290,5 +411,11 @@ def exact_estimates(
             runtime = None
         elapsed = session.trace_seconds - before + (time.perf_counter() - started)
         built = build(primary, secondary, settings, runtime, elapsed)
-        estimates.append(dataclasses.replace(built, exact_peaks=ExactPeaks(session, runtime, model)).with_notes(*notes))
+        peaks = ExactPeaks(session, runtime, keep, transform)
+        estimates.append(dataclasses.replace(built, exact_peaks=peaks).with_notes(*notes))
     return estimates
+
+
+def _depth_of(model: nn.Module) -> int:
+    """How many repeated blocks ``model`` has (what its traces record)."""
+    return len(find_blocks(model))
