@@ -185,6 +185,29 @@ def test_traced_plan_equals_estimate_of_real_quantized_model(config_path: Path, 
     assert row["predicted_peak_bytes"] >= estimate.peak_bytes  # the plan's figure is at(batch): never below the trace
 
 
+@pytest.mark.parametrize("case", ["nf4", "int8"])
+def test_inference_plan_of_a_quantized_model_equals_estimate_of_the_real_one(
+    config_path: Path, checkpoint: Path, case: str
+) -> None:
+    """Serving a quantized model: an 8-bit forward finds its outlier columns from the input's values, which
+    the trace replays with a fixed count instead of failing."""
+    row = plan_json(config_path, "--inference", *FLAGS[case])["gpus"][0]
+    assert row["micro_batch_size"] == BATCH
+    real = LlamaForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(**BNB[case]), dtype=torch.bfloat16, device_map="cpu"
+    )
+    estimate = memfit.estimate(
+        real,
+        from_hf_config(str(config_path), seq_len=SEQ).sample,
+        batch_size=BATCH,
+        precision="bf16",
+        inference=True,
+        target=memfit.Target("cuda", CudaRuntime(compute_capability=(9, 0))),
+    )
+    assert row["breakdown_bytes"] == estimate.to_dict()["breakdown_bytes"]
+    assert row["breakdown_bytes"]["temporaries"] > 0
+
+
 def test_qlora_below_lora_below_full_fine_tuning(config_path: Path) -> None:
     def held(*flags: str) -> int:
         """Weights, gradients and optimizer state at the peak of the step at the same micro batch."""

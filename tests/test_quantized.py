@@ -136,6 +136,32 @@ def test_quantized_weights_count_their_packed_bytes_and_state(checkpoint: Path) 
     assert estimate.phases[0].breakdown[Category.PARAMETERS] == expected
 
 
+def test_the_8bit_kernel_replays_compute_what_bitsandbytes_kernels_do() -> None:
+    """The trace replays LLM.int8()'s mixed matmul as a decomposition (its outlier count being value-dependent):
+    on real tensors, with the outlier columns bitsandbytes finds, it gives bitsandbytes' own result."""
+    import bitsandbytes.functional as F
+
+    from memfit.tracing.quantized import _int8_mixed_scaled_mm, _int8_scaled_mm, _int8_vectorwise_quant
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 64, generator=generator).half()
+    inputs[:, [3, 40]] *= 20  # two outlier columns above LLM.int8()'s threshold of 6
+    weight = torch.randn(32, 64, generator=generator).half()
+    CB, SCB, _ = F.int8_vectorwise_quant(weight)
+    ops = torch.ops.bitsandbytes
+    CA, SCA, outliers = ops.int8_vectorwise_quant.default(inputs.clone(), 6.0)
+    assert outliers.tolist() == [3, 40]
+    replayed, replayed_scales, columns = _int8_vectorwise_quant(inputs, 6.0)
+    assert (replayed.shape, replayed.dtype, replayed_scales.shape, replayed_scales.dtype) == (
+        CA.shape, CA.dtype, SCA.shape, SCA.dtype)  # fmt: skip
+    assert columns.dtype == outliers.dtype and columns.ndim == 1
+    expected, expected_sub = ops.int8_mixed_scaled_mm.default(inputs, CA, CB, SCA, SCB, outliers)
+    output, sub = _int8_mixed_scaled_mm(inputs, CA, CB, SCA, SCB, outliers)
+    assert torch.equal(output, expected) and torch.equal(sub, expected_sub)
+    assert torch.equal(_int8_scaled_mm(CA, CB, SCA, SCB, dtype=torch.float16), ops.int8_scaled_mm.default(
+        CA, CB, SCA, SCB, dtype=torch.float16))  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------ refused inputs
 def _class_from(package: str, name: str, base: type = nn.Linear) -> type:
     return type(name, (base,), {"__module__": package})

@@ -53,7 +53,7 @@ from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
 from memfit.tracing.paged import PagedState, page_optimizer_state
 from memfit.tracing.quantized import (
     bind_quantized_modules,
-    dequantized_gemm,
+    bitsandbytes_kernels,
     fake_quantized_parameter,
     is_quantized_parameter,
     refuse_unsupported_quantization,
@@ -190,7 +190,7 @@ def trace_steps(
             checkpointing = "the model's own checkpointing, as configured"
         paths = module_path_tracker(model)
         paths.foreign_tensor_types = _foreign_tensor_types(model)
-        with fake_mode, recorder, dequantized_gemm(model), paths:
+        with fake_mode, recorder, bitsandbytes_kernels(model), paths:
             fakes = _swap_in_fakes(model, settings, recorder)
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
 
@@ -238,7 +238,7 @@ def _trace_inference(
     model.eval()
     paths = module_path_tracker(model)
     paths.foreign_tensor_types = _foreign_tensor_types(model)
-    with fake_mode, recorder, dequantized_gemm(model), paths, torch.no_grad():
+    with fake_mode, recorder, bitsandbytes_kernels(model), paths, torch.no_grad():
         _swap_in_fakes(model, settings, recorder)
 
         def fake_batch() -> Any:
