@@ -23,8 +23,15 @@ import torch
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import BitsAndBytesConfig, GPT2Config, LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import (
+    BitsAndBytesConfig,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import memfit
 from memfit.cli.main import main
@@ -206,6 +213,27 @@ def test_inference_plan_of_a_quantized_model_equals_estimate_of_the_real_one(
     )
     assert row["breakdown_bytes"] == estimate.to_dict()["breakdown_bytes"]
     assert row["breakdown_bytes"]["temporaries"] > 0
+
+
+def test_a_served_quantized_model_trains_nothing_and_counts_its_tied_embedding_once(tmp_path: Path) -> None:
+    """Serving trains nothing: a Qwen2 whose head is its embedding has that one frozen weight, counted once."""
+    torch.manual_seed(0)
+    shape = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    config = Qwen2Config(**{**shape, "vocab_size": 512}, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    code, out, err = cli("plan", "--hf-config", str(tmp_path / "config.json"), "--budget", "1GiB", "--seq-len",
+                         str(SEQ), "--inference", *FLAGS["nf4"], "--json")  # fmt: skip
+    assert code == 0, err
+    finetune = json.loads(out)["finetune"]
+    real = Qwen2ForCausalLM.from_pretrained(
+        tmp_path, quantization_config=BitsAndBytesConfig(**BNB["nf4"]), dtype=torch.bfloat16, device_map="cpu"
+    )
+    assert real.lm_head.weight is real.model.embed_tokens.weight
+    unquantized = [p for p in real.parameters() if type(p).__name__ != "Params4bit"]  # a tied weight once
+    assert finetune["trainable_parameters"] == 0 and finetune["adapter_weights_bytes"] == 0
+    assert finetune["frozen_weights_bytes"] == sum(p.numel() * p.element_size() for p in unquantized)
+    assert finetune["parameters"] == PeftModel.get_nb_trainable_parameters(real)[1]  # counted as peft counts
+    assert finetune["adapter_gradients_bytes"] is None and finetune["optimizer_state_bytes"] is None
 
 
 def test_qlora_below_lora_below_full_fine_tuning(config_path: Path) -> None:

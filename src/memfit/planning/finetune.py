@@ -190,6 +190,8 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
                 parameter.data = parameter.data.to(precision.compute_dtype)
     if finetune.lora:
         model = _with_lora(model, finetune)
+    if inference:  # serving trains nothing, as peft loads adapters for inference (is_trainable=False)
+        model.requires_grad_(False)
     return dataclasses.replace(spec, model=model)
 
 
@@ -415,8 +417,11 @@ class FinetuneReport:
         }
 
 
-def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precision, rows: Any) -> FinetuneReport | None:
-    """The report's fine-tuning lines (``None`` when no fine-tuning flag was given)."""
+def finetune_report(
+    model: nn.Module, finetune: FinetuneSpec, precision: Precision, rows: Any, *, inference: bool = False
+) -> FinetuneReport | None:
+    """The report's fine-tuning lines (``None`` when no fine-tuning flag was given); with ``inference`` there are
+    no adapter gradients or optimizer state to report (``None``)."""
     if not finetune.active:
         return None
     from memfit.categories import Category
@@ -424,7 +429,7 @@ def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precisi
     sizes = finetune_breakdown(model, precision)
     estimate = next((row.estimate for row in rows if row.estimate is not None), None)
     gradients = optimizer = None
-    if estimate is not None:
+    if estimate is not None and not inference:
         gradients = estimate.gradient_bytes
         optimizer = max((p.breakdown.get(Category.OPTIMIZER_STATE, 0) for p in estimate.phases), default=0)
     trainable, total = _counts(model)
@@ -440,21 +445,33 @@ def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precisi
 
 
 def _counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, all)`` parameters, peft's own count where the model is a peft model."""
+    """``(trainable, all)`` parameters, peft's own count where the model is a peft model, and counted as peft counts
+    them otherwise (each parameter once, however often it is tied; a 4-bit weight's packed elements twice per byte),
+    so a quantized model without adapters has as many parameters as its unquantized self."""
     counter = getattr(model, "get_nb_trainable_parameters", None)
     if counter is not None:
         trainable, total = counter()
         return int(trainable), int(total)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters())
+    trainable = total = 0
+    for parameter in model.parameters():  # each tied parameter once
+        count = parameter.numel()
+        if type(parameter).__name__ == "Params4bit":
+            count *= 2 * parameter.element_size()
+        total += count
+        trainable += count if parameter.requires_grad else 0
+    return trainable, total
 
 
 def finetune_breakdown(model: nn.Module, precision: Precision = Precision.FP32) -> dict[str, int]:
     """Bytes of the model's own tensors by role: quantized weights (packed + quantization state),
-    other frozen weights, trainable adapters (``*-true`` half precision converts the floating ones)."""
+    other frozen weights, adapters (``*-true`` half precision converts the floating ones); a tied weight once."""
     from memfit.tracing.quantized import is_quantized_parameter
 
     quantized = frozen = adapters = 0
     seen: set[int] = set()
+    # peft marks a parameter as an adapter's by its tuner's prefix in the name ("lora_"); a served model's
+    # adapters are frozen, but adapters all the same
+    prefix = getattr(getattr(model, "base_model", None), "prefix", None) if hasattr(model, "peft_config") else None
 
     def size(tensor: torch.Tensor, convert: bool = False) -> int:
         if id(tensor) in seen:
@@ -465,10 +482,10 @@ def finetune_breakdown(model: nn.Module, precision: Precision = Precision.FP32) 
             width = precision.parameter_dtype.itemsize
         return tensor.numel() * width
 
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
         if is_quantized_parameter(parameter):
             quantized += size(parameter) + sum(size(t) for t in _state_tensors(parameter))
-        elif parameter.requires_grad:
+        elif parameter.requires_grad or (isinstance(prefix, str) and prefix in name):
             adapters += size(parameter, convert=True)
         else:
             frozen += size(parameter, convert=True)

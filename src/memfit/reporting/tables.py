@@ -227,7 +227,9 @@ def finetune_table(report: PlanReport) -> Table:
         raise ValueError("the report has no fine-tuning lines")
     share = 100.0 * finetune.trainable_parameters / max(finetune.parameters, 1)
     title = (
-        f"{finetune.label}: {_count(finetune.trainable_parameters)} of {_count(finetune.parameters)} "
+        f"{finetune.label}: {_count(finetune.parameters)} parameters, none trained (inference)"
+        if report.inference
+        else f"{finetune.label}: {_count(finetune.trainable_parameters)} of {_count(finetune.parameters)} "
         f"parameters trainable ({share:.2f}%)"
     )
     table = Table(title=title, min_width=len(title))
@@ -237,6 +239,10 @@ def finetune_table(report: PlanReport) -> Table:
         if report.inference and key in ("adapter_gradients_bytes", "optimizer_state_bytes"):
             continue
         if key == "quantized_weights_bytes" and not size:
+            continue
+        if key == "adapter_weights_bytes" and report.inference:
+            if size:
+                table.add_row("Adapters", format_bytes(size))
             continue
         table.add_row(_FINETUNE_LABELS[key], "-" if size is None else format_bytes(size))
     if finetune.notes:
