@@ -375,3 +375,17 @@ def test_estimate_orders_qlora_lora_and_full_fine_tuning_of_an_8b_model() -> Non
     assert 4e9 < qlora < 6e9 and 16e9 < lora < 18e9  # 8B at ~4.1 bits / 16 bits, plus 42M adapters
     message = _refused("estimate", "--params", "8B", "--lora-r", "16")
     assert "--hf-config" in message and "--lora-params" in message
+
+
+def test_estimate_of_a_quantized_model_without_adapters_says_what_to_add(config_path: Path) -> None:
+    """--quantize without --lora-r would train the quantized weights, which bitsandbytes cannot: refused, with
+    the two things that make sense; the second of them then runs."""
+    for counts in (["--params", "7B"], ["--hf-config", str(config_path)]):
+        message = _refused("estimate", *counts, "--quantize", "nf4")
+        assert "--lora-r 16" in message and "--trainable-fraction 0" in message and "bitsandbytes" in message
+    code, out, err = cli("estimate", "--hf-config", str(config_path), "--quantize", "nf4", "--trainable-fraction", "0",
+                         "--json")  # fmt: skip
+    assert code == 0, err
+    served = json.loads(out)
+    assert served["quantized_weights_bytes"] > 0 and served["trainable_parameters"] == 0
+    assert served["gradients_bytes"] == served["optimizer_state_bytes"] == 0

@@ -373,3 +373,22 @@ def test_frozen_weights_under_mixed_precision_count_as_the_trace_does(precision:
     half_working_copies = counted.trainable_parameters * 2
     fp32_weights = counted.parameters_bytes - half_working_copies + counted.master_weights_bytes
     assert fp32_weights == traced.breakdown[memfit.Category.PARAMETERS]
+
+
+def test_quantizing_a_model_whose_every_parameter_trains_is_refused() -> None:
+    """bitsandbytes' quantized weights are frozen: quantized full fine-tuning is not a thing to estimate."""
+    with pytest.raises(InvalidInputError, match=r"cannot train quantized weights.*trainable_parameters="):
+        estimate_from_counts(parameters=7_000_000_000, quantize="nf4")
+
+
+def test_a_quantized_model_served_is_its_packed_weights_as_bitsandbytes_packs_them() -> None:
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as F
+
+    weight = torch.randn(96, 256)
+    packed, state = F.quantize_4bit(weight, compress_statistics=False, quant_type="nf4")
+    real = sum(t.numel() * t.element_size() for t in (packed, state.absmax, state.code))
+    served = estimate_from_counts(parameters=weight.numel(), quantize="nf4", double_quant=False, trainable_fraction=0)
+    assert served.quantized_weights_bytes == real and served.total_bytes == real
+    nothing = estimate_from_counts(parameters=100, trainable_fraction=0.5, quantize="nf4", quantized_parameters=0)
+    assert nothing.quantized_weights_bytes == 0  # no code books for no quantized weight

@@ -120,6 +120,13 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     optimizer, _ = resolve_optimizer(args.optimizer)
     _quiet_bitsandbytes(args)
     finetune = finetune_spec(args)
+    if finetune.quantize and not finetune.lora and _all_trainable(args):
+        raise InvalidInputError(
+            f"--quantize {finetune.quantize} without --lora-r would train the quantized weights themselves, which "
+            "bitsandbytes cannot do (they are frozen): add --lora-r 16 with --lora-params N (or --hf-config "
+            "NAME_OR_PATH, which counts the adapters) to estimate QLoRA, or --trainable-fraction 0 to count the "
+            "quantized weights alone"
+        )
     out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
     if args.hf_config:
         out.update(_counts_from_config(args, finetune))
@@ -144,6 +151,14 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     elif finetune.lora and not finetune.quantize and precision.is_mixed:
         out["frozen_bytes"] = 2  # the base loaded in bf16/fp16, as LoRA scripts load it (the plan's assumption)
     return out
+
+
+def _all_trainable(args: argparse.Namespace) -> bool:
+    """Whether ``--trainable-fraction`` leaves every parameter trainable (its own errors are the caller's)."""
+    try:
+        return float(args.trainable_fraction) >= 1.0
+    except ValueError:
+        return False
 
 
 def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dict[str, Any]:

@@ -24,7 +24,8 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
   any half or mixed precision.
 * **LoRA and quantization** (``trainable_parameters``, ``quantize``): ``trainable_parameters`` counts
   the adapters exactly (``parameters`` includes them). ``quantize`` (``nf4``/``fp4``: 4 bits, ``int8``:
-  8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one) packed, plus
+  8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one; quantizing a model
+  whose every parameter trains is refused, as bitsandbytes cannot train quantized weights) packed, plus
   bitsandbytes' quantization state (4-bit: an fp32 absmax per block of 64, or with double quantization
   a uint8 one and an fp32 one per 256 blocks, and per weight (``quantized_layers``) its code books; int8:
   its per-row scales are not counted, rows being unknown here) as ``quantized_weights_bytes``. The
@@ -197,9 +198,17 @@ def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: b
         return 0, 0
     if kind not in _QUANT_BITS:
         raise InvalidInputError(f"quantize must be one of {', '.join(_QUANT_BITS)} or None, got {kind!r}")
+    if frozen == 0:  # quantized full fine-tuning: bitsandbytes' weights do not train
+        raise InvalidInputError(
+            f"quantize={kind!r} packs frozen weights, and every parameter is trainable here; bitsandbytes cannot "
+            "train quantized weights: pass trainable_parameters= (the adapters, as in QLoRA) or a trainable_fraction "
+            "below 1"
+        )
     count = frozen if count is None else _whole("quantized_parameters", count, minimum=0)
     if count > frozen:
         raise InvalidInputError(f"quantized_parameters ({count:,}) exceeds the frozen parameters ({frozen:,})")
+    if count == 0:
+        return 0, 0
     packed = math.ceil(count * _QUANT_BITS[kind] / 8)
     if _QUANT_BITS[kind] == 8:
         return count, packed

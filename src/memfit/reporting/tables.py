@@ -58,7 +58,7 @@ def formula_table(estimate: FormulaEstimate) -> Table:
     if estimate.trainable_count is not None:
         title += f", {estimate.trainable_count:,} trainable (adapters)"
     elif estimate.trainable_fraction != 1.0:
-        title += f", {estimate.trainable_fraction:g} of parameters trainable"
+        title += f", {100 * estimate.trainable_fraction:g}% of parameters trainable"
     if estimate.quantize:
         title += f", frozen weights in {estimate.quantize}"
     caption = "Excludes temporaries, allocator overhead and the CUDA context."
