@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import math
+import shlex
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,11 +288,45 @@ def _refused(*argv: str) -> str:
     return message
 
 
-def test_foreign_quantization_is_named_with_what_to_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "flags", "stand_in"),
+    [
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, ["--lora-r", "8", "--optimizer", "paged_adamw_8bit"],
+         "nf4"),
+        ({"quant_method": "gptq", "bits": 8}, ["--inference"], "int8"),
+        ({"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4}}}, [], "nf4"),
+        ({"quant_method": "torchao", "quant_type": "int8_weight_only"}, ["--lora-r", "8", "--dora"], "int8"),
+    ],
+    ids=["awq-lora", "gptq-8bit-inference", "hqq-training", "torchao-dora"],
+)  # fmt: skip
+def test_foreign_quantization_suggests_an_estimate_command_that_runs(
+    tmp_path: Path, quantization: dict[str, Any], flags: list[str], stand_in: str
+) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "awq", "bits": 4}}))
-    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", "--lora-r", "8")
-    assert "AWQ" in message and "--quantize" in message and "memfit estimate" in message
+    path.write_text(json.dumps({**CONFIG, "quantization_config": quantization}))
+    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", *flags)
+    library = {"awq": "AWQ", "gptq": "GPTQ", "hqq": "HQQ", "torchao": "torchao"}[quantization["quant_method"]]
+    assert f"quantized with {library}" in message and f"Add --quantize {stand_in}" in message
+    command = shlex.split(message.split("formula tier: ", 1)[1])
+    assert command[:2] == ["memfit", "estimate"] and command[command.index("--quantize") + 1] == stand_in
+    code, out, err = cli(*command[1:], "--json")
+    assert code == 0, err
+    formula = json.loads(out)
+    assert formula["quantized_weights_bytes"] > 0
+    assert (formula["trainable_parameters"] == 0) == ("--inference" in flags)  # a served model trains nothing
+    message = _refused("estimate", "--hf-config", str(path), "--lora-r", "8")  # the formula tier needs a width
+    assert library in message and f"add --quantize {stand_in}" in message
+
+
+def test_foreign_quantization_is_planned_with_bitsandbytes_standing_in(config_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    code, out, err = cli("plan", "--hf-config", str(path), *PLAN, "--lora-r", str(RANK), *FLAGS["nf4"], "--json")
+    assert code == 0, err
+    finetune = json.loads(out)["finetune"]
+    flagged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"])["finetune"]
+    assert {k: v for k, v in finetune.items() if k != "notes"} == {k: v for k, v in flagged.items() if k != "notes"}
+    assert finetune["notes"] == ["GPTQ (the config's quantization_config) planned as bitsandbytes nf4"]
 
 
 def test_a_bitsandbytes_checkpoint_config_is_planned_quantized(config_path: Path, tmp_path: Path) -> None:

@@ -13,13 +13,17 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
 from memfit.tracing.optimizers import OPTIMIZER_NAMES
+
+if TYPE_CHECKING:  # annotations only: the planner is imported when `memfit plan` runs
+    from memfit.planning.finetune import FinetuneSpec
+    from memfit.planning.gpu_report import PlanReport
 
 __all__ = ["main"]
 
@@ -105,8 +109,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
-    from memfit.cli.finetune_options import plan_finetune
-    from memfit.planning.gpu_report import plan_for_gpus
+    from memfit.cli.finetune_options import estimate_command, plan_finetune
+    from memfit.planning.finetune import ForeignQuantizationError
 
     if is_sharded(args):  # --strategy, --gpus auto, --nodes: one rank of a sharded job
         if args.lora_r is not None or args.quantize:
@@ -118,30 +122,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return 2
         return run_sharded(args)
     finetune = plan_finetune(args)
-    report = plan_for_gpus(
-        hf_config=args.hf_config,
-        model=args.model,
-        gpus=args.gpu or [],
-        budget=args.budget,
-        seq_len=args.seq_len,
-        image_size=args.image_size,
-        layers=args.layers,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        checkpointing=args.checkpointing,
-        target_batch_size=args.target_batch_size,
-        world_size=args.gpus,
-        margin=args.margin,
-        show_progress=not args.json,
-        inference=args.inference,
-        num_workers=args.num_workers,
-        prefetch_factor=args.prefetch_factor,
-        pin_memory=args.pin_memory,
-        offload_optimizer=args.offload == "optimizer",
-        exact=args.exact,
-        zero_grad=args.zero_grad,
-        finetune=finetune,
-    )
+    try:
+        report = _plan_for_gpus(args, finetune)
+    except ForeignQuantizationError as error:  # with the formula tier's command for what was asked
+        raise InvalidInputError(f"{error.reason}. {error.advice(estimate_command(args, error.stand_in))}") from None
     if args.plot:
         report.plot(args.plot)
     if args.json:
@@ -166,6 +150,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
         return _EXIT_USAGE
     return 0
+
+
+def _plan_for_gpus(args: argparse.Namespace, finetune: FinetuneSpec) -> PlanReport:
+    """``plan_for_gpus`` with what the command line asked for."""
+    from memfit.planning.gpu_report import plan_for_gpus
+
+    return plan_for_gpus(
+        hf_config=args.hf_config,
+        model=args.model,
+        gpus=args.gpu or [],
+        budget=args.budget,
+        seq_len=args.seq_len,
+        image_size=args.image_size,
+        layers=args.layers,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        checkpointing=args.checkpointing,
+        target_batch_size=args.target_batch_size,
+        world_size=args.gpus,
+        margin=args.margin,
+        show_progress=not args.json,
+        inference=args.inference,
+        num_workers=args.num_workers,
+        prefetch_factor=args.prefetch_factor,
+        pin_memory=args.pin_memory,
+        offload_optimizer=args.offload == "optimizer",
+        exact=args.exact,
+        zero_grad=args.zero_grad,
+        finetune=finetune,
+    )
 
 
 def _target(text: str) -> int | str:

@@ -34,15 +34,18 @@ from memfit.errors import InvalidInputError
 from memfit.precision import Precision
 from memfit.presets import ModelSpec
 from memfit.tracing.optimizers import optimizer_info
-from memfit.tracing.quantized import refuse_unsupported_quantization
+from memfit.tracing.quantized import unsupported_quantization
 
 __all__ = [
     "QUANTIZATIONS",
     "FinetuneReport",
     "FinetuneSpec",
+    "ForeignQuantizationError",
+    "add_lora",
     "apply_finetune",
     "finetune_breakdown",
     "finetune_report",
+    "foreign_quantization",
     "from_config_quantization",
     "quantizable_linears",
     "resolve_optimizer",
@@ -136,8 +139,13 @@ class FinetuneSpec:
 
 def from_config_quantization(spec: ModelSpec, finetune: FinetuneSpec) -> FinetuneSpec:
     """``finetune`` with the bitsandbytes quantization a ``config.json``'s ``quantization_config`` names
-    (a pre-quantized checkpoint's), when ``--quantize`` did not say; a note says where it came from."""
+    (a pre-quantized checkpoint's), when ``--quantize`` did not say; a note says where it came from, or that
+    ``--quantize`` stands in for a library memfit cannot trace (GPTQ, AWQ, ...)."""
     config = getattr(getattr(spec.model, "config", None), "quantization_config", None)
+    foreign = foreign_quantization(spec.model) if config is not None else None
+    if foreign is not None and finetune.quantize is not None:
+        note = f"{foreign[0]} (the config's quantization_config) planned as bitsandbytes {finetune.quantize}"
+        return dataclasses.replace(finetune, notes=(*finetune.notes, note))
     if finetune.quantize is not None or config is None:
         return finetune
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
@@ -158,10 +166,12 @@ def from_config_quantization(spec: ModelSpec, finetune: FinetuneSpec) -> Finetun
 def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision, *, inference: bool) -> ModelSpec:
     """``spec`` with the quantized layout and the adapters ``finetune`` asks for (see the module docstring).
 
-    The model is rebuilt in place (it was built on ``meta`` for this plan alone); a model quantized by
-    a library memfit cannot trace is refused here, flags or not.
+    The model is rebuilt in place (it was built on ``meta`` for this plan alone). A config quantized by a
+    library memfit cannot trace (GPTQ, AWQ, ...) builds its unquantized architecture on ``meta``: with
+    ``--quantize`` that is planned with bitsandbytes standing in, without it the config is refused (and a
+    model holding that library's layers always is).
     """
-    _refuse_foreign_quantization(spec)
+    _refuse_foreign_quantization(spec, stand_in=finetune.quantize is not None)
     if not finetune.active:
         return spec
     if finetune.quantize and not finetune.lora and not inference:
@@ -189,22 +199,74 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
             if parameter.is_floating_point():
                 parameter.data = parameter.data.to(precision.compute_dtype)
     if finetune.lora:
-        model = _with_lora(model, finetune)
+        model = add_lora(model, finetune)
     if inference:  # serving trains nothing, as peft loads adapters for inference (is_trainable=False)
         model.requires_grad_(False)
     return dataclasses.replace(spec, model=model)
 
 
-def _refuse_foreign_quantization(spec: ModelSpec) -> None:
-    try:
-        refuse_unsupported_quantization(spec.model)
-    except InvalidInputError as error:
-        library = str(error).split(" is quantized with ", 1)[-1].split(",", 1)[0]
-        raise InvalidInputError(
-            f"{spec.name} is quantized with {library} (its quantization_config), which memfit cannot trace; "
-            "it traces bitsandbytes only. Plan the unquantized config with --quantize nf4 or int8 as a stand-in, "
-            f"or use the formula tier: memfit estimate --params N --quantize nf4 --lora-r 16"
-        ) from None
+class ForeignQuantizationError(InvalidInputError):
+    """A model quantized by a library the trace cannot model (GPTQ, AWQ, torchao, HQQ, ...).
+
+    ``library`` names it; ``stand_in`` is the bitsandbytes quantization of the same width (``int8`` for 8-bit
+    weights, else ``nf4``) that the plan and the formula tier can count instead.
+    """
+
+    def __init__(self, name: str, library: str, stand_in: str) -> None:
+        self.library, self.stand_in = library, stand_in
+        self.reason = (
+            f"{name} is quantized with {library} (its quantization_config), which memfit cannot trace; it traces "
+            "bitsandbytes only"
+        )
+        super().__init__(f"{self.reason}. {self.advice()}")
+
+    def advice(self, estimate: str | None = None) -> str:
+        """What to do instead, with ``estimate``, the formula tier's command, where the caller can write it."""
+        return (
+            f"Add --quantize {self.stand_in} to plan it with bitsandbytes {self.stand_in} standing in, or use the "
+            "formula tier" + (f": {estimate}" if estimate else f" (memfit estimate with --quantize {self.stand_in})")
+        )
+
+
+def foreign_quantization(model: nn.Module) -> tuple[str, str] | None:
+    """``(library, bitsandbytes stand-in)`` when ``model`` is quantized by a library memfit cannot trace."""
+    library = unsupported_quantization(model)
+    if library is None:
+        return None
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    return library, "int8" if _weight_bits(config) == 8 else "nf4"
+
+
+def _weight_bits(config: Any) -> int | None:
+    """The weight width a quantization_config names (GPTQ's and AWQ's ``bits``, HQQ's ``nbits``, torchao's
+    ``int8_weight_only``...), searched through nested settings; ``None`` when it names none."""
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    if not isinstance(config, dict):
+        return None
+    for key in ("bits", "nbits", "w_bit", "weight_bits"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    for value in config.values():
+        found = _weight_bits(value) if isinstance(value, dict) else None
+        if found is None and isinstance(value, str) and any(tag in value.lower() for tag in ("int8", "8bit")):
+            found = 8
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_foreign_quantization(spec: ModelSpec, *, stand_in: bool) -> None:
+    found = foreign_quantization(spec.model)
+    if found is None:
+        return
+    config = spec.model.config
+    if stand_in:  # the architecture is built unquantized: drop the config's word, bitsandbytes stands in
+        saved, config.quantization_config = config.quantization_config, None
+        if unsupported_quantization(spec.model) is None:
+            return
+        config.quantization_config = saved  # its own layers are in the model: nothing to stand in for
+    raise ForeignQuantizationError(spec.name, *found)
 
 
 # ------------------------------------------------------------------------------------- quantization
@@ -329,7 +391,8 @@ def _int8_weight(rows: int, cols: int) -> nn.Parameter:
 
 
 # --------------------------------------------------------------------------------------------- LoRA
-def _with_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
+def add_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
+    """``model`` with peft's LoRA (or DoRA) adapters as ``finetune`` asks for them (real ``get_peft_model``)."""
     from peft import LoraConfig, get_peft_model
 
     targets: str | list[str] = "all-linear"

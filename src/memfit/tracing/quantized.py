@@ -58,6 +58,7 @@ __all__ = [
     "fake_quantized_parameter",
     "is_quantized_parameter",
     "refuse_unsupported_quantization",
+    "unsupported_quantization",
 ]
 
 MakeFake = Callable[[torch.Tensor], torch.Tensor]
@@ -96,8 +97,8 @@ _UNSUPPORTED_PACKAGES = {
 }
 
 
-def refuse_unsupported_quantization(model: nn.Module) -> None:
-    """Raise ``InvalidInputError`` naming the library when ``model`` is quantized by one the trace cannot model.
+def unsupported_quantization(model: nn.Module) -> str | None:
+    """The library that quantized ``model`` when the trace cannot model it (``"GPTQ"``, ``"AWQ"``, ...), else ``None``.
 
     Detected without importing those libraries: the model config's ``quantization_config.quant_method``,
     then the classes of its modules, parameters and buffers.
@@ -111,6 +112,12 @@ def refuse_unsupported_quantization(model: nn.Module) -> None:
                     library = _library_of(type(tensor))
             if library is not None:
                 break
+    return library
+
+
+def refuse_unsupported_quantization(model: nn.Module) -> None:
+    """Raise ``InvalidInputError`` naming the library when ``model`` is quantized by one the trace cannot model."""
+    library = unsupported_quantization(model)
     if library is not None:
         raise InvalidInputError(
             f"{type(model).__name__} is quantized with {library}, whose packed weights and kernels memfit cannot "
