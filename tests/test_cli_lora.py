@@ -394,7 +394,9 @@ def test_estimate_counts_adapters_with_peft_and_quantized_weights(config_path: P
     # the scales of all layers counted at once: the same bytes up to a few blocks rounded per layer
     assert formula["quantized_weights_bytes"] == pytest.approx(traced["quantized_weights_bytes"], abs=4 * 14)
     assert formula["gradients_bytes"] == 2 * trainable and formula["master_weights_bytes"] == 4 * trainable
-    assert formula["optimizer_state_bytes"] == 2 * trainable  # two 1-byte states
+    # every adapter is under bitsandbytes' min_8bit_size (4096 elements): two fp32 states, as the trace holds them
+    paged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"], "--optimizer", "paged_adamw_8bit")
+    assert formula["optimizer_state_bytes"] == paged["finetune"]["optimizer_state_bytes"] == 8 * trainable
 
 
 def test_estimate_orders_qlora_lora_and_full_fine_tuning_of_an_8b_model() -> None:
@@ -424,3 +426,34 @@ def test_estimate_of_a_quantized_model_without_adapters_says_what_to_add(config_
     served = json.loads(out)
     assert served["quantized_weights_bytes"] > 0 and served["trainable_parameters"] == 0
     assert served["gradients_bytes"] == served["optimizer_state_bytes"] == 0
+
+
+def test_estimate_counts_8bit_optimizer_state_as_bitsandbytes_and_the_trace_do(tmp_path: Path) -> None:
+    """Adapters on both sides of bitsandbytes' min_8bit_size (hidden 512, r=8: 1024 to 8192 elements): the formula
+    tier counts the state a real AdamW8bit allocates, and the trace holds the same tensors (CUDA rounds each
+    allocation up to 512 B)."""
+    config = {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    flags = ["--lora-r", str(RANK), "--optimizer", "adamw_8bit", "--precision", "bf16-mixed"]
+    code, out, err = cli("estimate", "--hf-config", str(path), *flags, "--json")
+    assert code == 0, err
+    formula = json.loads(out)["optimizer_state_bytes"]
+
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    real = get_peft_model(LlamaForCausalLM(LlamaConfig(**config)), LoraConfig(r=RANK, target_modules="all-linear"))
+    adapters = [p for p in real.parameters() if p.requires_grad]
+    assert min(p.numel() for p in adapters) < 4096 <= max(p.numel() for p in adapters)
+    optimizer = bnb.optim.AdamW8bit(adapters)
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 8))
+    real(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    state = {id(t): t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)}
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    assert formula == sum(sizes)
+
+    code, out, err = cli("plan", "--hf-config", str(path), *PLAN, *flags, "--json")
+    assert code == 0, err
+    assert json.loads(out)["finetune"]["optimizer_state_bytes"] == sum(-(-size // 512) * 512 for size in sizes)

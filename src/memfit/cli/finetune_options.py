@@ -213,7 +213,10 @@ def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dic
     model = add_lora(spec.model, lora_only) if lora_only.lora else spec.model
     out: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
     if finetune.lora:
-        out["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out["trainable_sizes"] = [p.numel() for p in model.parameters() if p.requires_grad]
+        out["trainable_parameters"] = sum(out["trainable_sizes"])
+    elif _all_trainable(args):
+        out["trainable_sizes"] = [p.numel() for p in model.parameters()]
     if linears is not None:
         out["quantized_parameters"] = sum(linear.weight.numel() for _, linear in linears)
         out["quantized_layers"] = len(linears)
