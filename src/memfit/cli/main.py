@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
@@ -99,11 +100,10 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:
-        from rich.console import Console
-
+        from memfit.cli.console import stdout_console
         from memfit.reporting.tables import formula_table
 
-        Console().print(formula_table(estimate))
+        stdout_console().print(formula_table(estimate))
     return 0
 
 
@@ -131,11 +131,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        from rich.console import Console
-
+        from memfit.cli.console import stdout_console
         from memfit.reporting.tables import finetune_table, plan_table
 
-        console = Console(width=None if sys.stdout.isatty() else 200)
+        console = stdout_console(width=None if sys.stdout.isatty() else 200)
         console.print(plan_table(report))
         if report.finetune is not None:
             console.print(finetune_table(report))
@@ -316,8 +315,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """The command reading our output closed it (``memfit ... | head -1``): stop quietly, as a Unix tool ended by
+    SIGPIPE does, with its exit status (128 + 13). Later writes, Python's own flush at exit included, go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing will flush it at exit
+        pass
+    return 128 + int(getattr(signal, "SIGPIPE", 13))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad input) instead of exiting."""
+    """Run the command line; returns the exit code (0 ok, 2 bad input, 141 when the reader of the output closed
+    it) instead of exiting."""
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -327,7 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _importable_cwd()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (MemfitError, ValueError) as exc:
         message = " ".join(str(exc).split())
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):
