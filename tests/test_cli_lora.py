@@ -163,6 +163,21 @@ def test_quantized_layout_is_bitsandbytes_own(config_path: Path, checkpoint: Pat
     assert report["quantized_weights_bytes"] == expected
 
 
+@pytest.mark.parametrize("case", ["nf4", "fp4", "int8"])
+def test_qdora_counts_are_peft_own_on_bitsandbytes_layers(config_path: Path, checkpoint: Path, case: str) -> None:
+    """--dora --quantize: real peft DoRA on the meta model's bitsandbytes layers, the magnitude vectors trainable."""
+    report = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case], "--dora")["finetune"]
+    real = real_quantized(checkpoint, case, use_dora=True)
+    trainable, total = real.get_nb_trainable_parameters()
+    assert (report["trainable_parameters"], report["parameters"]) == (trainable, total)
+    magnitudes = sum(p.numel() for name, p in real.named_parameters() if "lora_magnitude_vector" in name)
+    assert magnitudes and trainable == magnitudes + plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case])[
+        "finetune"]["trainable_parameters"]  # fmt: skip
+    sizes = finetune_breakdown(real)
+    assert {k: report[k] for k in sizes} == sizes
+    assert report["label"].endswith(f"DoRA r={RANK}")
+
+
 def _bnb_bytes(shape: torch.Size, case: str) -> int:
     """bitsandbytes' bytes for one weight: numel / 2 packed plus the quantization state (see its QuantState)."""
     numel, rows = shape.numel(), shape[0]
@@ -175,11 +190,17 @@ def _bnb_bytes(shape: torch.Size, case: str) -> int:
     return numel // 2 + blocks + 4 * math.ceil(blocks / 256) + 256 * 4 + 4 + 16 * 4
 
 
-@pytest.mark.parametrize("case", ["nf4", "int8"])
-def test_traced_plan_equals_estimate_of_real_quantized_model(config_path: Path, checkpoint: Path, case: str) -> None:
-    row = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case], "--optimizer", "paged_adamw_8bit")["gpus"][0]
+@pytest.mark.parametrize(("case", "dora"), [("nf4", False), ("int8", False), ("nf4", True), ("int8", True)],
+                         ids=["nf4", "int8", "qdora-nf4", "dora-int8"])  # fmt: skip
+def test_traced_plan_equals_estimate_of_real_quantized_model(
+    config_path: Path, checkpoint: Path, case: str, dora: bool
+) -> None:
+    """The plan's meta model against a real one (bitsandbytes' quantization, peft's adapters): the same trace.
+    With DoRA, peft dequantizes each quantized weight in every forward to take its norm."""
+    flags = (*FLAGS[case], "--dora") if dora else FLAGS[case]
+    row = plan_json(config_path, "--lora-r", str(RANK), *flags, "--optimizer", "paged_adamw_8bit")["gpus"][0]
     assert row["micro_batch_size"] == BATCH and not row["gradient_checkpointing"]
-    real = real_quantized(checkpoint, case)
+    real = real_quantized(checkpoint, case, use_dora=dora)
     sample = from_hf_config(str(config_path), seq_len=SEQ).sample  # the batch the CLI feeds its meta model
     estimate = memfit.estimate(
         real,
@@ -357,12 +378,6 @@ def test_lora_targets_naming_no_layer_lists_the_layers(config_path: Path) -> Non
     )
     assert "query" in message and "q_proj," not in message.split("layers are")[0]
     assert all(name in message.split("layers are")[1] for name in ("q_proj", "k_proj", "gate_proj", "lm_head"))
-
-
-def test_dora_on_quantized_layers_is_refused_with_what_works(config_path: Path) -> None:
-    message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--lora-r", "8", "--dora",
-                       "--quantize", "nf4")  # fmt: skip
-    assert "QDoRA" in message and "--dora without --quantize" in message and "memfit estimate" in message
 
 
 def test_quantize_alone_asks_for_adapters_or_inference(config_path: Path) -> None:

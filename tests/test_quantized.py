@@ -19,6 +19,8 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 import transformers
+from peft.tuners.lora import dora
+from peft.utils import integrations
 
 import memfit
 from memfit import Category, InvalidInputError, TraceError
@@ -43,18 +45,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_llama(tmp_path_factory.mktemp("tiny-llama"), llama_config(vocab=VOCAB))
 
 
-# case -> (quantization, through prepare_model_for_kbit_training)
-CASES: dict[str, tuple[str, bool]] = {
-    "nf4": ("nf4", False),
-    "fp4-double": ("fp4-double", False),
-    "nf4-double-kbit": ("nf4-double", True),
-    "int8": ("int8", False),
+# case -> (quantization, through prepare_model_for_kbit_training, DoRA)
+CASES: dict[str, tuple[str, bool, bool]] = {
+    "nf4": ("nf4", False, False),
+    "fp4-double": ("fp4-double", False, False),
+    "nf4-double-kbit": ("nf4-double", True, False),
+    "int8": ("int8", False, False),
+    # QDoRA: peft dequantizes every 4-bit weight in each forward for DoRA's norm (8-bit DoRA does not step on a CPU:
+    # peft moves the weight back to the CPU after dequantizing it, which drops its row scales)
+    "nf4-double-kbit-dora": ("nf4-double", True, True),
 }
 
 
 def quantized_lora(checkpoint: Path, case: str) -> nn.Module:
-    quantization, kbit = CASES[case]
-    return quantized_llama(checkpoint, quantization, kbit=kbit)
+    quantization, kbit, dora = CASES[case]
+    return quantized_llama(checkpoint, quantization, kbit=kbit, dora=dora)
 
 
 def tokens() -> dict[str, torch.Tensor]:
@@ -105,6 +110,7 @@ def test_quantized_lora_peaks_where_the_cpu_allocator_does(checkpoint: Path, cas
     before = bnb_state(model)
     estimate = memfit.estimate(model, tokens(), target=memfit.Target("cpu"))
     assert_same(before, bnb_state(model))  # the user's model is untouched: objects, dtypes, quantization state
+    assert dora.dequantize_module_weight is integrations.dequantize_module_weight  # peft's own again
 
     # frozen quantized weights get no gradients and no optimizer state: only the LoRA adapters do
     adapters = [p for p in model.parameters() if p.requires_grad]

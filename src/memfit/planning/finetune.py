@@ -16,11 +16,13 @@ The model the planner traces must hold the dtypes and layouts the real run will 
   that) freezes the model and keeps every non-quantized parameter in fp32, as QLoRA scripts and TRL run;
 - without quantization, under mixed precision the frozen base is stored in the compute dtype (bf16),
   as LoRA scripts load it (``torch_dtype=torch.bfloat16``); the adapters stay fp32, as peft keeps them;
-- ``--lora-r`` applies real peft ``get_peft_model`` with a ``LoraConfig`` (``use_dora`` for ``--dora``).
+- ``--lora-r`` applies real peft ``get_peft_model`` with a ``LoraConfig`` (``use_dora`` for ``--dora``); DoRA on
+  quantized layers (QDoRA) computes its magnitude from the dequantized weight there, on ``meta``, as peft does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -179,12 +181,6 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
             f"{spec.name} is quantized ({finetune.describe()}: --quantize or its config's quantization_config), "
             "which freezes its weights, so training needs adapters: add --lora-r 16 (QLoRA), or add --inference "
             "to plan serving the quantized model"
-        )
-    if finetune.dora and finetune.quantize:
-        raise InvalidInputError(
-            "--dora with --quantize (QDoRA) is not traced yet: peft's DoRA dequantizes a bitsandbytes weight by its "
-            "class, which the trace's stand-in for it does not keep. Plan --dora without --quantize, or LoRA with "
-            "--quantize; memfit estimate --dora --quantize gives the formula tier's figure"
         )
     model = spec.model
     compute = precision.compute_dtype if precision is not Precision.FP32 else torch.bfloat16
@@ -407,9 +403,14 @@ def add_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
         use_dora=finetune.dora,
         task_type=_task_type(model),
     )
+    # DoRA dequantizes a Linear4bit's weight into a copy of the layer (``DoraLinearLayer.update_layer``) whose new
+    # Params4bit starts as an empty CPU tensor: on a meta model, it must start on meta to take the meta weight.
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.simplefilter("ignore", FutureWarning)
+        with warnings.catch_warnings(), torch.device("meta") if on_meta else contextlib.nullcontext():
+            warnings.simplefilter(
+                "ignore", FutureWarning
+            )  # peft reads transformers' deprecated is_gradient_checkpointing
             return get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as error:  # peft's own word on targets it cannot adapt
         raise InvalidInputError(f"peft could not add LoRA adapters: {' '.join(str(error).split())}") from None

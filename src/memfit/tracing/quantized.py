@@ -26,6 +26,11 @@ What each stand-in models, in bytes:
 - ``Int8Params``: the int8 weight (``CB``, the parameter's own storage) and ``SCB`` (fp32 per
   row). ``Linear8bitLt.forward`` moves both into the module's ``MatmulLtState``; the trace gives the
   module a copy of that state holding the fakes, so the real one keeps its tensors.
+- peft's DoRA on a bitsandbytes layer dequantizes its weight in every forward with
+  ``dequantize_module_weight``, which recognises a bitsandbytes weight by its class; the stand-ins are
+  plain fake tensors, so while the trace runs ``peft_dequantizes_stand_ins`` gives peft's modules a
+  version that dequantizes them with the same bitsandbytes calls (``dequantize_4bit`` with the weight's
+  quantization state; ``int8_vectorwise_dequant`` with the module's row scales).
 - LLM.int8()'s matmul (``MatMul8bitLt``: what a GPU runs in training and inference, and a CPU in
   inference) quantizes its input with an outlier threshold (``llm_int8_threshold``, 6.0 by
   default): the columns holding a value above it are found from the *values*, so bitsandbytes' fake
@@ -355,12 +360,62 @@ def _int8_scaled_mm(
 
 
 @contextlib.contextmanager
+def peft_dequantizes_stand_ins() -> Iterator[None]:
+    """peft's ``dequantize_module_weight``, where its modules bound it (``peft.tuners.lora.dora`` and others), made
+    to dequantize the trace's stand-ins for bitsandbytes weights too (see the module docstring); restored after."""
+    integrations = sys.modules.get("peft.utils.integrations")
+    original = getattr(integrations, "dequantize_module_weight", None)
+    if original is None:  # peft not loaded: no peft layer to trace
+        yield
+        return
+    # a module's own namespace only: getattr on lazy modules would import their submodules
+    bound = [
+        module
+        for module in list(sys.modules.values())
+        if isinstance(getattr(module, "__dict__", None), dict)
+        and module.__dict__.get("dequantize_module_weight") is original
+    ]
+    replacement = _dequantizing_stand_ins(original)
+    for module in bound:
+        module.dequantize_module_weight = replacement  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in bound:
+            module.dequantize_module_weight = original  # type: ignore[attr-defined]
+
+
+def _dequantizing_stand_ins(original: Callable[[nn.Module], torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:
+    _, _, _, linear8bit = _bnb_classes()
+
+    def dequantize_module_weight(module: nn.Module) -> torch.Tensor:
+        """peft's ``dequantize_module_weight``, which also dequantizes a stand-in as ``dequantize_bnb_weight`` would
+        dequantize the bitsandbytes weight it stands for."""
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or is_quantized_parameter(weight):
+            return original(module)
+        state = weight.__dict__.get("quant_state")
+        if state is not None:  # a Params4bit's stand-in
+            import bitsandbytes.functional as F
+
+            return F.dequantize_4bit(weight, state)
+        if linear8bit is not None and isinstance(module, linear8bit):  # an Int8Params' stand-in
+            scales = module.state.SCB if module.state.SCB is not None else weight.__dict__.get("SCB")
+            return torch.ops.bitsandbytes.int8_vectorwise_dequant.default(weight, scales)
+        return original(module)
+
+    return dequantize_module_weight
+
+
+@contextlib.contextmanager
 def bitsandbytes_kernels(model: nn.Module) -> Iterator[None]:
-    """While the trace runs: ``_DequantizedGemm`` when the model holds 4-bit layers and ``_Int8Kernels`` when it
-    holds 8-bit ones (nothing otherwise)."""
+    """While the trace runs: ``_DequantizedGemm`` when the model holds 4-bit layers, ``_Int8Kernels`` when it holds
+    8-bit ones, and ``peft_dequantizes_stand_ins`` with either (nothing otherwise)."""
     with contextlib.ExitStack() as stack:
         if has_4bit_modules(model):
             stack.enter_context(_DequantizedGemm())
         if has_8bit_modules(model):
             stack.enter_context(_Int8Kernels())
+        if has_4bit_modules(model) or has_8bit_modules(model):
+            stack.enter_context(peft_dequantizes_stand_ins())
         yield
