@@ -124,11 +124,15 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     _quiet_bitsandbytes(args)
     finetune = finetune_spec(args)
     if finetune.quantize and not finetune.lora and _all_trainable(args):
+        adapters = (
+            "--lora-r 16"
+            if args.hf_config
+            else "--lora-r 16 with --lora-params N (or --hf-config NAME_OR_PATH, which counts the adapters)"
+        )
         raise InvalidInputError(
             f"--quantize {finetune.quantize} without --lora-r would train the quantized weights themselves, which "
-            "bitsandbytes cannot do (they are frozen): add --lora-r 16 with --lora-params N (or --hf-config "
-            "NAME_OR_PATH, which counts the adapters) to estimate QLoRA, or --trainable-fraction 0 to count the "
-            "quantized weights alone"
+            f"bitsandbytes cannot do (they are frozen): add {adapters} to estimate QLoRA, or --trainable-fraction 0 "
+            "to count the quantized weights alone"
         )
     out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
     if args.hf_config:
