@@ -240,6 +240,9 @@ def finetune_table(report: PlanReport) -> Table:
             continue
         if key == "quantized_weights_bytes" and not size:
             continue
+        if key == "frozen_weights_bytes" and not finetune.quantized_weights_bytes:  # LoRA on an unquantized base
+            table.add_row("Frozen weights (the base model)", format_bytes(size or 0))
+            continue
         if key == "adapter_weights_bytes" and report.inference:
             if size:
                 table.add_row("Adapters", format_bytes(size))
