@@ -408,9 +408,8 @@ def add_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
     on_meta = any(p.is_meta for p in model.parameters())
     try:
         with warnings.catch_warnings(), torch.device("meta") if on_meta else contextlib.nullcontext():
-            warnings.simplefilter(
-                "ignore", FutureWarning
-            )  # peft reads transformers' deprecated is_gradient_checkpointing
+            # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
             return get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as error:  # peft's own word on targets it cannot adapt
         raise InvalidInputError(f"peft could not add LoRA adapters: {' '.join(str(error).split())}") from None

@@ -62,6 +62,7 @@ __all__ = [
     "bitsandbytes_kernels",
     "fake_quantized_parameter",
     "is_quantized_parameter",
+    "peft_dequantizes_stand_ins",
     "refuse_unsupported_quantization",
     "unsupported_quantization",
 ]
