@@ -52,10 +52,12 @@ def save_random_llama(path: Path, config: LlamaConfig | None = None, seed: int =
     return path
 
 
-def quantized_llama(checkpoint: Path, quantization: str, *, kbit: bool = False, lora: bool = True) -> torch.nn.Module:
+def quantized_llama(
+    checkpoint: Path, quantization: str, *, kbit: bool = False, lora: bool = True, dora: bool = False
+) -> torch.nn.Module:
     """The Llama at ``checkpoint`` loaded on the CPU with ``QUANTIZATIONS[quantization]``; with ``kbit``,
     through ``peft.prepare_model_for_kbit_training`` (fp32 norms and head, input gradients, no
-    checkpointing); with ``lora``, a peft LoRA of rank 8 on ``TARGETS``."""
+    checkpointing); with ``lora``, a peft LoRA of rank 8 on ``TARGETS`` (DoRA with ``dora``)."""
     with quiet_bitsandbytes():
         model = LlamaForCausalLM.from_pretrained(
             checkpoint, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[quantization]), device_map="cpu"
@@ -65,7 +67,7 @@ def quantized_llama(checkpoint: Path, quantization: str, *, kbit: bool = False, 
         if not lora:
             return model
         torch.manual_seed(0)
-        return get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS))
+        return get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS, use_dora=dora))
 
 
 @contextmanager

@@ -207,6 +207,37 @@ def test_python_dash_m_memfit_runs_the_cli() -> None:
     assert "Traceback" not in bad.stderr
 
 
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*SEED_ARGS, "--json"],
+        SEED_ARGS,
+        ["plan", "--hf-config", "{config}", "--budget", "1GiB", "--seq-len", "16", "--json"],
+        ["plan", "--hf-config", "{config}", "--budget", "1GiB", "--seq-len", "16"],
+    ],
+    ids=["estimate-json", "estimate-table", "plan-json", "plan-table"],
+)
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
+    """``memfit ... | head -1``: the reader is gone before the output is written; no traceback, SIGPIPE's status."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    read, write = os.pipe()
+    os.close(read)  # a reader that has already gone
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "memfit", *(arg.format(config=config) for arg in argv)],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert result.stderr == "" and result.returncode == 141
+
+
 @pytest.mark.parametrize(
     "argv",
     [["estimate"], ["estimate", "--params", "10", "--nope"], ["plan", "--hf-config", "gpt2", "--checkpointing", "x"]],

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import math
+import shlex
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,15 @@ import torch
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import BitsAndBytesConfig, GPT2Config, LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import (
+    BitsAndBytesConfig,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import memfit
 from memfit.cli.main import main
@@ -155,6 +163,21 @@ def test_quantized_layout_is_bitsandbytes_own(config_path: Path, checkpoint: Pat
     assert report["quantized_weights_bytes"] == expected
 
 
+@pytest.mark.parametrize("case", ["nf4", "fp4", "int8"])
+def test_qdora_counts_are_peft_own_on_bitsandbytes_layers(config_path: Path, checkpoint: Path, case: str) -> None:
+    """--dora --quantize: real peft DoRA on the meta model's bitsandbytes layers, the magnitude vectors trainable."""
+    report = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case], "--dora")["finetune"]
+    real = real_quantized(checkpoint, case, use_dora=True)
+    trainable, total = real.get_nb_trainable_parameters()
+    assert (report["trainable_parameters"], report["parameters"]) == (trainable, total)
+    magnitudes = sum(p.numel() for name, p in real.named_parameters() if "lora_magnitude_vector" in name)
+    assert magnitudes and trainable == magnitudes + plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case])[
+        "finetune"]["trainable_parameters"]  # fmt: skip
+    sizes = finetune_breakdown(real)
+    assert {k: report[k] for k in sizes} == sizes
+    assert report["label"].endswith(f"DoRA r={RANK}")
+
+
 def _bnb_bytes(shape: torch.Size, case: str) -> int:
     """bitsandbytes' bytes for one weight: numel / 2 packed plus the quantization state (see its QuantState)."""
     numel, rows = shape.numel(), shape[0]
@@ -167,11 +190,17 @@ def _bnb_bytes(shape: torch.Size, case: str) -> int:
     return numel // 2 + blocks + 4 * math.ceil(blocks / 256) + 256 * 4 + 4 + 16 * 4
 
 
-@pytest.mark.parametrize("case", ["nf4", "int8"])
-def test_traced_plan_equals_estimate_of_real_quantized_model(config_path: Path, checkpoint: Path, case: str) -> None:
-    row = plan_json(config_path, "--lora-r", str(RANK), *FLAGS[case], "--optimizer", "paged_adamw_8bit")["gpus"][0]
+@pytest.mark.parametrize(("case", "dora"), [("nf4", False), ("int8", False), ("nf4", True), ("int8", True)],
+                         ids=["nf4", "int8", "qdora-nf4", "dora-int8"])  # fmt: skip
+def test_traced_plan_equals_estimate_of_real_quantized_model(
+    config_path: Path, checkpoint: Path, case: str, dora: bool
+) -> None:
+    """The plan's meta model against a real one (bitsandbytes' quantization, peft's adapters): the same trace.
+    With DoRA, peft dequantizes each quantized weight in every forward to take its norm."""
+    flags = (*FLAGS[case], "--dora") if dora else FLAGS[case]
+    row = plan_json(config_path, "--lora-r", str(RANK), *flags, "--optimizer", "paged_adamw_8bit")["gpus"][0]
     assert row["micro_batch_size"] == BATCH and not row["gradient_checkpointing"]
-    real = real_quantized(checkpoint, case)
+    real = real_quantized(checkpoint, case, use_dora=dora)
     sample = from_hf_config(str(config_path), seq_len=SEQ).sample  # the batch the CLI feeds its meta model
     estimate = memfit.estimate(
         real,
@@ -183,6 +212,50 @@ def test_traced_plan_equals_estimate_of_real_quantized_model(config_path: Path, 
     )
     assert row["breakdown_bytes"] == estimate.to_dict()["breakdown_bytes"]
     assert row["predicted_peak_bytes"] >= estimate.peak_bytes  # the plan's figure is at(batch): never below the trace
+
+
+@pytest.mark.parametrize("case", ["nf4", "int8"])
+def test_inference_plan_of_a_quantized_model_equals_estimate_of_the_real_one(
+    config_path: Path, checkpoint: Path, case: str
+) -> None:
+    """Serving a quantized model: an 8-bit forward finds its outlier columns from the input's values, which
+    the trace replays with a fixed count instead of failing."""
+    row = plan_json(config_path, "--inference", *FLAGS[case])["gpus"][0]
+    assert row["micro_batch_size"] == BATCH
+    real = LlamaForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(**BNB[case]), dtype=torch.bfloat16, device_map="cpu"
+    )
+    estimate = memfit.estimate(
+        real,
+        from_hf_config(str(config_path), seq_len=SEQ).sample,
+        batch_size=BATCH,
+        precision="bf16",
+        inference=True,
+        target=memfit.Target("cuda", CudaRuntime(compute_capability=(9, 0))),
+    )
+    assert row["breakdown_bytes"] == estimate.to_dict()["breakdown_bytes"]
+    assert row["breakdown_bytes"]["temporaries"] > 0
+
+
+def test_a_served_quantized_model_trains_nothing_and_counts_its_tied_embedding_once(tmp_path: Path) -> None:
+    """Serving trains nothing: a Qwen2 whose head is its embedding has that one frozen weight, counted once."""
+    torch.manual_seed(0)
+    shape = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    config = Qwen2Config(**{**shape, "vocab_size": 512}, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    code, out, err = cli("plan", "--hf-config", str(tmp_path / "config.json"), "--budget", "1GiB", "--seq-len",
+                         str(SEQ), "--inference", *FLAGS["nf4"], "--json")  # fmt: skip
+    assert code == 0, err
+    finetune = json.loads(out)["finetune"]
+    real = Qwen2ForCausalLM.from_pretrained(
+        tmp_path, quantization_config=BitsAndBytesConfig(**BNB["nf4"]), dtype=torch.bfloat16, device_map="cpu"
+    )
+    assert real.lm_head.weight is real.model.embed_tokens.weight
+    unquantized = [p for p in real.parameters() if type(p).__name__ != "Params4bit"]  # a tied weight once
+    assert finetune["trainable_parameters"] == 0 and finetune["adapter_weights_bytes"] == 0
+    assert finetune["frozen_weights_bytes"] == sum(p.numel() * p.element_size() for p in unquantized)
+    assert finetune["parameters"] == PeftModel.get_nb_trainable_parameters(real)[1]  # counted as peft counts
+    assert finetune["adapter_gradients_bytes"] is None and finetune["optimizer_state_bytes"] is None
 
 
 def test_qlora_below_lora_below_full_fine_tuning(config_path: Path) -> None:
@@ -236,11 +309,45 @@ def _refused(*argv: str) -> str:
     return message
 
 
-def test_foreign_quantization_is_named_with_what_to_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "flags", "stand_in"),
+    [
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, ["--lora-r", "8", "--optimizer", "paged_adamw_8bit"],
+         "nf4"),
+        ({"quant_method": "gptq", "bits": 8}, ["--inference"], "int8"),
+        ({"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4}}}, [], "nf4"),
+        ({"quant_method": "torchao", "quant_type": "int8_weight_only"}, ["--lora-r", "8", "--dora"], "int8"),
+    ],
+    ids=["awq-lora", "gptq-8bit-inference", "hqq-training", "torchao-dora"],
+)  # fmt: skip
+def test_foreign_quantization_suggests_an_estimate_command_that_runs(
+    tmp_path: Path, quantization: dict[str, Any], flags: list[str], stand_in: str
+) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "awq", "bits": 4}}))
-    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", "--lora-r", "8")
-    assert "AWQ" in message and "--quantize" in message and "memfit estimate" in message
+    path.write_text(json.dumps({**CONFIG, "quantization_config": quantization}))
+    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", *flags)
+    library = {"awq": "AWQ", "gptq": "GPTQ", "hqq": "HQQ", "torchao": "torchao"}[quantization["quant_method"]]
+    assert f"quantized with {library}" in message and f"Add --quantize {stand_in}" in message
+    command = shlex.split(message.split("formula tier: ", 1)[1])
+    assert command[:2] == ["memfit", "estimate"] and command[command.index("--quantize") + 1] == stand_in
+    code, out, err = cli(*command[1:], "--json")
+    assert code == 0, err
+    formula = json.loads(out)
+    assert formula["quantized_weights_bytes"] > 0
+    assert (formula["trainable_parameters"] == 0) == ("--inference" in flags)  # a served model trains nothing
+    message = _refused("estimate", "--hf-config", str(path), "--lora-r", "8")  # the formula tier needs a width
+    assert library in message and f"add --quantize {stand_in}" in message
+
+
+def test_foreign_quantization_is_planned_with_bitsandbytes_standing_in(config_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    code, out, err = cli("plan", "--hf-config", str(path), *PLAN, "--lora-r", str(RANK), *FLAGS["nf4"], "--json")
+    assert code == 0, err
+    finetune = json.loads(out)["finetune"]
+    flagged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"])["finetune"]
+    assert {k: v for k, v in finetune.items() if k != "notes"} == {k: v for k, v in flagged.items() if k != "notes"}
+    assert finetune["notes"] == ["GPTQ (the config's quantization_config) planned as bitsandbytes nf4"]
 
 
 def test_a_bitsandbytes_checkpoint_config_is_planned_quantized(config_path: Path, tmp_path: Path) -> None:
@@ -273,12 +380,6 @@ def test_lora_targets_naming_no_layer_lists_the_layers(config_path: Path) -> Non
     assert all(name in message.split("layers are")[1] for name in ("q_proj", "k_proj", "gate_proj", "lm_head"))
 
 
-def test_dora_on_quantized_layers_is_refused_with_what_works(config_path: Path) -> None:
-    message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--lora-r", "8", "--dora",
-                       "--quantize", "nf4")  # fmt: skip
-    assert "QDoRA" in message and "--dora without --quantize" in message and "memfit estimate" in message
-
-
 def test_quantize_alone_asks_for_adapters_or_inference(config_path: Path) -> None:
     message = _refused("plan", "--hf-config", str(config_path), "--budget", "1GiB", "--quantize", "nf4")
     assert "--lora-r" in message and "--inference" in message
@@ -308,7 +409,9 @@ def test_estimate_counts_adapters_with_peft_and_quantized_weights(config_path: P
     # the scales of all layers counted at once: the same bytes up to a few blocks rounded per layer
     assert formula["quantized_weights_bytes"] == pytest.approx(traced["quantized_weights_bytes"], abs=4 * 14)
     assert formula["gradients_bytes"] == 2 * trainable and formula["master_weights_bytes"] == 4 * trainable
-    assert formula["optimizer_state_bytes"] == 2 * trainable  # two 1-byte states
+    # every adapter is under bitsandbytes' min_8bit_size (4096 elements): two fp32 states, as the trace holds them
+    paged = plan_json(config_path, "--lora-r", str(RANK), *FLAGS["nf4"], "--optimizer", "paged_adamw_8bit")
+    assert formula["optimizer_state_bytes"] == paged["finetune"]["optimizer_state_bytes"] == 8 * trainable
 
 
 def test_estimate_orders_qlora_lora_and_full_fine_tuning_of_an_8b_model() -> None:
@@ -324,3 +427,48 @@ def test_estimate_orders_qlora_lora_and_full_fine_tuning_of_an_8b_model() -> Non
     assert 4e9 < qlora < 6e9 and 16e9 < lora < 18e9  # 8B at ~4.1 bits / 16 bits, plus 42M adapters
     message = _refused("estimate", "--params", "8B", "--lora-r", "16")
     assert "--hf-config" in message and "--lora-params" in message
+
+
+def test_estimate_of_a_quantized_model_without_adapters_says_what_to_add(config_path: Path) -> None:
+    """--quantize without --lora-r would train the quantized weights, which bitsandbytes cannot: refused, with
+    the two things that make sense; the second of them then runs."""
+    for counts in (["--params", "7B"], ["--hf-config", str(config_path)]):
+        message = _refused("estimate", *counts, "--quantize", "nf4")
+        assert "--lora-r 16" in message and "--trainable-fraction 0" in message and "bitsandbytes" in message
+    code, out, err = cli("estimate", "--hf-config", str(config_path), "--quantize", "nf4", "--trainable-fraction", "0",
+                         "--json")  # fmt: skip
+    assert code == 0, err
+    served = json.loads(out)
+    assert served["quantized_weights_bytes"] > 0 and served["trainable_parameters"] == 0
+    assert served["gradients_bytes"] == served["optimizer_state_bytes"] == 0
+
+
+def test_estimate_counts_8bit_optimizer_state_as_bitsandbytes_and_the_trace_do(tmp_path: Path) -> None:
+    """Adapters on both sides of bitsandbytes' min_8bit_size (hidden 512, r=8: 1024 to 8192 elements): the formula
+    tier counts the state a real AdamW8bit allocates, and the trace holds the same tensors (CUDA rounds each
+    allocation up to 512 B)."""
+    config = {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    flags = ["--lora-r", str(RANK), "--optimizer", "adamw_8bit", "--precision", "bf16-mixed"]
+    code, out, err = cli("estimate", "--hf-config", str(path), *flags, "--json")
+    assert code == 0, err
+    formula = json.loads(out)["optimizer_state_bytes"]
+
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    real = get_peft_model(LlamaForCausalLM(LlamaConfig(**config)), LoraConfig(r=RANK, target_modules="all-linear"))
+    adapters = [p for p in real.parameters() if p.requires_grad]
+    assert min(p.numel() for p in adapters) < 4096 <= max(p.numel() for p in adapters)
+    optimizer = bnb.optim.AdamW8bit(adapters)
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 8))
+    real(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    state = {id(t): t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)}
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    assert formula == sum(sizes)
+
+    code, out, err = cli("plan", "--hf-config", str(path), *PLAN, *flags, "--json")
+    assert code == 0, err
+    assert json.loads(out)["finetune"]["optimizer_state_bytes"] == sum(-(-size // 512) * 512 for size in sizes)

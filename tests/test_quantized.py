@@ -19,6 +19,8 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 import transformers
+from peft.tuners.lora import dora
+from peft.utils import integrations
 
 import memfit
 from memfit import Category, InvalidInputError, TraceError
@@ -43,18 +45,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_llama(tmp_path_factory.mktemp("tiny-llama"), llama_config(vocab=VOCAB))
 
 
-# case -> (quantization, through prepare_model_for_kbit_training)
-CASES: dict[str, tuple[str, bool]] = {
-    "nf4": ("nf4", False),
-    "fp4-double": ("fp4-double", False),
-    "nf4-double-kbit": ("nf4-double", True),
-    "int8": ("int8", False),
+# case -> (quantization, through prepare_model_for_kbit_training, DoRA)
+CASES: dict[str, tuple[str, bool, bool]] = {
+    "nf4": ("nf4", False, False),
+    "fp4-double": ("fp4-double", False, False),
+    "nf4-double-kbit": ("nf4-double", True, False),
+    "int8": ("int8", False, False),
+    # QDoRA: peft dequantizes every 4-bit weight in each forward for DoRA's norm (8-bit DoRA does not step on a CPU:
+    # peft moves the weight back to the CPU after dequantizing it, which drops its row scales)
+    "nf4-double-kbit-dora": ("nf4-double", True, True),
 }
 
 
 def quantized_lora(checkpoint: Path, case: str) -> nn.Module:
-    quantization, kbit = CASES[case]
-    return quantized_llama(checkpoint, quantization, kbit=kbit)
+    quantization, kbit, dora = CASES[case]
+    return quantized_llama(checkpoint, quantization, kbit=kbit, dora=dora)
 
 
 def tokens() -> dict[str, torch.Tensor]:
@@ -105,6 +110,7 @@ def test_quantized_lora_peaks_where_the_cpu_allocator_does(checkpoint: Path, cas
     before = bnb_state(model)
     estimate = memfit.estimate(model, tokens(), target=memfit.Target("cpu"))
     assert_same(before, bnb_state(model))  # the user's model is untouched: objects, dtypes, quantization state
+    assert dora.dequantize_module_weight is integrations.dequantize_module_weight  # peft's own again
 
     # frozen quantized weights get no gradients and no optimizer state: only the LoRA adapters do
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -134,6 +140,32 @@ def test_quantized_weights_count_their_packed_bytes_and_state(checkpoint: Path) 
             assert state.absmax.numel() == rows * columns // 64 and state.absmax.dtype == torch.float32
             expected += state.absmax.numel() * 4 + state.code.numel() * 4
     assert estimate.phases[0].breakdown[Category.PARAMETERS] == expected
+
+
+def test_the_8bit_kernel_replays_compute_what_bitsandbytes_kernels_do() -> None:
+    """The trace replays LLM.int8()'s mixed matmul as a decomposition (its outlier count being value-dependent):
+    on real tensors, with the outlier columns bitsandbytes finds, it gives bitsandbytes' own result."""
+    import bitsandbytes.functional as F
+
+    from memfit.tracing.quantized import _int8_mixed_scaled_mm, _int8_scaled_mm, _int8_vectorwise_quant
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 64, generator=generator).half()
+    inputs[:, [3, 40]] *= 20  # two outlier columns above LLM.int8()'s threshold of 6
+    weight = torch.randn(32, 64, generator=generator).half()
+    CB, SCB, _ = F.int8_vectorwise_quant(weight)
+    ops = torch.ops.bitsandbytes
+    CA, SCA, outliers = ops.int8_vectorwise_quant.default(inputs.clone(), 6.0)
+    assert outliers.tolist() == [3, 40]
+    replayed, replayed_scales, columns = _int8_vectorwise_quant(inputs, 6.0)
+    assert (replayed.shape, replayed.dtype, replayed_scales.shape, replayed_scales.dtype) == (
+        CA.shape, CA.dtype, SCA.shape, SCA.dtype)  # fmt: skip
+    assert columns.dtype == outliers.dtype and columns.ndim == 1
+    expected, expected_sub = ops.int8_mixed_scaled_mm.default(inputs, CA, CB, SCA, SCB, outliers)
+    output, sub = _int8_mixed_scaled_mm(inputs, CA, CB, SCA, SCB, outliers)
+    assert torch.equal(output, expected) and torch.equal(sub, expected_sub)
+    assert torch.equal(_int8_scaled_mm(CA, CB, SCA, SCB, dtype=torch.float16), ops.int8_scaled_mm.default(
+        CA, CB, SCA, SCB, dtype=torch.float16))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ refused inputs

@@ -129,3 +129,21 @@ def test_a_readme_without_its_status_block_is_refused() -> None:
     text = readme.README.read_text().replace("<!-- results: status -->", "")
     with pytest.raises(ValueError, match="results: status"):
         readme.render(text, blocks=readme.README_BLOCKS)
+
+
+def test_the_quantized_cpu_table_is_the_result_file(tmp_path: Path) -> None:
+    results = _results_copy(tmp_path)
+    path = results / "quantized-cpu.json"
+    data = json.loads(path.read_text())
+    lines = readme.quantized_cpu(results)
+    table = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert len(table) == len(data["rows"])
+    for line, row in zip(table, data["rows"], strict=True):
+        difference = row["predicted_step_peak_bytes"] - row["measured_step_peak_bytes"]
+        assert line.startswith(f"| {row['config']} |")
+        assert line.endswith(f"| {difference:+d} B ({readme._pct(row['step_error_pct'], True, digits=4)}) |")
+    data["rows"][0]["measured_step_peak_bytes"] += 4096  # a new measurement, the docs not rendered again
+    path.write_text(json.dumps(data))
+    assert readme.main(["--check", "--results", str(results)]) == 1
+    path.unlink()
+    assert "not measured yet" in readme.render(readme.DOC.read_text(), results)

@@ -193,6 +193,36 @@ def cpu_accuracy(results: Path) -> list[str]:
     ]
 
 
+def quantized_cpu(results: Path) -> list[str]:
+    """bitsandbytes-quantized LoRA steps on the CPU (``benchmarks/quantized_accuracy.py``): the traced step's peak
+    beyond the weights against the CPU allocator's."""
+    data = _load("quantized-cpu.json", results)
+    if data is None:
+        return ["**Quantized LoRA on CPU: not measured yet.** `python benchmarks/quantized_accuracy.py`."]
+    meta = data["meta"]
+    rows = [
+        [
+            row["config"],
+            format_bytes(row["predicted_step_peak_bytes"]),
+            format_bytes(row["measured_step_peak_bytes"]),
+            f"{row['predicted_step_peak_bytes'] - row['measured_step_peak_bytes']:+d} B "
+            f"({_pct(row['step_error_pct'], True, digits=4)})",
+        ]
+        for row in data["rows"]
+    ]
+    packages = ", ".join(f"{name} {version}" for name, version in meta.get("packages", {}).items())
+    return [
+        f"**bitsandbytes quantization with LoRA, CPU** (`python benchmarks/quantized_accuracy.py`, "
+        f"{_source('quantized-cpu.json', meta)}; {packages}): {meta['model']}, batch {meta['batch']} x sequence "
+        f"{meta['sequence']}, loaded with a `BitsAndBytesConfig` (`+ kbit`: through peft's "
+        "`prepare_model_for_kbit_training`); two AdamW steps of the adapters traced for a CPU target, against the "
+        "peak the CPU allocator reports to `torch.profiler` over the same two real steps. Both are the step's peak "
+        "beyond the weights, which exist before the measurement; error = predicted - measured.",
+        "",
+        *_table(["configuration", "predicted", "measured", "error"], rows),
+    ]
+
+
 def _worst_per_family(rows: list[dict[str, Any]]) -> str:
     worst: dict[str, float] = {}
     for row in rows:
@@ -540,6 +570,7 @@ BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "lora-gpu": lora_gpu,
     "largest-batch": largest_batch,
     "cpu-accuracy": cpu_accuracy,
+    "quantized-cpu": quantized_cpu,
     "training-loops-cpu": lambda results: training_loops(results, "cpu"),
     "training-loops-gpu": lambda results: training_loops(results, "gpu"),
     "speed": speed,

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 from typing import Any
 
 from memfit.errors import InvalidInputError
 from memfit.planning.finetune import QUANTIZATIONS, FinetuneSpec, resolve_optimizer
 from memfit.precision import Precision
 
-__all__ = ["add_estimate_options", "add_plan_options", "estimate_counts", "plan_finetune"]
+__all__ = ["add_estimate_options", "add_plan_options", "estimate_command", "estimate_counts", "plan_finetune"]
 
 
 def _rank(text: str) -> int:
@@ -86,7 +87,9 @@ def add_estimate_options(parser: argparse.ArgumentParser, counts: Any) -> None:
 
 
 def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
-    """The plan's ``FinetuneSpec``; resolves ``args.optimizer`` to a traceable name in place."""
+    """The plan's ``FinetuneSpec``; resolves ``args.optimizer`` to a traceable name in place (the name as given
+    stays in ``args.optimizer_given``)."""
+    args.optimizer_given = args.optimizer
     args.optimizer, note = resolve_optimizer(args.optimizer)
     _quiet_bitsandbytes(args)
     return finetune_spec(args, notes=(note,) if note else ())
@@ -120,6 +123,17 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     optimizer, _ = resolve_optimizer(args.optimizer)
     _quiet_bitsandbytes(args)
     finetune = finetune_spec(args)
+    if finetune.quantize and not finetune.lora and _all_trainable(args):
+        adapters = (
+            "--lora-r 16"
+            if args.hf_config
+            else "--lora-r 16 with --lora-params N (or --hf-config NAME_OR_PATH, which counts the adapters)"
+        )
+        raise InvalidInputError(
+            f"--quantize {finetune.quantize} without --lora-r would train the quantized weights themselves, which "
+            f"bitsandbytes cannot do (they are frozen): add {adapters} to estimate QLoRA, or --trainable-fraction 0 "
+            "to count the quantized weights alone"
+        )
     out: dict[str, Any] = {"optimizer": optimizer, "quantize": finetune.quantize, "double_quant": finetune.double_quant}
     if args.hf_config:
         out.update(_counts_from_config(args, finetune))
@@ -146,20 +160,67 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     return out
 
 
+def _all_trainable(args: argparse.Namespace) -> bool:
+    """Whether ``--trainable-fraction`` leaves every parameter trainable (its own errors are the caller's)."""
+    try:
+        return float(args.trainable_fraction) >= 1.0
+    except ValueError:
+        return False
+
+
+def estimate_command(args: argparse.Namespace, stand_in: str) -> str:
+    """The ``memfit estimate`` command that counts what ``memfit plan``'s ``args`` plan, with ``--quantize stand_in``
+    for a quantization the trace cannot model: it runs as printed for a ``--hf-config``; a ``--model`` factory's
+    counts are the user's to give."""
+    if args.hf_config is None:
+        return (
+            f"memfit estimate --params N --lora-r {args.lora_r or 16} --lora-params M --quantize {stand_in}, with N "
+            "the model's parameters and M its adapters'"
+        )
+    words = ["memfit", "estimate", "--hf-config", args.hf_config, "--quantize", stand_in]
+    if args.lora_r is not None:
+        words += ["--lora-r", str(args.lora_r)]
+        words += ["--lora-targets", args.lora_targets] if args.lora_targets else []
+        words += ["--dora"] if args.dora else []
+    elif args.inference:
+        words += ["--trainable-fraction", "0"]  # a served model: its weights alone
+    else:
+        words += ["--lora-r", "16"]  # its quantized weights do not train: adapters do
+    words += ["--precision", args.precision or ("bf16" if args.inference else "bf16-mixed")]
+    optimizer = getattr(args, "optimizer_given", args.optimizer)
+    if not args.inference and optimizer != "adamw":
+        words += ["--optimizer", optimizer]
+    return shlex.join(words)
+
+
 def _counts_from_config(args: argparse.Namespace, finetune: FinetuneSpec) -> dict[str, Any]:
-    """Counts of the config's model on meta: every parameter, the adapters peft adds, the quantized weights."""
-    from memfit.planning.finetune import apply_finetune, quantizable_linears
+    """Counts of the config's model on meta: every parameter, the adapters peft adds, the quantized weights.
+
+    A config quantized by a library the trace cannot model (GPTQ, AWQ, ...) is counted as its unquantized
+    architecture (what it builds on meta) with ``--quantize`` standing in for that library's packing.
+    """
+    from memfit.planning.finetune import add_lora, foreign_quantization, quantizable_linears
     from memfit.presets import from_hf_config
 
     spec = from_hf_config(args.hf_config)
+    foreign = foreign_quantization(spec.model)
+    if foreign is not None and not finetune.quantize:
+        library, stand_in = foreign
+        raise InvalidInputError(
+            f"{args.hf_config} is quantized with {library} (its quantization_config), which the formula tier counts "
+            f"as bitsandbytes weights of the same width: add --quantize {stand_in}"
+        )
     linears = quantizable_linears(spec.model) if finetune.quantize else None
     lora_only = FinetuneSpec(
         lora_r=finetune.lora_r, lora_alpha=finetune.lora_alpha, lora_targets=finetune.lora_targets, dora=finetune.dora
     )
-    model = apply_finetune(spec, lora_only, Precision.FP32, inference=False).model
+    model = add_lora(spec.model, lora_only) if lora_only.lora else spec.model
     out: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters())}
     if finetune.lora:
-        out["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out["trainable_sizes"] = [p.numel() for p in model.parameters() if p.requires_grad]
+        out["trainable_parameters"] = sum(out["trainable_sizes"])
+    elif _all_trainable(args):
+        out["trainable_sizes"] = [p.numel() for p in model.parameters()]
     if linears is not None:
         out["quantized_parameters"] = sum(linear.weight.numel() for _, linear in linears)
         out["quantized_layers"] = len(linears)

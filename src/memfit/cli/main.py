@@ -10,16 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
 from memfit.tracing.optimizers import OPTIMIZER_NAMES
+
+if TYPE_CHECKING:  # annotations only: the planner is imported when `memfit plan` runs
+    from memfit.planning.finetune import FinetuneSpec
+    from memfit.planning.gpu_report import PlanReport
 
 __all__ = ["main"]
 
@@ -95,18 +100,17 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:
-        from rich.console import Console
-
+        from memfit.cli.console import stdout_console
         from memfit.reporting.tables import formula_table
 
-        Console().print(formula_table(estimate))
+        stdout_console().print(formula_table(estimate))
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
-    from memfit.cli.finetune_options import plan_finetune
-    from memfit.planning.gpu_report import plan_for_gpus
+    from memfit.cli.finetune_options import estimate_command, plan_finetune
+    from memfit.planning.finetune import ForeignQuantizationError
 
     if is_sharded(args):  # --strategy, --gpus auto, --nodes: one rank of a sharded job
         if args.lora_r is not None or args.quantize:
@@ -118,7 +122,44 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return 2
         return run_sharded(args)
     finetune = plan_finetune(args)
-    report = plan_for_gpus(
+    try:
+        report = _plan_for_gpus(args, finetune)
+    except ForeignQuantizationError as error:  # with the formula tier's command for what was asked
+        raise InvalidInputError(f"{error.reason}. {error.advice(estimate_command(args, error.stand_in))}") from None
+    if args.plot:
+        report.plot(args.plot)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        from memfit.cli.console import stdout_console
+        from memfit.reporting.tables import finetune_table, plan_table
+
+        console = stdout_console(width=None if sys.stdout.isatty() else 200)
+        console.print(plan_table(report))
+        if report.finetune is not None:
+            console.print(finetune_table(report))
+        if report.host is not None:
+            console.print(report.host.summary())
+        if report.depth_built_from:
+            low, high = report.depth_built_from
+            console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
+                          "the whole model)")  # fmt: skip
+        if report.depth_extrapolated_from:
+            low, high = report.depth_extrapolated_from
+            console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")
+        if args.plot:
+            console.print(f"pictures: {args.plot}")
+    if report.rows and all(row.refused for row in report.rows):  # nothing asked for could be planned
+        print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
+        return _EXIT_USAGE
+    return 0
+
+
+def _plan_for_gpus(args: argparse.Namespace, finetune: FinetuneSpec) -> PlanReport:
+    """``plan_for_gpus`` with what the command line asked for."""
+    from memfit.planning.gpu_report import plan_for_gpus
+
+    return plan_for_gpus(
         hf_config=args.hf_config,
         model=args.model,
         gpus=args.gpu or [],
@@ -142,34 +183,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         zero_grad=args.zero_grad,
         finetune=finetune,
     )
-    if args.plot:
-        report.plot(args.plot)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        from rich.console import Console
-
-        from memfit.reporting.tables import finetune_table, plan_table
-
-        console = Console(width=None if sys.stdout.isatty() else 200)
-        console.print(plan_table(report))
-        if report.finetune is not None:
-            console.print(finetune_table(report))
-        if report.host is not None:
-            console.print(report.host.summary())
-        if report.depth_built_from:
-            low, high = report.depth_built_from
-            console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
-                          "the whole model)")  # fmt: skip
-        if report.depth_extrapolated_from:
-            low, high = report.depth_extrapolated_from
-            console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")
-        if args.plot:
-            console.print(f"pictures: {args.plot}")
-    if report.rows and all(row.refused for row in report.rows):  # nothing asked for could be planned
-        print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
-        return _EXIT_USAGE
-    return 0
 
 
 def _target(text: str) -> int | str:
@@ -306,8 +319,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """The command reading our output closed it (``memfit ... | head -1``): stop quietly, as a Unix tool ended by
+    SIGPIPE does, with its exit status (128 + 13). Later writes, Python's own flush at exit included, go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing will flush it at exit
+        pass
+    return 128 + int(getattr(signal, "SIGPIPE", 13))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad input) instead of exiting."""
+    """Run the command line; returns the exit code (0 ok, 2 bad input, 141 when the reader of the output closed
+    it) instead of exiting."""
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -317,7 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _importable_cwd()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (MemfitError, ValueError) as exc:
         message = " ".join(str(exc).split())
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):

@@ -204,12 +204,11 @@ def run_sharded(args: argparse.Namespace) -> int:
 
 
 def _print(report: ShardedReport) -> None:
-    from rich.console import Console
-
+    from memfit.cli.console import stdout_console
     from memfit.planning.sharded import describe
     from memfit.reporting.tables import plan_table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = stdout_console(width=None if sys.stdout.isatty() else 200)
     for check in report.considered:
         console.print(check.summary(report.budget_bytes), highlight=False)
     console.print(plan_table(report.report))

@@ -16,11 +16,13 @@ The model the planner traces must hold the dtypes and layouts the real run will 
   that) freezes the model and keeps every non-quantized parameter in fp32, as QLoRA scripts and TRL run;
 - without quantization, under mixed precision the frozen base is stored in the compute dtype (bf16),
   as LoRA scripts load it (``torch_dtype=torch.bfloat16``); the adapters stay fp32, as peft keeps them;
-- ``--lora-r`` applies real peft ``get_peft_model`` with a ``LoraConfig`` (``use_dora`` for ``--dora``).
+- ``--lora-r`` applies real peft ``get_peft_model`` with a ``LoraConfig`` (``use_dora`` for ``--dora``); DoRA on
+  quantized layers (QDoRA) computes its magnitude from the dequantized weight there, on ``meta``, as peft does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -34,15 +36,18 @@ from memfit.errors import InvalidInputError
 from memfit.precision import Precision
 from memfit.presets import ModelSpec
 from memfit.tracing.optimizers import optimizer_info
-from memfit.tracing.quantized import refuse_unsupported_quantization
+from memfit.tracing.quantized import unsupported_quantization
 
 __all__ = [
     "QUANTIZATIONS",
     "FinetuneReport",
     "FinetuneSpec",
+    "ForeignQuantizationError",
+    "add_lora",
     "apply_finetune",
     "finetune_breakdown",
     "finetune_report",
+    "foreign_quantization",
     "from_config_quantization",
     "quantizable_linears",
     "resolve_optimizer",
@@ -136,8 +141,13 @@ class FinetuneSpec:
 
 def from_config_quantization(spec: ModelSpec, finetune: FinetuneSpec) -> FinetuneSpec:
     """``finetune`` with the bitsandbytes quantization a ``config.json``'s ``quantization_config`` names
-    (a pre-quantized checkpoint's), when ``--quantize`` did not say; a note says where it came from."""
+    (a pre-quantized checkpoint's), when ``--quantize`` did not say; a note says where it came from, or that
+    ``--quantize`` stands in for a library memfit cannot trace (GPTQ, AWQ, ...)."""
     config = getattr(getattr(spec.model, "config", None), "quantization_config", None)
+    foreign = foreign_quantization(spec.model) if config is not None else None
+    if foreign is not None and finetune.quantize is not None:
+        note = f"{foreign[0]} (the config's quantization_config) planned as bitsandbytes {finetune.quantize}"
+        return dataclasses.replace(finetune, notes=(*finetune.notes, note))
     if finetune.quantize is not None or config is None:
         return finetune
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
@@ -158,10 +168,12 @@ def from_config_quantization(spec: ModelSpec, finetune: FinetuneSpec) -> Finetun
 def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision, *, inference: bool) -> ModelSpec:
     """``spec`` with the quantized layout and the adapters ``finetune`` asks for (see the module docstring).
 
-    The model is rebuilt in place (it was built on ``meta`` for this plan alone); a model quantized by
-    a library memfit cannot trace is refused here, flags or not.
+    The model is rebuilt in place (it was built on ``meta`` for this plan alone). A config quantized by a
+    library memfit cannot trace (GPTQ, AWQ, ...) builds its unquantized architecture on ``meta``: with
+    ``--quantize`` that is planned with bitsandbytes standing in, without it the config is refused (and a
+    model holding that library's layers always is).
     """
-    _refuse_foreign_quantization(spec)
+    _refuse_foreign_quantization(spec, stand_in=finetune.quantize is not None)
     if not finetune.active:
         return spec
     if finetune.quantize and not finetune.lora and not inference:
@@ -169,12 +181,6 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
             f"{spec.name} is quantized ({finetune.describe()}: --quantize or its config's quantization_config), "
             "which freezes its weights, so training needs adapters: add --lora-r 16 (QLoRA), or add --inference "
             "to plan serving the quantized model"
-        )
-    if finetune.dora and finetune.quantize:
-        raise InvalidInputError(
-            "--dora with --quantize (QDoRA) is not traced yet: peft's DoRA dequantizes a bitsandbytes weight by its "
-            "class, which the trace's stand-in for it does not keep. Plan --dora without --quantize, or LoRA with "
-            "--quantize; memfit estimate --dora --quantize gives the formula tier's figure"
         )
     model = spec.model
     compute = precision.compute_dtype if precision is not Precision.FP32 else torch.bfloat16
@@ -189,20 +195,74 @@ def apply_finetune(spec: ModelSpec, finetune: FinetuneSpec, precision: Precision
             if parameter.is_floating_point():
                 parameter.data = parameter.data.to(precision.compute_dtype)
     if finetune.lora:
-        model = _with_lora(model, finetune)
+        model = add_lora(model, finetune)
+    if inference:  # serving trains nothing, as peft loads adapters for inference (is_trainable=False)
+        model.requires_grad_(False)
     return dataclasses.replace(spec, model=model)
 
 
-def _refuse_foreign_quantization(spec: ModelSpec) -> None:
-    try:
-        refuse_unsupported_quantization(spec.model)
-    except InvalidInputError as error:
-        library = str(error).split(" is quantized with ", 1)[-1].split(",", 1)[0]
-        raise InvalidInputError(
-            f"{spec.name} is quantized with {library} (its quantization_config), which memfit cannot trace; "
-            "it traces bitsandbytes only. Plan the unquantized config with --quantize nf4 or int8 as a stand-in, "
-            f"or use the formula tier: memfit estimate --params N --quantize nf4 --lora-r 16"
-        ) from None
+class ForeignQuantizationError(InvalidInputError):
+    """A model quantized by a library the trace cannot model (GPTQ, AWQ, torchao, HQQ, ...).
+
+    ``library`` names it; ``stand_in`` is the bitsandbytes quantization of the same width (``int8`` for 8-bit
+    weights, else ``nf4``) that the plan and the formula tier can count instead.
+    """
+
+    def __init__(self, name: str, library: str, stand_in: str) -> None:
+        self.library, self.stand_in = library, stand_in
+        self.reason = (
+            f"{name} is quantized with {library} (its quantization_config), which memfit cannot trace; it traces "
+            "bitsandbytes only"
+        )
+        super().__init__(f"{self.reason}. {self.advice()}")
+
+    def advice(self, estimate: str | None = None) -> str:
+        """What to do instead, with ``estimate``, the formula tier's command, where the caller can write it."""
+        return (
+            f"Add --quantize {self.stand_in} to plan it with bitsandbytes {self.stand_in} standing in, or use the "
+            "formula tier" + (f": {estimate}" if estimate else f" (memfit estimate with --quantize {self.stand_in})")
+        )
+
+
+def foreign_quantization(model: nn.Module) -> tuple[str, str] | None:
+    """``(library, bitsandbytes stand-in)`` when ``model`` is quantized by a library memfit cannot trace."""
+    library = unsupported_quantization(model)
+    if library is None:
+        return None
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    return library, "int8" if _weight_bits(config) == 8 else "nf4"
+
+
+def _weight_bits(config: Any) -> int | None:
+    """The weight width a quantization_config names (GPTQ's and AWQ's ``bits``, HQQ's ``nbits``, torchao's
+    ``int8_weight_only``...), searched through nested settings; ``None`` when it names none."""
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    if not isinstance(config, dict):
+        return None
+    for key in ("bits", "nbits", "w_bit", "weight_bits"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    for value in config.values():
+        found = _weight_bits(value) if isinstance(value, dict) else None
+        if found is None and isinstance(value, str) and any(tag in value.lower() for tag in ("int8", "8bit")):
+            found = 8
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_foreign_quantization(spec: ModelSpec, *, stand_in: bool) -> None:
+    found = foreign_quantization(spec.model)
+    if found is None:
+        return
+    config = spec.model.config
+    if stand_in:  # the architecture is built unquantized: drop the config's word, bitsandbytes stands in
+        saved, config.quantization_config = config.quantization_config, None
+        if unsupported_quantization(spec.model) is None:
+            return
+        config.quantization_config = saved  # its own layers are in the model: nothing to stand in for
+    raise ForeignQuantizationError(spec.name, *found)
 
 
 # ------------------------------------------------------------------------------------- quantization
@@ -327,7 +387,8 @@ def _int8_weight(rows: int, cols: int) -> nn.Parameter:
 
 
 # --------------------------------------------------------------------------------------------- LoRA
-def _with_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
+def add_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
+    """``model`` with peft's LoRA (or DoRA) adapters as ``finetune`` asks for them (real ``get_peft_model``)."""
     from peft import LoraConfig, get_peft_model
 
     targets: str | list[str] = "all-linear"
@@ -342,8 +403,12 @@ def _with_lora(model: nn.Module, finetune: FinetuneSpec) -> nn.Module:
         use_dora=finetune.dora,
         task_type=_task_type(model),
     )
+    # DoRA dequantizes a Linear4bit's weight into a copy of the layer (``DoraLinearLayer.update_layer``) whose new
+    # Params4bit starts as an empty CPU tensor: on a meta model, it must start on meta to take the meta weight.
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        with warnings.catch_warnings(), torch.device("meta") if on_meta else contextlib.nullcontext():
+            # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
             return get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as error:  # peft's own word on targets it cannot adapt
@@ -415,8 +480,11 @@ class FinetuneReport:
         }
 
 
-def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precision, rows: Any) -> FinetuneReport | None:
-    """The report's fine-tuning lines (``None`` when no fine-tuning flag was given)."""
+def finetune_report(
+    model: nn.Module, finetune: FinetuneSpec, precision: Precision, rows: Any, *, inference: bool = False
+) -> FinetuneReport | None:
+    """The report's fine-tuning lines (``None`` when no fine-tuning flag was given); with ``inference`` there are
+    no adapter gradients or optimizer state to report (``None``)."""
     if not finetune.active:
         return None
     from memfit.categories import Category
@@ -424,7 +492,7 @@ def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precisi
     sizes = finetune_breakdown(model, precision)
     estimate = next((row.estimate for row in rows if row.estimate is not None), None)
     gradients = optimizer = None
-    if estimate is not None:
+    if estimate is not None and not inference:
         gradients = estimate.gradient_bytes
         optimizer = max((p.breakdown.get(Category.OPTIMIZER_STATE, 0) for p in estimate.phases), default=0)
     trainable, total = _counts(model)
@@ -440,21 +508,33 @@ def finetune_report(model: nn.Module, finetune: FinetuneSpec, precision: Precisi
 
 
 def _counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, all)`` parameters, peft's own count where the model is a peft model."""
+    """``(trainable, all)`` parameters, peft's own count where the model is a peft model, and counted as peft counts
+    them otherwise (each parameter once, however often it is tied; a 4-bit weight's packed elements twice per byte),
+    so a quantized model without adapters has as many parameters as its unquantized self."""
     counter = getattr(model, "get_nb_trainable_parameters", None)
     if counter is not None:
         trainable, total = counter()
         return int(trainable), int(total)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters())
+    trainable = total = 0
+    for parameter in model.parameters():  # each tied parameter once
+        count = parameter.numel()
+        if type(parameter).__name__ == "Params4bit":
+            count *= 2 * parameter.element_size()
+        total += count
+        trainable += count if parameter.requires_grad else 0
+    return trainable, total
 
 
 def finetune_breakdown(model: nn.Module, precision: Precision = Precision.FP32) -> dict[str, int]:
     """Bytes of the model's own tensors by role: quantized weights (packed + quantization state),
-    other frozen weights, trainable adapters (``*-true`` half precision converts the floating ones)."""
+    other frozen weights, adapters (``*-true`` half precision converts the floating ones); a tied weight once."""
     from memfit.tracing.quantized import is_quantized_parameter
 
     quantized = frozen = adapters = 0
     seen: set[int] = set()
+    # peft marks a parameter as an adapter's by its tuner's prefix in the name ("lora_"); a served model's
+    # adapters are frozen, but adapters all the same
+    prefix = getattr(getattr(model, "base_model", None), "prefix", None) if hasattr(model, "peft_config") else None
 
     def size(tensor: torch.Tensor, convert: bool = False) -> int:
         if id(tensor) in seen:
@@ -465,10 +545,10 @@ def finetune_breakdown(model: nn.Module, precision: Precision = Precision.FP32) 
             width = precision.parameter_dtype.itemsize
         return tensor.numel() * width
 
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
         if is_quantized_parameter(parameter):
             quantized += size(parameter) + sum(size(t) for t in _state_tensors(parameter))
-        elif parameter.requires_grad:
+        elif parameter.requires_grad or (isinstance(prefix, str) and prefix in name):
             adapters += size(parameter, convert=True)
         else:
             frozen += size(parameter, convert=True)

@@ -244,7 +244,7 @@ def plan_for_gpus(
     return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built,
-                      finetune=finetune_report(spec.model, finetune, default, rows))  # fmt: skip
+                      finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
 
 
 def _default_precision(requested: str | None, inference: bool) -> Precision:

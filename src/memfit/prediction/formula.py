@@ -19,12 +19,19 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
   ``adamw`` two states, each in the state dtype (fp32, 4 B, for fp32 and mixed precision; 2 B for
   pure fp16/bf16); ``adafactor`` 4 B, an approximation (its factored second moment is
   O(rows + cols) per matrix, plus the update), the figure Hugging Face's "anatomy of model memory"
-  guide uses; ``adam-8bit`` 2 B (two 1-byte states).
+  guide uses; ``adam-8bit`` as bitsandbytes allocates it (``OptimizerInfo.tensor_state_bytes``): per
+  tensor of 4096 elements or more, two 1-byte states and two fp32 scales per block of 256, plus two
+  256-entry fp32 code books once, and for a smaller tensor two fp32 states (8 B, 4x as much). Given
+  ``trainable_sizes`` (each trainable tensor's element count, which ``memfit estimate --hf-config``
+  passes), this is exact; without them the trainable count is taken as one tensor, right for a count
+  under 4096 and, above it, as if every tensor were of 4096 elements or more (LoRA adapters of
+  hidden sizes from 512 up at rank 8).
 * **Activations**: ``activations_per_sample * batch_size`` elements, 4 B each in fp32 and 2 B in
   any half or mixed precision.
 * **LoRA and quantization** (``trainable_parameters``, ``quantize``): ``trainable_parameters`` counts
   the adapters exactly (``parameters`` includes them). ``quantize`` (``nf4``/``fp4``: 4 bits, ``int8``:
-  8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one) packed, plus
+  8 bits) stores ``quantized_parameters`` frozen weights (default: every frozen one; quantizing a model
+  whose every parameter trains is refused, as bitsandbytes cannot train quantized weights) packed, plus
   bitsandbytes' quantization state (4-bit: an fp32 absmax per block of 64, or with double quantization
   a uint8 one and an fp32 one per 256 blocks, and per weight (``quantized_layers``) its code books; int8:
   its per-row scales are not counted, rows being unknown here) as ``quantized_weights_bytes``. The
@@ -41,6 +48,7 @@ account for all of these.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,11 +144,14 @@ def estimate_from_counts(
     double_quant: bool = True,
     frozen_bytes: int | None = None,
     quantized_layers: int = 1,
+    trainable_sizes: Sequence[int] | None = None,
 ) -> FormulaEstimate:
     """Estimate a training step's memory from counts (see the module docstring for the rules).
 
     ``activations_per_sample`` is the number of activation *elements* one sample keeps alive for
     the backward pass; it is multiplied by the batch size and the activation element size.
+    ``trainable_sizes``, the element count of each trainable tensor (summing to the trainable count),
+    makes the state of optimizers that treat small tensors apart (bitsandbytes' 8-bit ones) exact.
     """
     parameters = _whole("parameters", parameters, minimum=0)
     batch_size = _whole("batch_size", batch_size, minimum=1)
@@ -154,6 +165,11 @@ def estimate_from_counts(
         trainable = _whole("trainable_parameters", trainable_parameters, minimum=0)
         if trainable > parameters:
             raise InvalidInputError(f"trainable_parameters ({trainable:,}) exceeds parameters ({parameters:,})")
+    sizes = (
+        [trainable] if trainable_sizes is None else [_whole("trainable_sizes", n, minimum=1) for n in trainable_sizes]
+    )
+    if trainable_sizes is not None and sum(sizes) != trainable:
+        raise InvalidInputError(f"trainable_sizes add up to {sum(sizes):,}, not the {trainable:,} trainable parameters")
     layers = _whole("quantized_layers", quantized_layers, minimum=1)
     quantized, quantized_bytes = _quantized(
         quantize, quantized_parameters, parameters - trainable, double_quant, layers
@@ -170,7 +186,7 @@ def estimate_from_counts(
         parameters_bytes=trainable * weight_size + (parameters - trainable - quantized) * frozen_size,
         gradients_bytes=trainable * weight_size,
         master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
-        optimizer_state_bytes=trainable * optimizer_info(optimizer).state_bytes(state_size),
+        optimizer_state_bytes=optimizer_info(optimizer).optimizer_state_bytes(sizes if trainable else [], state_size),
         activations_bytes=activations_per_sample * batch_size * activation_size,
         parameters=parameters,
         batch_size=batch_size,
@@ -197,9 +213,17 @@ def _quantized(kind: str | None, count: int | None, frozen: int, double_quant: b
         return 0, 0
     if kind not in _QUANT_BITS:
         raise InvalidInputError(f"quantize must be one of {', '.join(_QUANT_BITS)} or None, got {kind!r}")
+    if frozen == 0:  # quantized full fine-tuning: bitsandbytes' weights do not train
+        raise InvalidInputError(
+            f"quantize={kind!r} packs frozen weights, and every parameter is trainable here; bitsandbytes cannot "
+            "train quantized weights: pass trainable_parameters= (the adapters, as in QLoRA) or a trainable_fraction "
+            "below 1"
+        )
     count = frozen if count is None else _whole("quantized_parameters", count, minimum=0)
     if count > frozen:
         raise InvalidInputError(f"quantized_parameters ({count:,}) exceeds the frozen parameters ({frozen:,})")
+    if count == 0:
+        return 0, 0
     packed = math.ceil(count * _QUANT_BITS[kind] / 8)
     if _QUANT_BITS[kind] == 8:
         return count, packed

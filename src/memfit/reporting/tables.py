@@ -58,7 +58,7 @@ def formula_table(estimate: FormulaEstimate) -> Table:
     if estimate.trainable_count is not None:
         title += f", {estimate.trainable_count:,} trainable (adapters)"
     elif estimate.trainable_fraction != 1.0:
-        title += f", {estimate.trainable_fraction:g} of parameters trainable"
+        title += f", {100 * estimate.trainable_fraction:g}% of parameters trainable"
     if estimate.quantize:
         title += f", frozen weights in {estimate.quantize}"
     caption = "Excludes temporaries, allocator overhead and the CUDA context."
@@ -227,7 +227,9 @@ def finetune_table(report: PlanReport) -> Table:
         raise ValueError("the report has no fine-tuning lines")
     share = 100.0 * finetune.trainable_parameters / max(finetune.parameters, 1)
     title = (
-        f"{finetune.label}: {_count(finetune.trainable_parameters)} of {_count(finetune.parameters)} "
+        f"{finetune.label}: {_count(finetune.parameters)} parameters, none trained (inference)"
+        if report.inference
+        else f"{finetune.label}: {_count(finetune.trainable_parameters)} of {_count(finetune.parameters)} "
         f"parameters trainable ({share:.2f}%)"
     )
     table = Table(title=title, min_width=len(title))
@@ -237,6 +239,13 @@ def finetune_table(report: PlanReport) -> Table:
         if report.inference and key in ("adapter_gradients_bytes", "optimizer_state_bytes"):
             continue
         if key == "quantized_weights_bytes" and not size:
+            continue
+        if key == "frozen_weights_bytes" and not finetune.quantized_weights_bytes:  # LoRA on an unquantized base
+            table.add_row("Frozen weights (the base model)", format_bytes(size or 0))
+            continue
+        if key == "adapter_weights_bytes" and report.inference:
+            if size:
+                table.add_row("Adapters", format_bytes(size))
             continue
         table.add_row(_FINETUNE_LABELS[key], "-" if size is None else format_bytes(size))
     if finetune.notes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.errors import InvalidInputError
 
 __all__ = [
+    "BLOCK_8BIT",
+    "MIN_8BIT_SIZE",
     "OPTIMIZERS",
     "OPTIMIZER_NAMES",
     "OptimizerInfo",
@@ -32,6 +35,12 @@ __all__ = [
 OptimizerSpec = Optimizer | str | Callable[..., Optimizer] | None
 
 
+MIN_8BIT_SIZE = 4096
+"""bitsandbytes' ``min_8bit_size`` default: a tensor with fewer elements keeps its optimizer state in fp32."""
+BLOCK_8BIT = 256
+"""bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per this many elements."""
+
+
 @dataclass(frozen=True)
 class OptimizerInfo:
     """One optimizer known by name: how the trace builds it and what state it keeps per parameter element.
@@ -39,8 +48,9 @@ class OptimizerInfo:
     The formula tier and the host-RAM offload line read ``state_bytes``; the trace builds the class
     at ``class_path`` (``torch.optim.AdamW``, ``bitsandbytes.optim.AdamW8bit``) with ``defaults``.
     ``states`` are tensors the size of the parameter kept in the state dtype (fp32 unless the weights
-    are pure fp16/bf16); ``fixed_bytes`` are bytes per element whatever the precision (8-bit states,
-    or a stand-in for factored ones).
+    are pure fp16/bf16); ``fixed_bytes`` are bytes per element whatever the precision (a stand-in for
+    factored states); ``eight_bit_states`` are bitsandbytes' blockwise 8-bit states, which it keeps in
+    32 bits for a tensor under ``MIN_8BIT_SIZE`` elements (``tensor_state_bytes`` has the exact rule).
     """
 
     name: str
@@ -52,13 +62,38 @@ class OptimizerInfo:
     approximate: bool = False  # ``state_bytes`` is a stand-in for the formula tier; the trace builds the real one
     untraceable: str | None = None  # why a fake-tensor trace cannot run it
     package: str | None = None  # the pip package the class needs, when it is not torch
+    eight_bit_states: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
 
     def state_bytes(self, state_dtype_bytes: int) -> int:
-        """Optimizer state per trainable parameter element, with states of ``state_dtype_bytes`` each."""
-        return self.states * state_dtype_bytes + self.fixed_bytes
+        """Optimizer state per trainable parameter element, with states of ``state_dtype_bytes`` each (8-bit
+        states at their byte, the size of a tensor of ``MIN_8BIT_SIZE`` elements or more, less its block scales)."""
+        return self.states * state_dtype_bytes + self.fixed_bytes + self.eight_bit_states
+
+    def tensor_state_bytes(self, numel: int, state_dtype_bytes: int) -> int:
+        """Optimizer state of one trainable tensor of ``numel`` elements, as the optimizer allocates it.
+
+        bitsandbytes' ``Optimizer2State.init_state`` (and ``Optimizer1State``'s): a tensor under ``min_8bit_size``
+        (``MIN_8BIT_SIZE``) gets fp32 states; a larger one uint8 states and an fp32 absmax per block of
+        ``BLOCK_8BIT`` elements for each.
+        """
+        own = numel * (self.states * state_dtype_bytes + self.fixed_bytes)
+        if not self.eight_bit_states:
+            return own
+        if numel < MIN_8BIT_SIZE:
+            return own + self.eight_bit_states * 4 * numel
+        return own + self.eight_bit_states * (numel + 4 * math.ceil(numel / BLOCK_8BIT))
+
+    def optimizer_state_bytes(self, tensor_numels: Iterable[int], state_dtype_bytes: int) -> int:
+        """Optimizer state of trainable tensors of ``tensor_numels`` elements: each tensor's, and what the
+        optimizer shares between them (bitsandbytes' two 256-entry fp32 code books, once any state is 8-bit)."""
+        numels = list(tensor_numels)
+        total = sum(self.tensor_state_bytes(n, state_dtype_bytes) for n in numels)
+        if self.eight_bit_states and any(n >= MIN_8BIT_SIZE for n in numels):
+            total += 2 * 256 * 4  # name2qmap's "dynamic" and "udynamic" maps, moved to the parameters' device
+        return total
 
 
 OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType({
@@ -74,15 +109,14 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType({
         OptimizerInfo("adafactor", class_path="torch.optim.Adafactor", fixed_bytes=4, approximate=True),
         OptimizerInfo("adagrad", class_path="torch.optim.Adagrad", states=1),
         OptimizerInfo("rmsprop", class_path="torch.optim.RMSprop", states=1),
-        # Two 1-byte states; the trace adds what bitsandbytes adds: an fp32 scale per block of 256,
-        # two 256-entry code books, and 32-bit states for tensors under 4096 elements.
+        # Two 1-byte states with an fp32 scale per block of 256 and two 256-entry code books, and
+        # 32-bit states for tensors under 4096 elements (``tensor_state_bytes``).
         OptimizerInfo(
             "adam-8bit",
             ("adamw-8bit", "adam8bit", "adamw8bit", "bnb-adam8bit", "bnb-adamw8bit"),
             "bitsandbytes.optim.AdamW8bit",
-            fixed_bytes=2,
-            approximate=True,
             package="bitsandbytes",
+            eight_bit_states=2,
         ),
     )
 })  # fmt: skip

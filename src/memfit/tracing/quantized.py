@@ -26,6 +26,20 @@ What each stand-in models, in bytes:
 - ``Int8Params``: the int8 weight (``CB``, the parameter's own storage) and ``SCB`` (fp32 per
   row). ``Linear8bitLt.forward`` moves both into the module's ``MatmulLtState``; the trace gives the
   module a copy of that state holding the fakes, so the real one keeps its tensors.
+- peft's DoRA on a bitsandbytes layer dequantizes its weight in every forward with
+  ``dequantize_module_weight``, which recognises a bitsandbytes weight by its class; the stand-ins are
+  plain fake tensors, so while the trace runs ``peft_dequantizes_stand_ins`` gives peft's modules a
+  version that dequantizes them with the same bitsandbytes calls (``dequantize_4bit`` with the weight's
+  quantization state; ``int8_vectorwise_dequant`` with the module's row scales).
+- LLM.int8()'s matmul (``MatMul8bitLt``: what a GPU runs in training and inference, and a CPU in
+  inference) quantizes its input with an outlier threshold (``llm_int8_threshold``, 6.0 by
+  default): the columns holding a value above it are found from the *values*, so bitsandbytes' fake
+  kernels ask for a data-dependent size, which a fake tensor cannot give. ``int8_kernels`` replays
+  the CUDA kernels instead (the input's absolute values and outlier mask as temporaries, the int8
+  input and its row scales, the int32 product of ``int8_linear_matmul`` before ``int8_mm_dequant``)
+  with ``INT8_OUTLIER_COLUMNS`` outlier columns, whose fp16 slices of the input and dequantized
+  slices of the weight are a few KiB whatever the count. bitsandbytes' CPU kernels for the same ops
+  go through fp32 copies instead, which a CPU-target trace of an 8-bit forward does not model.
 """
 
 from __future__ import annotations
@@ -43,14 +57,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.errors import InvalidInputError
 
 __all__ = [
+    "INT8_OUTLIER_COLUMNS",
     "bind_quantized_modules",
-    "dequantized_gemm",
+    "bitsandbytes_kernels",
     "fake_quantized_parameter",
     "is_quantized_parameter",
+    "peft_dequantizes_stand_ins",
     "refuse_unsupported_quantization",
+    "unsupported_quantization",
 ]
 
 MakeFake = Callable[[torch.Tensor], torch.Tensor]
+
+INT8_OUTLIER_COLUMNS = 6
+"""Outlier columns the trace gives each 8-bit matmul's input: the LLM.int8() paper finds a 6.7B model's
+outliers in 6 hidden dimensions. Only their small slices depend on the count."""
 
 # Libraries whose packed weights and kernels the trace has no model of: by the ``quant_method`` of a
 # Hugging Face ``quantization_config`` and by the top-level package of a module's or tensor's class.
@@ -82,8 +103,8 @@ _UNSUPPORTED_PACKAGES = {
 }
 
 
-def refuse_unsupported_quantization(model: nn.Module) -> None:
-    """Raise ``InvalidInputError`` naming the library when ``model`` is quantized by one the trace cannot model.
+def unsupported_quantization(model: nn.Module) -> str | None:
+    """The library that quantized ``model`` when the trace cannot model it (``"GPTQ"``, ``"AWQ"``, ...), else ``None``.
 
     Detected without importing those libraries: the model config's ``quantization_config.quant_method``,
     then the classes of its modules, parameters and buffers.
@@ -97,6 +118,12 @@ def refuse_unsupported_quantization(model: nn.Module) -> None:
                     library = _library_of(type(tensor))
             if library is not None:
                 break
+    return library
+
+
+def refuse_unsupported_quantization(model: nn.Module) -> None:
+    """Raise ``InvalidInputError`` naming the library when ``model`` is quantized by one the trace cannot model."""
+    library = unsupported_quantization(model)
     if library is not None:
         raise InvalidInputError(
             f"{type(model).__name__} is quantized with {library}, whose packed weights and kernels memfit cannot "
@@ -220,6 +247,11 @@ def has_4bit_modules(model: nn.Module) -> bool:
     return linear4bit is not None and any(isinstance(m, linear4bit) for m in model.modules())
 
 
+def has_8bit_modules(model: nn.Module) -> bool:
+    _, _, _, linear8bit = _bnb_classes()
+    return linear8bit is not None and any(isinstance(m, linear8bit) for m in model.modules())
+
+
 class _DequantizedGemm(TorchDispatchMode):
     """Run ``bitsandbytes::gemm_4bit`` as its backends do: dequantize the weight, then ``linear``.
 
@@ -258,11 +290,133 @@ def _gemm_4bit_dequantized(
     return torch.nn.functional.linear(A, weight, bias)
 
 
+class _Int8Kernels(TorchDispatchMode):
+    """Run LLM.int8()'s ops as bitsandbytes' CUDA backend does, with ``INT8_OUTLIER_COLUMNS`` outlier columns
+    where the real count depends on the input's values (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ops = torch.ops.bitsandbytes
+        self._replays: dict[Any, Callable[..., Any]] = {
+            ops.int8_vectorwise_quant.default: _int8_vectorwise_quant,
+            ops.int8_mixed_scaled_mm.default: _int8_mixed_scaled_mm,
+            ops.int8_scaled_mm.default: _int8_scaled_mm,
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return self._replays.get(func, func)(*args, **(kwargs or {}))
+
+
+def _int8_vectorwise_quant(
+    A: torch.Tensor, threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The CUDA ``int8_vectorwise_quant``: int8 rows and fp32 row scales; above a threshold, the columns that
+    hold an outlier, found through an absolute-value copy and a mask of the input (both temporaries)."""
+    ops = torch.ops.bitsandbytes
+    quantized, row_stats, _ = ops.int8_vectorwise_quant.default(A, 0.0)
+    if threshold <= 0.0:
+        return quantized, row_stats, None
+    outliers = A.abs() >= threshold
+    outliers.any(dim=0)  # the columns argwhere reads
+    columns = torch.empty(min(INT8_OUTLIER_COLUMNS, A.shape[-1]), dtype=torch.int64, device=A.device)
+    return quantized, row_stats, columns
+
+
+def _int8_mixed_scaled_mm(
+    A: torch.Tensor,
+    CA: torch.Tensor,
+    CB: torch.Tensor,
+    SCA: torch.Tensor,
+    SCB: torch.Tensor,
+    outlier_cols: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' ``int8_mixed_scaled_mm`` (its one kernel, ``backends/default/ops.py``): the int8 product
+    plus the outlier columns in the input's precision."""
+    ops = torch.ops.bitsandbytes
+    sub_b = None
+    if outlier_cols is not None and outlier_cols.numel():
+        sub_a = A[:, outlier_cols].contiguous()
+        sub_b = ops.int8_vectorwise_dequant.default(CB[:, outlier_cols].contiguous(), SCB).to(A.dtype).t()
+    else:
+        sub_a = torch.empty(0, device=A.device, dtype=A.dtype)
+    output = _int8_scaled_mm(CA, CB, SCA, SCB, bias=bias, dtype=A.dtype)
+    if sub_b is not None:
+        output = output.addmm(sub_a, sub_b)
+    return output, sub_a
+
+
+def _int8_scaled_mm(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """bitsandbytes' ``int8_scaled_mm``: the int32 product (a temporary), then its dequantization."""
+    ops = torch.ops.bitsandbytes
+    product = ops.int8_linear_matmul.default(A, B)
+    return ops.int8_mm_dequant.default(product, row_stats, col_stats, dtype=dtype or torch.float16, bias=bias)
+
+
 @contextlib.contextmanager
-def dequantized_gemm(model: nn.Module) -> Iterator[None]:
-    """``_DequantizedGemm`` while the trace runs, when the model holds 4-bit layers (nothing otherwise)."""
-    if not has_4bit_modules(model):
+def peft_dequantizes_stand_ins() -> Iterator[None]:
+    """peft's ``dequantize_module_weight``, where its modules bound it (``peft.tuners.lora.dora`` and others), made
+    to dequantize the trace's stand-ins for bitsandbytes weights too (see the module docstring); restored after."""
+    integrations = sys.modules.get("peft.utils.integrations")
+    original = getattr(integrations, "dequantize_module_weight", None)
+    if original is None:  # peft not loaded: no peft layer to trace
         yield
         return
-    with _DequantizedGemm():
+    # a module's own namespace only: getattr on lazy modules would import their submodules
+    bound = [
+        module
+        for module in list(sys.modules.values())
+        if isinstance(getattr(module, "__dict__", None), dict)
+        and module.__dict__.get("dequantize_module_weight") is original
+    ]
+    replacement = _dequantizing_stand_ins(original)
+    for module in bound:
+        module.dequantize_module_weight = replacement  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in bound:
+            module.dequantize_module_weight = original  # type: ignore[attr-defined]
+
+
+def _dequantizing_stand_ins(original: Callable[[nn.Module], torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:
+    _, _, _, linear8bit = _bnb_classes()
+
+    def dequantize_module_weight(module: nn.Module) -> torch.Tensor:
+        """peft's ``dequantize_module_weight``, which also dequantizes a stand-in as ``dequantize_bnb_weight`` would
+        dequantize the bitsandbytes weight it stands for."""
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or is_quantized_parameter(weight):
+            return original(module)
+        state = weight.__dict__.get("quant_state")
+        if state is not None:  # a Params4bit's stand-in
+            import bitsandbytes.functional as F
+
+            return F.dequantize_4bit(weight, state)
+        if linear8bit is not None and isinstance(module, linear8bit):  # an Int8Params' stand-in
+            scales = module.state.SCB if module.state.SCB is not None else weight.__dict__.get("SCB")
+            return torch.ops.bitsandbytes.int8_vectorwise_dequant.default(weight, scales)
+        return original(module)
+
+    return dequantize_module_weight
+
+
+@contextlib.contextmanager
+def bitsandbytes_kernels(model: nn.Module) -> Iterator[None]:
+    """While the trace runs: ``_DequantizedGemm`` when the model holds 4-bit layers, ``_Int8Kernels`` when it holds
+    8-bit ones, and ``peft_dequantizes_stand_ins`` with either (nothing otherwise)."""
+    with contextlib.ExitStack() as stack:
+        if has_4bit_modules(model):
+            stack.enter_context(_DequantizedGemm())
+        if has_8bit_modules(model):
+            stack.enter_context(_Int8Kernels())
+        if has_4bit_modules(model) or has_8bit_modules(model):
+            stack.enter_context(peft_dequantizes_stand_ins())
         yield

@@ -54,7 +54,7 @@ from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
 from memfit.tracing.paged import PagedState, page_optimizer_state
 from memfit.tracing.quantized import (
     bind_quantized_modules,
-    dequantized_gemm,
+    bitsandbytes_kernels,
     fake_quantized_parameter,
     is_quantized_parameter,
     refuse_unsupported_quantization,
@@ -194,7 +194,7 @@ def trace_steps(
         paths = module_path_tracker(model)
         paths.foreign_tensor_types = _foreign_tensor_types(model)
         blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
-        with fake_mode, recorder, dequantized_gemm(model), paths, _block_context(blocks, recorder):
+        with fake_mode, recorder, bitsandbytes_kernels(model), paths, _block_context(blocks, recorder):
             fakes = _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
 
@@ -258,7 +258,7 @@ def _trace_inference(
     paths = module_path_tracker(model)
     paths.foreign_tensor_types = _foreign_tensor_types(model)
     blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
-    with fake_mode, recorder, dequantized_gemm(model), paths, _block_context(blocks, recorder), torch.no_grad():
+    with fake_mode, recorder, bitsandbytes_kernels(model), paths, _block_context(blocks, recorder), torch.no_grad():
         _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
 
         def fake_batch() -> Any:
