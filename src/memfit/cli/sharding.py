@@ -222,6 +222,10 @@ def _print(report: ShardedReport) -> None:
                 f"{format_bytes(report.host_offload_per_node_bytes)} a node",
                 highlight=False,
             )
+    if report.report.depth_built_from:
+        low, high = report.report.depth_built_from
+        console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace the "
+                      "whole model)")  # fmt: skip
     if report.report.depth_extrapolated_from:
         low, high = report.report.depth_extrapolated_from
         console.print(f"searched on traces at {low} and {high} blocks extrapolated in depth; the plan is confirmed "

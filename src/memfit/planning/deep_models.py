@@ -73,8 +73,11 @@ class DeepModel:
             self._specs[depth] = self.build_at(depth)
         return self._specs[depth]
 
-    def tracers(self, tracer: Callable[..., Tracer], probe_checkpointing: bool) -> tuple[Tracer, Tracer]:
-        """``(search, whole)``: ``tracer(spec, **keywords)`` makes a trace function of a spec."""
+    def tracers(
+        self, tracer: Callable[..., Tracer], probe_checkpointing: bool, probe_batch: int = 2
+    ) -> tuple[Tracer, Tracer]:
+        """``(search, whole)``: ``tracer(spec, **keywords)`` makes a trace function of a spec; whether the log can
+        be built is found by building it at ``probe_batch`` (the plan's first estimate)."""
         search: Tracer | None = None
         whole = tracer(self.spec, fits_of=lambda checkpointing: search(1, checkpointing, 1))
         search = whole
@@ -82,7 +85,7 @@ class DeepModel:
             return whole, whole
         built = tracer(self.spec, repeated=[self._at(d).model for d in BUILD_DEPTHS])
         try:
-            built(1, probe_checkpointing, 1)
+            built(probe_batch, probe_checkpointing, 1)
         except (DepthMismatch, EstimationError) as why:  # this step's log cannot be built (a loop's DDP buckets)
             self.not_built = getattr(why, "reason", str(why))
             if not self.large:

@@ -42,6 +42,9 @@ __all__ = [
 
 # A deep preset's log is built from traces at BUILD_DEPTHS (memfit.planning.deep_models); where it cannot be, a
 # large one is searched on traces at EXTRAPOLATION_DEPTHS extrapolated in depth, and confirmed on the whole model.
+# Plans start from the estimate at batch 2: its symbolic trace answers 2 and every batch above it, and batch 1, which
+# takes concrete traces of its own (a dimension of size 1 broadcasts), is traced only when 2 does not fit.
+START_BATCH = 2
 EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds anyway
 # How far an extrapolated peak may sit above the whole model's: the search's figure (at(batch) with the CUDA
 # context) is within +-3 % of the whole trace's on the billion-parameter configs benchmarks/depth_extrapolation.py
@@ -327,9 +330,9 @@ def _plan_one(name: str, gpu: GPU | None, trace: Any, request: PlanRequest, whol
     again on ``whole`` alone when it is near the budget (``_near_the_budget``): an extrapolation a few
     percent high must not turn a run that fits into one that does not."""
     always = request.always_checkpoint
-    session = PlanningSession(whole, batch_size=1, search_at=trace)
+    session = PlanningSession(whole, batch_size=START_BATCH, search_at=trace)
     approximate = bool(gpu and gpu.approximate)
-    base = session.search_at(1, always, 1)
+    base = session.search_at(START_BATCH, always, 1)
     try:
         decision = session.decide(request)
     except InsufficientMemoryError as error:
@@ -343,12 +346,12 @@ def _plan_one(name: str, gpu: GPU | None, trace: Any, request: PlanRequest, whol
                 f"{EXTRAPOLATION_ERROR_BAND:.0%} over the budget (--exact traces the whole model)."
             )
             return GpuPlan(name, request.capacity_bytes, None, None, error=message, approximate=approximate, base=base)
-        session = PlanningSession(whole, batch_size=1)
+        session = PlanningSession(whole, batch_size=START_BATCH)
         try:
             decision = session.decide(request)
         except InsufficientMemoryError as exact_error:
             return GpuPlan(name, request.capacity_bytes, None, None, error=str(exact_error), approximate=approximate,
-                           base=session.search_at(1, always, 1))  # fmt: skip
+                           base=session.search_at(START_BATCH, always, 1))  # fmt: skip
     return GpuPlan(name, request.capacity_bytes, decision.plan, decision.estimate, approximate=approximate, base=base)
 
 
@@ -357,7 +360,7 @@ def _near_the_budget(session: PlanningSession, request: PlanRequest) -> bool:
     within ``EXTRAPOLATION_ERROR_BAND`` of the budget, so that the whole model's trace may still fit."""
     budget = request.capacity_bytes * (1.0 - request.margin)
     options = {request.always_checkpoint, request.always_checkpoint or request.allow_checkpointing}
-    smallest = min(session.search_at(1, checkpointing, 1).at(1).device_bytes for checkpointing in options)
+    smallest = min(session.search_at(START_BATCH, c, 1).at(1).device_bytes for c in options)
     return smallest <= budget * (1.0 + EXTRAPOLATION_ERROR_BAND)
 
 

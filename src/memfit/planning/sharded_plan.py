@@ -23,6 +23,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.deep_models import DeepModel
 from memfit.planning.gpu_report import (
     EXTRAPOLATION_MIN_PARAMETERS,
+    START_BATCH,
     GpuPlan,
     PlanReport,
     _card_precision,
@@ -267,11 +268,11 @@ def plan_sharded(
         label = f"{name} x{count} {option.label} (per rank)"
         with _progress(show_progress, f"planning {describe(config)}"):
             if candidate:
-                session = PlanningSession(whole, batch_size=1, search_at=search)
+                session = PlanningSession(whole, batch_size=START_BATCH, search_at=search)
                 try:
                     decision = session.decide(request(count))
                     row = GpuPlan(label, capacity, decision.plan, decision.estimate,
-                                  base=session.search_at(1, allow == "on", 1))  # fmt: skip
+                                  base=session.search_at(START_BATCH, allow == "on", 1))  # fmt: skip
                 except InsufficientMemoryError as error:
                     row = GpuPlan(label, capacity, None, None, error=str(error))
             else:
