@@ -1,9 +1,11 @@
-"""Depth extrapolation vs the full trace: how far ``memfit plan``'s fast path is from tracing the whole model.
+"""Deep models from shallow traces vs the full trace: how far ``memfit plan``'s fast paths are from tracing it whole.
 
-``memfit plan --hf-config`` traces deep models at 2 and 4 blocks and extrapolates in depth
-(``memfit.prediction.estimator.extrapolate_depth``). This prints both predictions side by side for the presets,
-with the time each took, and the highest point of the timeline ``--plot`` draws (extrapolated vs
-traced), and writes ``benchmarks/results/depth_extrapolation.json``.
+``memfit plan --hf-config`` traces deep models at 3 and 4 blocks and builds the whole model's log from them
+(``memfit.tracing.depth``: "built"); where that cannot be done it traces them at 2 and 4 blocks and extrapolates
+the peaks in depth (``memfit.prediction.estimator.extrapolate_depth``). This prints the three predictions side by
+side for the presets (the peak at the traced batch, and ``at()`` at twice and four times it), with the time each
+took, and the highest point of the timeline ``--plot`` draws, and writes
+``benchmarks/results/depth_extrapolation.json``.
 
     python benchmarks/depth_extrapolation.py [--only llama-3-8b] [--seq-len 2048] [--batch 1]
 
@@ -23,11 +25,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.planning.gpu_report import EXTRAPOLATION_DEPTHS, model_depth
+from memfit.errors import EstimationError
+from memfit.planning.deep_models import BUILD_DEPTHS, EXTRAPOLATION_DEPTHS, model_depth
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
 from memfit.presets import from_hf_config
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target
+from memfit.tracing.depth import DepthMismatch
 from memfit.units import format_bytes
 
 PRESETS = ["gpt2", "bert-base", "t5-base", "vit-base", "qwen2.5-7b", "llama-3-8b"]
@@ -55,12 +59,15 @@ def _config(name: str) -> str:
     return str(path)
 
 
-def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing: bool) -> tuple:
+def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing: bool, built: bool = False) -> tuple:
+    """``(estimate, seconds, spec)``; ``built``: the whole model's log built from its traces at ``BUILD_DEPTHS``."""
     spec = from_hf_config(_config(name), seq_len=seq_len, layers=layers)
+    repeated = [from_hf_config(_config(name), seq_len=seq_len, layers=d).model for d in BUILD_DEPTHS] if built else None
     started = time.perf_counter()
     (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
                                       batch_size=batch, precision="bf16-mixed", optimizer="adamw",
-                                      gradient_checkpointing=checkpointing, target=Target("cuda"))  # fmt: skip
+                                      gradient_checkpointing=checkpointing, target=Target("cuda"),
+                                      repeated=repeated)  # fmt: skip
     return result, time.perf_counter() - started, spec
 
 
@@ -102,18 +109,29 @@ def main() -> None:
                 row[f"{kind}_error_pct"] = round(
                     100 * (row[f"extrapolated_{kind}"] - row[f"exact_{kind}"]) / row[f"exact_{kind}"], 3
                 )
+            try:
+                built, built_seconds, _ = trace(name, args.seq_len, None, args.batch, checkpointing, built=True)
+            except (DepthMismatch, EstimationError) as why:  # memfit plan extrapolates such a model
+                row["built_not_possible"] = getattr(why, "reason", str(why))
+            else:
+                row.update(_built_row(exact, built, built_seconds, args.batch))
             rows.append(row)
-    table = Table(title=f"depth extrapolation ({low} and {high} blocks) vs full trace, bf16-mixed AdamW, "
-                  f"seq {args.seq_len}, batch {args.batch}")  # fmt: skip
-    for column in ("model", "ckpt", "exact reserved", "extrapolated", "error", "alloc. error", "timeline peak error",
-                   "peak (exact/extr.)", "time exact", "time extr."):  # fmt: skip
+    table = Table(title=f"built from {BUILD_DEPTHS} blocks and extrapolated from ({low}, {high}) vs the whole trace, "
+                  f"bf16-mixed AdamW, seq {args.seq_len}, batch {args.batch}")  # fmt: skip
+    for column in ("model", "ckpt", "exact reserved", "built", "built: largest difference", "extrapolated", "error",
+                   "alloc. error", "timeline peak error", "peak (exact/extr.)", "time exact", "time built",
+                   "time extr."):  # fmt: skip
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in rows:
+        unbuilt = "built_reserved" not in r
         table.add_row(r["model"], "on" if r["checkpointing"] else "off", format_bytes(r["exact_reserved"]),
+                      "-" if unbuilt else format_bytes(r["built_reserved"]),
+                      "-" if unbuilt else f"{r['built_largest_difference_bytes']:,} B",
                       format_bytes(r["extrapolated_reserved"]), f"{r['reserved_error_pct']:+.2f}%",
                       f"{r['allocated_error_pct']:+.2f}%", f"{r['timeline_peak_error_pct']:+.2f}%",
                       f"{r['exact_peak_phase']} / {r['extrapolated_peak_phase']}",
-                      f"{r['exact_seconds']:.1f} s", f"{r['extrapolated_seconds']:.1f} s")  # fmt: skip
+                      f"{r['exact_seconds']:.1f} s", "-" if unbuilt else f"{r['built_seconds']:.1f} s",
+                      f"{r['extrapolated_seconds']:.1f} s")  # fmt: skip
     Console(width=200).print(table)
     _check_order(rows)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +141,20 @@ def main() -> None:
         kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in args.only]
         payload["rows"] = kept + rows
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _built_row(exact: MemoryEstimate, built: MemoryEstimate, seconds: float, batch: int) -> dict:
+    """The built log against the whole trace: peaks at the batch and ``at()`` at 2x and 4x it, their largest
+    difference in bytes (0 where the build is exact), and the seconds the build took."""
+    pairs = [(exact.peak_allocated_bytes, built.peak_allocated_bytes), (exact.peak_reserved_bytes,
+             built.peak_reserved_bytes), (_timeline_peak(exact), _timeline_peak(built))]  # fmt: skip
+    for times in (2, 4):
+        whole, from_shallow = exact.at(times * batch), built.at(times * batch)
+        pairs += [(whole.allocated_bytes, from_shallow.allocated_bytes), (whole.reserved_bytes,
+                   from_shallow.reserved_bytes)]  # fmt: skip
+    return {"built_allocated": built.peak_allocated_bytes, "built_reserved": built.peak_reserved_bytes,
+            "built_largest_difference_bytes": max(abs(a - b) for a, b in pairs),
+            "built_seconds": round(seconds, 2), "built_from": list(BUILD_DEPTHS)}  # fmt: skip
 
 
 def _check_order(rows: list[dict]) -> None:

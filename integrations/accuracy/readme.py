@@ -369,36 +369,48 @@ def speed(results: Path) -> list[str]:
 def depth_extrapolation(results: Path) -> list[str]:
     data = _load("depth_extrapolation.json", results)
     if data is None:
-        return ["**Depth extrapolation: not measured yet.** `python benchmarks/depth_extrapolation.py`."]
+        return ["**Deep models: not measured yet.** `python benchmarks/depth_extrapolation.py`."]
+
+    def built(row: dict[str, Any]) -> str:
+        if "built_largest_difference_bytes" not in row:
+            return "-"
+        return f"{row['built_largest_difference_bytes']:,} B"
+
     rows = [
         [
             row["model"],
             str(row["depth"]),
             "on" if row["checkpointing"] else "off",
+            built(row),
             _pct(row["allocated_error_pct"], True, digits=3),
             _pct(row["reserved_error_pct"], True, digits=3),
             _pct(row["timeline_peak_error_pct"], True, digits=3),
-            f"{row['exact_seconds']:.2f} / {row['extrapolated_seconds']:.2f}",
+            f"{row['exact_seconds']:.2f} / {row['built_seconds']:.2f} / {row['extrapolated_seconds']:.2f}"
+            if "built_seconds" in row
+            else f"{row['exact_seconds']:.2f} / - / {row['extrapolated_seconds']:.2f}",
         ]
         for row in data["rows"]
     ]
     settings = sorted({f"batch {row['batch']}" for row in data["rows"]})
     return [
-        f"**Depth extrapolation** (`python benchmarks/depth_extrapolation.py`, "
+        f"**Deep models from shallow traces** (`python benchmarks/depth_extrapolation.py`, "
         f"`benchmarks/results/depth_extrapolation.json`; {data['cpus']}-core CPU, torch {data['torch']}; sequence "
-        f"{data['seq_len']}, {', '.join(settings)}, bf16-mixed AdamW): the peak extrapolated from traces at 2 and 4 "
-        "blocks against a trace of the whole model, error = (extrapolated - whole) / whole, and the seconds each "
-        "took on this machine.",
+        f"{data['seq_len']}, {', '.join(settings)}, bf16-mixed AdamW), against a trace of the whole model. Built: the "
+        "whole model's log built from traces at 3 and 4 blocks, its largest difference from the whole trace over "
+        'the peaks (allocated, reserved, timeline) at the batch and `at()` at twice and four times it ("-": the log '
+        "cannot be built, so `memfit plan` extrapolates). Extrapolated: the peak extrapolated from traces at 2 and 4 "
+        "blocks, error = (extrapolated - whole) / whole. Seconds on this machine.",
         "",
         *_table(
             [
                 "model",
                 "blocks",
                 "checkpointing",
-                "allocated error",
+                "built: largest difference",
+                "extrapolated: allocated error",
                 "reserved error",
                 "timeline peak error",
-                "seconds: whole / extrapolated",
+                "seconds: whole / built / extrapolated",
             ],
             rows,
         ),
