@@ -216,3 +216,66 @@ def test_planning_session_traces_the_step_once() -> None:
     assert micro >= 37 and base.at(micro).device_bytes <= budget < base.at(micro + 1).device_bytes
     (only,) = [s for s in kept_sessions() if not s.settings.gradient_checkpointing]
     assert len(only.symbolic) == 1 and not only.concrete
+
+
+# ----------------------------------------------------------------------- the sequence length, a second symbol
+
+
+def _peak_of(case: Case, batch: int) -> tuple[int, int]:
+    """Allocated and reserved peaks of one concrete trace of ``case`` at ``batch`` (CUDA semantics, bf16-mixed)."""
+    options: dict[str, Any] = {"target": memfit.Target("cuda"), "precision": "bf16-mixed"}
+    fit = estimate_for_runtimes(case.model, case.batch, batch_size=batch, loss_fn=case.loss_fn,
+                                forward_fn=case.forward_fn, **options)[0]  # fmt: skip
+    clear_sessions()
+    traced = _concrete(case, batch, fit, **options)
+    return traced.peak_allocated_bytes, traced.peak_reserved_bytes
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_one_trace_answers_other_sequence_lengths_to_the_byte(family: str) -> None:
+    build = FAMILIES[family]
+    points = ((2, 17), (7, 64), (5, 128), (1, 33))
+    expected = {(batch, seq): _peak_of(build(batch=batch, seq=seq), batch) for batch, seq in points}
+    clear_sessions()
+    estimate = _estimate(build(batch=2, seq=64), device="cuda", precision="bf16-mixed")
+    assert estimate.seq_len == 64
+    assert any("sequence length" in note for note in estimate.notes)
+    (session,) = kept_sessions()
+    for (batch, seq), peaks in expected.items():
+        got = estimate.at(batch, seq)
+        assert (got.allocated_bytes, got.reserved_bytes) == peaks, (batch, seq)
+    # one symbolic trace answered every batch of 2 and up at every length; batch 1 took a trace of its own
+    assert len(session.symbolic) == 1 and list(session.other_lengths) == [(1, 33)]
+
+
+class ReadsTheLength(nn.Module):
+    """Reads the sequence length as a plain number (``int(...)``), which pins it in a symbolic trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids) + torch.zeros(int(input_ids.shape[1]), 32)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
+
+
+def test_a_pinned_sequence_length_is_traced_at_each_length_and_still_exact() -> None:
+    def build(batch: int = 2, seq: int = 16) -> Case:
+        torch.manual_seed(0)
+        ids = torch.randint(0, 100, (batch, seq))
+        return Case("pinned", ReadsTheLength(), {"input_ids": ids, "labels": ids}, None, None)
+
+    expected = {(batch, seq): _peak_of(build(batch, seq), batch) for batch, seq in ((3, 16), (3, 40))}
+    clear_sessions()
+    estimate = memfit.estimate(build().model, build().batch, target=memfit.Target("cuda"), precision="bf16-mixed")
+    for (batch, seq), peaks in expected.items():
+        got = estimate.at(batch, seq)
+        assert (got.allocated_bytes, got.reserved_bytes) == peaks, (batch, seq)
+
+
+def test_a_sample_without_a_sequence_says_so() -> None:
+    estimate = _estimate(resnet_case())
+    assert estimate.seq_len is None
+    with pytest.raises(memfit.InvalidInputError, match="no sequence dimension"):
+        estimate.at(2, 128)

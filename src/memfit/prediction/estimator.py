@@ -133,8 +133,9 @@ class MemoryEstimate:
     sharding: ShardingConfig | None = None
     rank_terms: Mapping[str, int] = field(default_factory=dict)  # one rank's model-state terms (sharded runs)
     host_bytes_per_node: int | None = None  # offloaded states and pinned buffers of a node's ranks
-    # batch -> phase peaks replayed from a symbolic trace of the step (memfit.prediction.exact); None: the fit
-    exact_peaks: Callable[[int], tuple[PhasePeak, ...] | None] | None = field(default=None, repr=False, compare=False)
+    seq_len: int | None = None  # the sample's sequence length, where it has one (its token ids' dimension 1)
+    # (batch, seq_len) -> phase peaks replayed from a symbolic trace (memfit.prediction.exact); None: the fit
+    exact_peaks: Callable[..., tuple[PhasePeak, ...] | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -156,8 +157,8 @@ class MemoryEstimate:
         """Reserved minus allocated: caching-allocator rounding and fragmentation."""
         return self.peak_reserved_bytes - self.peak_allocated_bytes
 
-    def at(self, batch_size: int) -> BatchPeak:
-        """Predicted peaks at ``batch_size``.
+    def at(self, batch_size: int, seq_len: int | None = None) -> BatchPeak:
+        """Predicted peaks at ``batch_size`` (and ``seq_len`` tokens a sample; default: the traced sample's).
 
         From a symbolic trace (the default, ``memfit.prediction.exact``): the step's log read at that batch and
         replayed, what a trace at it gives. Otherwise (``MEMFIT_TRACE=concrete``, or a step that cannot be
@@ -167,6 +168,8 @@ class MemoryEstimate:
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if seq_len is not None and seq_len != self.seq_len:
+            return self._at_length(batch_size, seq_len)
         replayed = self.exact_peaks(batch_size) if self.exact_peaks is not None else None
         if replayed is not None:  # the step's log at this batch, replayed: what a trace at it gives
             allocated = max(p.allocated_bytes for p in replayed)
@@ -179,11 +182,53 @@ class MemoryEstimate:
         reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
         return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
 
-    def max_batch_size(self, capacity_bytes: int, *, include_context: bool = True) -> int | None:
+    def _at_length(self, batch_size: int, seq_len: int) -> BatchPeak:
+        """At another sequence length: the symbolic trace read there (or a trace of its own), never the fit."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise InvalidInputError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if self.seq_len is None:
+            raise InvalidInputError("seq_len: this step's sample has no sequence dimension (token ids) to vary")
+        if self.exact_peaks is None:
+            raise InvalidInputError(
+                "seq_len: this estimate cannot answer other sequence lengths (it was not traced symbolically; see its "
+                "notes); estimate a sample of that length"
+            )
+        try:
+            replayed = self.exact_peaks(batch_size, seq_len)
+        except MemfitError:
+            raise
+        except Exception as exc:
+            raise EstimationError(f"the step could not be traced at sequence length {seq_len}: {exc}") from exc
+        if not replayed:
+            raise EstimationError(f"the step could not be traced at sequence length {seq_len}")
+        allocated = max(p.allocated_bytes for p in replayed)
+        reserved = max(p.reserved_bytes for p in replayed)
+        return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
+
+    def for_seq_len(self, seq_len: int) -> MemoryEstimate:
+        """This step with samples of ``seq_len`` tokens, read off the same trace: every figure, and ``at()``, at
+        that length (a sharded run's per-rank terms kept)."""
+        if seq_len == self.seq_len:
+            return self
+        self._at_length(self.batch_size, seq_len)  # says what is wrong with the length, if anything
+        source = getattr(self.exact_peaks, "estimate_at_length", None)
+        if source is None:
+            raise InvalidInputError("seq_len: this estimate cannot be rebuilt at another sequence length")
+        other: MemoryEstimate = source(self.batch_size, seq_len)
+        return dataclasses.replace(
+            other, sharding=self.sharding, rank_terms=self.rank_terms, host_bytes_per_node=self.host_bytes_per_node,
+            trace_seconds=self.trace_seconds, notes=tuple(dict.fromkeys([*self.notes, *other.notes])),
+        )  # fmt: skip
+
+    def max_batch_size(
+        self, capacity_bytes: int, *, include_context: bool = True, seq_len: int | None = None
+    ) -> int | None:
         """Largest batch whose predicted peak fits in ``capacity_bytes`` (``None``: not even 1).
 
         ``include_context=False`` when the capacity was measured after CUDA started in this
         process (``torch.cuda.mem_get_info`` then already excludes the context).
+
+        ``seq_len``: at that many tokens a sample (default: the traced sample's).
 
         This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
         sizes traced, which can be off by a few samples either way (the allocator's rounding and the
@@ -195,7 +240,7 @@ class MemoryEstimate:
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
         def fits(batch: int) -> bool:
-            return self.at(batch).reserved_bytes + overhead <= capacity_bytes
+            return self.at(batch, seq_len).reserved_bytes + overhead <= capacity_bytes
 
         # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit
         if self.exact_peaks is not None and fits(2):
@@ -681,6 +726,7 @@ def _build_estimate(
         ddp=settings.ddp,
         extra_batches=settings.extra_batches,
         inference=settings.inference,
+        seq_len=primary.seq_len,
     )
 
 

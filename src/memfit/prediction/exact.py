@@ -18,6 +18,7 @@ answers the same whether or not the caller kept the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from collections import OrderedDict
@@ -28,13 +29,19 @@ import torch
 from torch import nn
 
 from memfit.categories import Category
-from memfit.errors import ValueDependentError
+from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.simulation.replay import PhasePeak, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
 from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
-from memfit.tracing.symbolic import SymbolicTrace, SymbolicUnavailable, trace_symbolic
+from memfit.tracing.symbolic import (
+    SymbolicTrace,
+    SymbolicUnavailable,
+    resequenced,
+    sequence_length,
+    trace_symbolic,
+)
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
 __all__ = [
@@ -59,8 +66,11 @@ class StepSession:
         self._sample, self.sample_batch, self.settings = sample, sample_batch, settings
         self.symbolic: list[SymbolicTrace] = []
         self.concrete: dict[int, StepTrace] = {}
+        self.other_lengths: dict[tuple[int, int], StepTrace] = {}  # (batch, sequence length) -> concrete trace
         self.unavailable: str | None = None  # why the step cannot be traced symbolically
         self.trace_seconds = 0.0
+        self._factory = callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
+        self.seq_len = sequence_length(*self._sample_at(2)) if self._factory else sequence_length(sample, sample_batch)
 
     def ensure_symbolic(self, hint: int) -> bool:
         """Trace symbolically once (at ``hint``, >= 2) unless done or known impossible; whether one exists."""
@@ -74,8 +84,11 @@ class StepSession:
                 self.unavailable = exc.reason
         return bool(self.symbolic)
 
-    def trace_at(self, batch: int) -> tuple[StepTrace, str | None]:
-        """The step's log at ``batch`` and, where it took a trace of its own, why (in plain words)."""
+    def trace_at(self, batch: int, seq_len: int | None = None) -> tuple[StepTrace, str | None]:
+        """The step's log at ``batch`` (and ``seq_len``; default: the sample's) and, where it took a trace of its
+        own, why (in plain words)."""
+        if seq_len is not None and seq_len != self.seq_len:
+            return self._at_length(batch, seq_len)
         if not self.symbolic and batch in self.concrete:  # traced already, before any symbolic trace was needed
             return self.concrete[batch], None
         for symbolic in self.symbolic:
@@ -109,16 +122,44 @@ class StepSession:
             )
         return self.concrete[batch], _outside_note(batch, self.symbolic[0]) if self.symbolic else None
 
-    def concrete_trace(self, batch: int) -> StepTrace:
-        """A concrete trace at ``batch`` (kept)."""
+    def _at_length(self, batch: int, seq_len: int) -> tuple[StepTrace, str | None]:
+        """Another sequence length: read off the symbolic trace where its sequence length is symbolic and covers
+        it, else traced concretely with the sample remade at that length."""
+        if batch >= 2:
+            self.ensure_symbolic(batch)
+        for symbolic in self.symbolic:
+            if symbolic.valid(batch, seq_len):
+                return symbolic.at(batch, seq_len), None
+        why = "batch 1" if batch == 1 else "the trace's sequence length is not symbolic or does not cover it"
+        return self.concrete_trace(batch, seq_len), f"sequence length {seq_len} traced on its own ({why})"
+
+    def concrete_trace(self, batch: int, seq_len: int | None = None) -> StepTrace:
+        """A concrete trace at ``batch`` (and ``seq_len``, the sample remade at that length), kept."""
         model = self._model()
         if model is None:
             raise LookupError("the model was garbage collected")
+        if seq_len is not None and seq_len != self.seq_len:
+            if self.seq_len is None:
+                raise InvalidInputError("the sample has no sequence dimension (token ids) to set seq_len of")
+            key = (batch, seq_len)
+            if key not in self.other_lengths:
+                sample, sample_batch = self._sample_at(batch)
+                sample = resequenced(sample, sample_batch, self.seq_len, seq_len)
+                self.other_lengths[key] = self._timed(
+                    lambda: trace_steps(model, sample, sample_batch, batch, self.settings)
+                )
+            return self.other_lengths[key]
         if batch not in self.concrete:
             self.concrete[batch] = self._timed(
                 lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
             )
         return self.concrete[batch]
+
+    def _sample_at(self, batch: int) -> tuple[Any, int]:
+        """The sample and its batch size: a sample factory's batch at ``batch``, else the sample itself."""
+        if self._factory:
+            return self._sample(batch), batch
+        return self._sample, self.sample_batch
 
     def _timed(self, trace: Callable[[], Any]) -> Any:
         started = time.perf_counter()
@@ -167,10 +208,20 @@ class DeepSession:
             self.symbolic.append(deepen_symbolic(base, self.depth, check=check))
         return bool(self.symbolic)
 
-    def trace_at(self, batch: int) -> tuple[StepTrace, str | None]:
+    @property
+    def seq_len(self) -> int | None:
+        return self._shallow.seq_len
+
+    def trace_at(self, batch: int, seq_len: int | None = None) -> tuple[StepTrace, str | None]:
+        if seq_len == self.seq_len:
+            seq_len = None
+        if seq_len is not None and batch >= 2:
+            self.ensure_symbolic(batch)
         for symbolic in self.symbolic:
-            if symbolic.valid(batch):
-                return symbolic.at(batch), None
+            if symbolic.valid(batch, seq_len):
+                return symbolic.at(batch, seq_len), None
+        if seq_len is not None:
+            return self.concrete_trace(batch, seq_len), f"sequence length {seq_len} traced on its own"
         note = None
         if self.unavailable is not None:
             note = f"traced at each batch size: {self.unavailable}"
@@ -183,7 +234,10 @@ class DeepSession:
             note = _outside_note(batch, self.symbolic[0])
         return self.concrete_trace(batch), note
 
-    def concrete_trace(self, batch: int) -> StepTrace:
+    def concrete_trace(self, batch: int, seq_len: int | None = None) -> StepTrace:
+        if seq_len is not None and seq_len != self.seq_len:
+            shallow = self._shallow.concrete_trace(batch, seq_len)
+            return deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch, seq_len)))
         if batch not in self.concrete:
             shallow = self._shallow.concrete_trace(batch)
             self.concrete[batch] = deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch)))
@@ -210,12 +264,17 @@ class ExactPeaks:
         runtime: CudaRuntime | None,
         models: Sequence[nn.Module],
         transform: Callable[[StepTrace], StepTrace] | None = None,
+        rebuild: Callable[[StepTrace, StepTrace], Any] | None = None,
     ) -> None:
         self._session, self._runtime, self._models, self._transform = session, runtime, tuple(models), transform
+        self._rebuild = rebuild  # (trace, trace at another batch) -> the estimate of that step
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
+        self._lengths: dict[tuple[int, int], tuple[PhasePeak, ...]] = {}
 
-    def __call__(self, batch: int) -> tuple[PhasePeak, ...] | None:
+    def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
         session = self._session
+        if seq_len is not None and seq_len != session.seq_len:
+            return self._at_length(batch, seq_len)
         if batch not in self._cache and batch not in session.concrete and not session.ensure_symbolic(max(2, batch)):
             return None  # no symbolic trace can be had: at() falls back to the fit, not a trace per batch
         if batch not in self._cache:
@@ -224,10 +283,50 @@ class ExactPeaks:
             except Exception:  # a failure away from the traced batch: at() falls back to the fit in the batch
                 self._cache[batch] = None
             else:
-                if self._transform is not None:
-                    trace = self._transform(trace)
-                self._cache[batch] = tuple(replay_for(trace, self._runtime))
+                self._cache[batch] = self._replayed(trace)
         return self._cache[batch]
+
+    def _at_length(self, batch: int, seq_len: int) -> tuple[PhasePeak, ...]:
+        """Another sequence length: no fit to fall back on, so a failure is the caller's to see."""
+        key = (batch, seq_len)
+        if key not in self._lengths:
+            trace, _ = self._session.trace_at(batch, seq_len)
+            self._lengths[key] = self._replayed(trace)
+        return self._lengths[key]
+
+    def estimate_at_length(self, batch: int, seq_len: int) -> Any:
+        """The estimate at ``batch`` with samples of ``seq_len`` tokens, from the same traces; its ``at()`` answers
+        at that length."""
+        if self._rebuild is None:
+            raise InvalidInputError("this estimate cannot be rebuilt at another sequence length")
+        primary, note = self._session.trace_at(batch, seq_len)
+        secondary, _ = self._session.trace_at(2 * batch, seq_len)
+        if self._transform is not None:
+            primary, secondary = self._transform(primary), self._transform(secondary)
+        if self._runtime is not None:
+            resize_workspace(primary, self._runtime.workspace_bytes)
+            resize_workspace(secondary, self._runtime.workspace_bytes)
+        built = self._rebuild(primary, secondary)
+        notes = [note] if note else []
+        return dataclasses.replace(built, exact_peaks=_AtLength(self, seq_len)).with_notes(*notes)
+
+    def _replayed(self, trace: StepTrace) -> tuple[PhasePeak, ...]:
+        if self._transform is not None:
+            trace = self._transform(trace)
+        return tuple(replay_for(trace, self._runtime))
+
+
+class _AtLength:
+    """``ExactPeaks`` read at one sequence length unless another is asked for."""
+
+    def __init__(self, peaks: ExactPeaks, seq_len: int) -> None:
+        self._peaks, self._seq_len = peaks, seq_len
+
+    def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
+        return self._peaks(batch, seq_len if seq_len is not None else self._seq_len)
+
+    def estimate_at_length(self, batch: int, seq_len: int) -> Any:
+        return self._peaks.estimate_at_length(batch, seq_len)
 
 
 def replay_for(trace: StepTrace, runtime: CudaRuntime | None) -> list[PhasePeak]:
@@ -411,9 +510,15 @@ def exact_estimates(
             runtime = None
         elapsed = session.trace_seconds - before + (time.perf_counter() - started)
         built = build(primary, secondary, settings, runtime, elapsed)
-        peaks = ExactPeaks(session, runtime, keep, transform)
+        rebuild = functools.partial(_rebuilt, build, settings, runtime)
+        peaks = ExactPeaks(session, runtime, keep, transform, rebuild)
         estimates.append(dataclasses.replace(built, exact_peaks=peaks).with_notes(*notes))
     return estimates
+
+
+def _rebuilt(build: Callable[..., Any], settings: TraceSettings, runtime: CudaRuntime | None, primary: StepTrace,
+             secondary: StepTrace) -> Any:  # fmt: skip
+    return build(primary, secondary, settings, runtime, 0.0)
 
 
 def _depth_of(model: nn.Module) -> int:

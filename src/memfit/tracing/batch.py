@@ -23,6 +23,8 @@ __all__ = [
     "longest_batch",
     "longest_examples",
     "rebatch",
+    "resequenced",
+    "sequence_length",
 ]
 
 Sample = Any  # a tensor, or a dict / list / tuple (possibly nested) of tensors
@@ -68,6 +70,33 @@ def rebatch(sample: Sample, old_batch: int, new_batch: int, make: Callable[[torc
     if isinstance(sample, (list, tuple)):
         return type(sample)(rebatch(v, old_batch, new_batch, make) for v in sample)
     return sample
+
+
+def sequence_length(sample: Sample, sample_batch: int) -> int | None:
+    """The sample's sequence length: the most common dimension 1 of its integer tensors of two or more dimensions
+    that carry the batch (token ids, labels, masks); ``None`` for a sample without one (images, features)."""
+    lengths: list[int] = []
+
+    def note(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if tensor.dim() >= 2 and tensor.shape[0] == sample_batch and not tensor.is_floating_point():
+            lengths.append(int(tensor.shape[1]))
+        return tensor
+
+    rebatch(sample, sample_batch, sample_batch, note)
+    if not lengths:
+        return None
+    return max(set(lengths), key=lambda length: (lengths.count(length), length))
+
+
+def resequenced(sample: Sample, sample_batch: int, length: int, new_length: int) -> Sample:
+    """``sample`` (meta or real tensors) as meta tensors with every dimension 1 of ``length`` made ``new_length``."""
+
+    def remake(tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if tensor.dim() >= 2 and shape[1] == length:
+            shape = (shape[0], new_length, *shape[2:])
+        return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+    return rebatch(sample, sample_batch, sample_batch, remake)
 
 
 def call_model(model: torch.nn.Module, batch: Sample) -> Any:

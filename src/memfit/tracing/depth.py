@@ -98,20 +98,28 @@ def deepen(base: StepTrace, depth: int, *, check: tuple[StepTrace, StepTrace]) -
 
 
 def deepen_symbolic(base: SymbolicTrace, depth: int, *, check: SymbolicTrace) -> SymbolicTrace:
-    """``deepen`` for traces with the batch symbolic: ``base`` built to ``depth`` blocks, checked against
-    ``check``, the same step one block deeper, at ``base``'s batch. (A concrete trace is no check: a symbolic
-    trace keeps a few views that a concrete one elides, such as a slice whose end it cannot prove is the size.)
-    Valid where both traces are."""
+    """``deepen`` for traces with the batch (and sequence length) symbolic: ``base`` built to ``depth`` blocks,
+    checked against ``check``, the same step one block deeper, at ``base``'s batch. (A concrete trace is no check:
+    a symbolic trace keeps a few views that a concrete one elides, such as a slice whose end it cannot prove is
+    the size.) Valid where both traces are."""
+    if (base.seq is None) != (check.seq is None):
+        raise DepthMismatch("one trace has a symbolic sequence length and the other not")
     rename = {check.symbol: base.symbol}
-    shallow = base.at(base.hint)
+    if base.seq is not None and check.seq is not None:
+        rename[check.seq.symbol] = base.seq.symbol
     if not check.valid(base.hint):
         raise DepthMismatch(f"the deeper trace does not cover batch {base.hint}, where the shallow one was traced")
-    trace = deepen(base.trace, depth, check=(shallow, check.at(base.hint)))
+    trace = deepen(base.trace, depth, check=(base.at(base.hint), check.at(base.hint)))
     guards = tuple(dict.fromkeys([*base.guards, *(guard.xreplace(rename) for guard in check.guards)]))
+    seq = base.seq
+    if seq is not None and check.seq is not None:
+        uppers = [u for u in (seq.upper, check.seq.upper) if u is not None]
+        seq = dataclasses.replace(seq, lower=max(seq.lower, check.seq.lower), upper=min(uppers) if uppers else None)
     uppers = [u for u in (base.upper, check.upper) if u is not None]
     return SymbolicTrace(
-        trace, base.symbol, base.hint, guards, max(base.lower, check.lower), min(uppers) if uppers else None
-    )
+        trace, base.symbol, base.hint, guards, max(base.lower, check.lower), min(uppers) if uppers else None,
+        seq, base.seq_len,
+    )  # fmt: skip
 
 
 def _paged(

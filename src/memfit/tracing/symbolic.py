@@ -1,4 +1,4 @@
-"""Trace a step once with the batch size symbolic, then read its storage log at any batch size.
+"""Trace a step once with the batch size (and sequence length) symbolic, then read its log at any of them.
 
 Under a ``FakeTensorMode`` with a ``ShapeEnv``, an input whose first dimension is a ``SymInt`` carries
 that dimension through the model: every storage the step creates has a size in bytes that is a sympy
@@ -11,6 +11,10 @@ hint): whenever model code branches on the batch (``if batch > 1``, a size compa
 torch records a guard, a condition on the batch under which the trace is valid. ``SymbolicTrace.valid``
 checks a batch against them all, and the symbol's own range: backed symbols are assumed to be at least 2
 (0 and 1 are specialised, as size-1 dimensions broadcast), so batch 1 always needs a trace of its own.
+
+Where the sample has a sequence dimension (its token ids: integer tensors of two or more dimensions; every
+dimension 1 of the sample of that length moves with it) the sequence length is a second symbol, so the same
+trace answers ``at(batch, seq_len)``; where the step cannot run with both symbolic, the batch alone is.
 
 Known limitations: a model that reads values (``.item()``, ``nonzero``), or an operator without a
 symbolic shape function, cannot run with a symbolic batch; the caller traces concretely instead.
@@ -30,10 +34,18 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.tracing.batch import Sample, rebatch
+from memfit.tracing.batch import Sample, rebatch, resequenced, sequence_length
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
-__all__ = ["SymbolicTrace", "SymbolicUnavailable", "symbolic_enabled", "trace_symbolic"]
+__all__ = [
+    "SequenceSymbol",
+    "SymbolicTrace",
+    "SymbolicUnavailable",
+    "resequenced",
+    "sequence_length",
+    "symbolic_enabled",
+    "trace_symbolic",
+]
 
 
 class SymbolicUnavailable(Exception):
@@ -49,9 +61,20 @@ def symbolic_enabled() -> bool:
     return os.environ.get("MEMFIT_TRACE", "symbolic").strip().lower() != "concrete"
 
 
+@dataclass(frozen=True)
+class SequenceSymbol:
+    """The sequence length as a symbol of a trace: its value in the trace (``hint``) and its range."""
+
+    symbol: sympy.Symbol
+    hint: int
+    lower: int
+    upper: int | None
+
+
 @dataclass
 class SymbolicTrace:
-    """One trace whose storage sizes are expressions in ``symbol`` (the batch), valid where its guards hold."""
+    """One trace whose storage sizes are expressions in ``symbol`` (the batch), and in ``seq.symbol`` (the sequence
+    length) where it is symbolic too, valid where its guards hold. ``seq_len`` is the sample's sequence length."""
 
     trace: StepTrace
     symbol: sympy.Symbol
@@ -59,16 +82,24 @@ class SymbolicTrace:
     guards: tuple[sympy.Basic, ...]
     lower: int
     upper: int | None
-    _evaluators: dict[Any, Callable[[int], int]] = field(default_factory=dict, repr=False)
+    seq: SequenceSymbol | None = None
+    seq_len: int | None = None
+    _evaluators: dict[Any, Callable[[int, int], int]] = field(default_factory=dict, repr=False)
 
-    def valid(self, batch: int) -> bool:
-        """Whether the step at ``batch`` takes the path this trace took (its range and every guard hold)."""
+    def valid(self, batch: int, seq_len: int | None = None) -> bool:
+        """Whether the step at ``batch`` (and ``seq_len``; default: the traced one) takes the path this trace took:
+        both in range and every guard holding."""
         if batch < self.lower or (self.upper is not None and batch > self.upper):
             return False
-        return all(bool(guard.xreplace({self.symbol: batch})) for guard in self.guards)
+        if seq_len is not None and seq_len != self.seq_len:
+            seq = self.seq
+            if seq is None or seq_len < seq.lower or (seq.upper is not None and seq_len > seq.upper):
+                return False
+        values = self._values(batch, seq_len)
+        return all(bool(guard.xreplace(values)) for guard in self.guards)
 
     def range_note(self) -> str:
-        """In plain words, for which batch sizes the trace answers."""
+        """In plain words, for which batch sizes (and sequence lengths) the trace answers."""
         pinned = [g for g in self.guards if isinstance(g, sympy.Eq) and self.symbol in g.free_symbols]
         if pinned:
             return (
@@ -76,19 +107,35 @@ class SymbolicTrace:
                 f"answers for batch {self.hint} alone; other batch sizes are traced on their own"
             )
         upper = f" to {self.upper}" if self.upper is not None else " up"
-        conditions = [_plain(guard, self.symbol) for guard in self.guards]
+        conditions = [_plain(guard, self.symbol) for guard in self.guards if self._about_batch_only(guard)]
         conditions = [c for c in conditions if c]
         extra = f", where {' and '.join(conditions)}" if conditions else ""
+        sequence = ""
+        if self.seq is not None:
+            seq = self.seq
+            top = f" to {seq.upper}" if seq.upper is not None else " up"
+            sequence = f" and the sequence length (lengths {seq.lower}{top})"
         return (
-            f"traced once with the batch size symbolic (batch sizes {self.lower}{upper}{extra}); every batch size "
-            "is read off that trace by replaying its allocations"
+            f"traced once with the batch size{sequence} symbolic (batch sizes {self.lower}{upper}{extra}); every "
+            "batch size is read off that trace by replaying its allocations"
         )
 
-    def at(self, batch: int) -> StepTrace:
-        """The storage log at ``batch``: what a concrete trace at ``batch`` records."""
+    def at(self, batch: int, seq_len: int | None = None) -> StepTrace:
+        """The storage log at ``batch`` (and ``seq_len``): what a concrete trace there records."""
         source = self.trace.recorder
         recorder = copy.copy(source)
-        recorder.sizes = {sid: self._evaluate(size, batch) for sid, size in source.sizes.items()}
+        sequence = seq_len if seq_len is not None else self.seq_len
+        values: dict[Any, int] = {}
+        sizes = {}
+        for sid, size in source.sizes.items():
+            if isinstance(size, int):
+                sizes[sid] = size
+                continue
+            value = values.get(size)
+            if value is None:
+                value = values[size] = self._evaluate(size, batch, sequence)
+            sizes[sid] = value
+        recorder.sizes = sizes
         recorder.categories = dict(source.categories)
         recorder.marks = list(source.marks)
         recorder.events = list(source.events)
@@ -101,43 +148,62 @@ class SymbolicTrace:
             compiled=self.trace.compiled,
             paged=self.trace.paged,  # parameter-sized, so the same at every batch
             blocks=self.trace.blocks,
+            seq_len=sequence,
         )
 
-    def _evaluate(self, size: Any, batch: int) -> int:
-        if isinstance(size, int):
-            return size
+    def _values(self, batch: int, seq_len: int | None) -> dict[Any, int]:
+        values = {self.symbol: batch}
+        if self.seq is not None:
+            values[self.seq.symbol] = seq_len if seq_len is not None else self.seq.hint
+        return values
+
+    def _about_batch_only(self, guard: sympy.Basic) -> bool:
+        return guard.free_symbols <= {self.symbol}
+
+    def _evaluate(self, size: Any, batch: int, seq_len: int | None) -> int:
         evaluator = self._evaluators.get(size)
         if evaluator is None:
-            evaluator = _evaluator(size, self.symbol)
+            symbols = (self.symbol, self.seq.symbol) if self.seq is not None else (self.symbol,)
+            evaluator = _evaluator(size, symbols)
             self._evaluators[size] = evaluator
-        return evaluator(batch)
+        return evaluator(batch, seq_len if seq_len is not None else (self.seq.hint if self.seq else 0))
 
 
-def _evaluator(expr: sympy.Expr, symbol: sympy.Symbol) -> Callable[[int], int]:
-    """A fast ``batch -> bytes`` for ``expr``: integer polynomials (``a x batch + c`` mostly) by Horner, else sympy."""
+def _evaluator(expr: sympy.Expr, symbols: tuple[sympy.Symbol, ...]) -> Callable[[int, int], int]:
+    """A fast ``(batch, seq_len) -> bytes`` for ``expr``: integer polynomials (``a x batch x seq + c`` mostly) term by
+    term, anything else by sympy."""
     poly = None
     try:
-        if expr.is_polynomial(symbol):
-            poly = sympy.Poly(expr, symbol)
+        if expr.is_polynomial(*symbols):
+            poly = sympy.Poly(expr, *symbols)
     except (sympy.PolynomialError, TypeError):
         poly = None
-    if poly is not None and all(c.is_Integer for c in poly.all_coeffs()):
-        coefficients = [int(c) for c in poly.all_coeffs()]
+    if poly is not None and all(c.is_Integer for c in poly.coeffs()):
+        terms = [(tuple(powers) + (0,) * (2 - len(powers)), int(c)) for powers, c in poly.terms()]
 
-        def polynomial(batch: int) -> int:
-            value = 0
-            for c in coefficients:
-                value = value * batch + c
-            return value
+        def polynomial(batch: int, seq_len: int) -> int:
+            return sum(c * batch**i * seq_len**j for (i, j), c in terms)
 
         return polynomial
-    return lambda batch: int(expr.xreplace({symbol: batch}))
+
+    def general(batch: int, seq_len: int) -> int:
+        return int(expr.xreplace(dict(zip(symbols, (batch, seq_len)[: len(symbols)], strict=True))))
+
+    return general
 
 
 def trace_symbolic(
-    model: nn.Module, sample: Sample, sample_batch: int, settings: TraceSettings, *, hint: int
+    model: nn.Module,
+    sample: Sample,
+    sample_batch: int,
+    settings: TraceSettings,
+    *,
+    hint: int,
+    symbolic_sequence: bool = True,
 ) -> SymbolicTrace:
-    """Trace the step with the batch symbolic, the model's branches taken as at batch ``hint`` (>= 2).
+    """Trace the step with the batch symbolic, the model's branches taken as at batch ``hint`` (>= 2), and the
+    sequence length too where the sample has one (unless ``symbolic_sequence`` is false, or the step cannot run
+    with both: then the batch alone).
 
     Raises:
         SymbolicUnavailable: the step cannot run with a symbolic batch (the reason in plain words).
@@ -146,6 +212,20 @@ def trace_symbolic(
         raise ValueError("the hint of a symbolic batch must be at least 2")
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample, sample_batch = _from_factory(sample, hint), hint
+    length = sequence_length(sample, sample_batch) if symbolic_sequence else None
+    if length is not None and length >= 2:
+        try:
+            return _trace(model, sample, sample_batch, settings, hint, length)
+        except SymbolicUnavailable:
+            pass  # e.g. a model that reads the sequence length as a plain number: the batch alone
+    symbolic = _trace(model, sample, sample_batch, settings, hint, None)
+    symbolic.seq_len = length
+    return symbolic
+
+
+def _trace(
+    model: nn.Module, sample: Sample, sample_batch: int, settings: TraceSettings, hint: int, length: int | None
+) -> SymbolicTrace:
     from torch._dynamo.source import ConstantSource  # torch._dynamo takes seconds to import: only when tracing
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -154,27 +234,43 @@ def trace_symbolic(
     source = ConstantSource("batch_size")
     symbol = shape_env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
     batch = shape_env.create_symintnode(symbol, hint=hint, source=source)
+    sequence, seq_symbol = None, None
+    if length is not None:
+        seq_source = ConstantSource("seq_len")
+        seq_symbol = shape_env.create_symbol(length, source=seq_source, dynamic_dim=DimDynamic.DYNAMIC)
+        sequence = (length, shape_env.create_symintnode(seq_symbol, hint=length, source=seq_source))
     try:
-        trace = trace_steps(model, sample, sample_batch, batch, settings, fake_mode=fake_mode)
+        trace = trace_steps(model, sample, sample_batch, batch, settings, fake_mode=fake_mode, sequence=sequence)
     except Exception as exc:  # whatever stops it, the concrete trace is the answer (and says so if it fails)
         raise SymbolicUnavailable(_why(exc)) from exc
     trace.batch_size = hint  # not the SymInt: the kept trace holds no shape environment
-    guards = tuple(guard.expr for guard in shape_env.guards if symbol in guard.expr.free_symbols)
-    bounds = shape_env.var_to_range.get(symbol)
-    low, high = (_integer(bounds.lower), _integer(bounds.upper)) if bounds is not None else (None, None)
-    lower, upper = max(2, low or 2), high
-    replaced = shape_env.replacements.get(symbol)
-    if replaced is not None and replaced.is_number:  # the batch was pinned to one value
-        guards = (*guards, sympy.Eq(symbol, int(replaced)))
+    trace.seq_len = length
+    ours = {symbol} if seq_symbol is None else {symbol, seq_symbol}
+    guards = tuple(guard.expr for guard in shape_env.guards if guard.expr.free_symbols & ours)
+    lower, upper = _range(shape_env, symbol)
+    for pinned in ours:
+        replaced = shape_env.replacements.get(pinned)
+        if replaced is not None and replaced.is_number:  # the symbol was pinned to one value
+            guards = (*guards, sympy.Eq(pinned, int(replaced)))
     others = {free for size in trace.recorder.sizes.values() if not isinstance(size, int) for free in size.free_symbols}
-    if others - {symbol}:  # sizes set by values (nonzero, masked selects), which a concrete trace refuses too
+    if others - ours:  # sizes set by values (nonzero, masked selects), which a concrete trace refuses too
         raise SymbolicUnavailable(
             "the step's memory depends on tensor values (e.g. nonzero or a mask), not only on the batch size"
         )
-    symbolic = SymbolicTrace(trace, symbol, hint, guards, lower, upper)
+    seq = None
+    if seq_symbol is not None and length is not None:
+        seq = SequenceSymbol(seq_symbol, length, *_range(shape_env, seq_symbol))
+    symbolic = SymbolicTrace(trace, symbol, hint, guards, lower, upper, seq, length)
     if not symbolic.valid(hint):
         raise SymbolicUnavailable("the trace's conditions on the batch size exclude the batch it ran with")
     return symbolic
+
+
+def _range(shape_env: Any, symbol: sympy.Symbol) -> tuple[int, int | None]:
+    """A symbol's range: at least 2 (0 and 1 are specialised), up to its upper bound if it has one."""
+    bounds = shape_env.var_to_range.get(symbol)
+    low, high = (_integer(bounds.lower), _integer(bounds.upper)) if bounds is not None else (None, None)
+    return max(2, low or 2), high
 
 
 def _from_factory(factory: Callable[[int], Any], hint: int) -> Any:

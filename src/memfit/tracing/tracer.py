@@ -35,7 +35,7 @@ from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError, MemfitError, TraceError, ValueDependentError
 from memfit.precision import Precision
 from memfit.simulation.runtime import CudaRuntime
-from memfit.tracing.batch import Sample, call_model, describe, rebatch
+from memfit.tracing.batch import Sample, call_model, describe, rebatch, sequence_length
 from memfit.tracing.blocks import BlockContext, tensor_blocks
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing, find_blocks
 from memfit.tracing.cuda_semantics import CudaSemantics
@@ -118,6 +118,7 @@ class StepTrace:
     compiled: bool = False  # the model holds torch.compile'd modules, traced eagerly
     paged: PagedState | None = None  # a paged optimizer's state in CUDA unified memory, outside the trace
     blocks: int = 0  # repeated blocks whose events the log tells apart (``TraceSettings.record_blocks``)
+    seq_len: int | None = None  # the sample's sequence length, where it has one (``symbolic.sequence_length``)
 
 
 @contextlib.contextmanager
@@ -142,13 +143,15 @@ def trace_steps(
     *,
     steps: int = STEPS,
     fake_mode: FakeTensorMode | None = None,
+    sequence: tuple[int, Any] | None = None,
 ) -> StepTrace:
     """Trace ``steps`` training steps of ``model`` at ``batch_size`` and return the storage log.
 
     ``sample`` is a real (or meta) batch of ``sample_batch`` samples, or a callable
     ``batch_size -> batch``; only its shapes and dtypes are used. ``fake_mode`` (one with a shape
     environment) and a ``SymInt`` ``batch_size`` trace the step with the batch symbolic
-    (``memfit.tracing.symbolic``).
+    (``memfit.tracing.symbolic``); ``sequence`` ``(length, SymInt)`` makes every dimension 1 of the sample of that
+    length symbolic too.
     """
     refuse_unsupported_quantization(model)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
@@ -177,7 +180,7 @@ def trace_steps(
     ):
         if settings.inference:
             inference = _trace_inference(
-                model, sample, sample_batch, batch_size, settings, recorder, semantics, fake_mode
+                model, sample, sample_batch, batch_size, settings, recorder, semantics, fake_mode, sequence
             )
             inference.compiled = compiled
             inference.substitutions.update(rnn_calls)
@@ -200,7 +203,10 @@ def trace_steps(
 
             def fake_batch() -> Any:
                 return rebatch(
-                    sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
+                    sample,
+                    sample_batch,
+                    batch_size,
+                    lambda t, shape: _fake_input(t, _sequenced(shape, sequence), settings, recorder),
                 )
 
             batch = fake_batch()
@@ -225,7 +231,15 @@ def trace_steps(
         compiled=compiled,
         paged=paged,
         blocks=len(blocks),
+        seq_len=sequence_length(sample, sample_batch),
     )
+
+
+def _sequenced(shape: tuple, sequence: tuple[int, Any] | None) -> tuple:
+    """``shape`` with its dimension 1 made the symbolic sequence length, where it is that length."""
+    if sequence is None or len(shape) < 2 or shape[1] != sequence[0]:
+        return shape
+    return (shape[0], sequence[1], *shape[2:])
 
 
 def _repeated_blocks(model: nn.Module, recorder: StorageRecorder) -> list[nn.Module]:
@@ -251,6 +265,7 @@ def _trace_inference(
     recorder: StorageRecorder,
     semantics: CudaSemantics | None,
     fake_mode: FakeTensorMode,
+    sequence: tuple[int, Any] | None = None,
 ) -> StepTrace:
     """One forward in eval mode under ``no_grad``; what it returns (logits, a KV cache) stays alive to
     the end, as a caller holding the outputs would keep it."""
@@ -263,7 +278,10 @@ def _trace_inference(
 
         def fake_batch() -> Any:
             batch = rebatch(
-                sample, sample_batch, batch_size, lambda t, shape: _fake_input(t, shape, settings, recorder)
+                sample,
+                sample_batch,
+                batch_size,
+                lambda t, shape: _fake_input(t, _sequenced(shape, sequence), settings, recorder),
             )
             if isinstance(batch, dict) and settings.forward_fn is None:
                 batch = {k: v for k, v in batch.items() if k != "labels"}  # serving computes no loss
@@ -279,7 +297,7 @@ def _trace_inference(
         recorder.close()
         del output, held
     return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops,
-                     blocks=len(blocks))  # fmt: skip
+                     blocks=len(blocks), seq_len=sequence_length(sample, sample_batch))  # fmt: skip
 
 
 def _one_step(
