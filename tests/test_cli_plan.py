@@ -183,7 +183,25 @@ def test_plan_plot_draws_timeline_and_batch_curve(tmp_path: Path, capsys: pytest
     code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--gpu", "t4", "--budget", "2GiB",
                  "--target-batch-size", "64", "--plot", str(out)])  # fmt: skip
     assert code == 0 and f"pictures: {out}" in capsys.readouterr().out
-    assert _png_size(out) == (1100, 990)  # 10 x 9 inches at 110 dpi: two panels
+    assert _png_size(out) == (1100, 1485)  # 10 x 13.5 inches at 110 dpi: three panels (the sample has token ids)
+
+
+def test_the_sequence_length_curve_reads_the_trace_and_needs_a_sequence(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from memfit import InvalidInputError
+    from memfit.reporting.plots import plot_seq_curve
+
+    spec = from_hf_config("gpt2", seq_len=64, layers=1)
+    estimate = memfit.estimate(spec.model, spec.sample, batch_size=2, target=Target("cuda"), precision="bf16-mixed")
+    figure = plot_seq_curve(estimate, batch=3, lengths=[16, 64, 256], path=tmp_path / "seq.png")
+    (line,) = [line for line in figure.axes[0].lines if line.get_label().startswith("predicted peak")]
+    assert list(line.get_xdata()) == [16, 64, 256]
+    assert list(line.get_ydata()) == [estimate.at(3, n).device_bytes / GiB for n in (16, 64, 256)]
+    assert _png_size(tmp_path / "seq.png") == (1100, 495)
+    pictures = from_hf_config("vit-base", layers=1)
+    image_estimate = memfit.estimate(pictures.model, pictures.sample, batch_size=2)
+    with pytest.raises(InvalidInputError, match="no sequence dimension"):
+        plot_seq_curve(image_estimate, batch=2)
 
 
 def test_plot_functions_without_a_timeline_or_matplotlib_say_why(tmp_path: Path) -> None:
@@ -358,7 +376,7 @@ def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, caps
     (row,) = report["gpus"]
     assert not row["fits"] and "checkpointing cannot help" in row["error"]
     assert "extrapolated" not in row["error"]  # the whole model's log, built: no extrapolation to hedge
-    assert _png_size(picture) == (1100, 990)  # the timeline is the built log's: no full trace is needed
+    assert _png_size(picture) == (1100, 1485)  # timeline, batch curve and sequence-length curve, from the built log
 
 
 # A TinyLlama-shaped causal LM, narrow and 12 blocks deep so that a whole trace takes seconds: like TinyLlama
@@ -643,3 +661,38 @@ def test_a_request_no_card_can_run_is_an_error_exit(capsys: pytest.CaptureFixtur
     (row,) = json.loads(captured.out)["gpus"]
     assert row["refused"] and not row["fits"]
     assert captured.err.count("\n") == 1 and "no bf16" in captured.err
+
+
+def test_a_sweep_of_sequence_lengths_plans_each_from_one_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    from memfit.prediction.exact import clear_sessions, kept_sessions
+
+    command = ["plan", "--hf-config", "gpt2", "--layers", "2", "--budget", "4GiB", "--json"]
+    clear_sessions()
+    assert main([*command, "--seq-len", "64,128,256"]) == 0
+    swept = json.loads(capsys.readouterr().out)
+    assert sum(len(session.symbolic) for session in kept_sessions()) == 1  # one symbolic trace for every length
+    assert [row.get("seq_len") for row in swept["gpus"]] == [None, 128, 256] and swept["seq_len"] == 64
+    for row in swept["gpus"]:
+        clear_sessions()
+        assert main([*command, "--seq-len", str(row.get("seq_len") or 64)]) == 0
+        (alone,) = json.loads(capsys.readouterr().out)["gpus"]
+        for key in ("fits", "micro_batch_size", "gradient_checkpointing", "predicted_peak_bytes",
+                    "predicted_reserved_bytes", "breakdown_bytes"):  # fmt: skip
+            assert row[key] == alone[key], (row.get("seq_len"), key)
+    assert swept["gpus"][0]["micro_batch_size"] > swept["gpus"][2]["micro_batch_size"]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "extra", "message"),
+    [
+        ("512,512", [], "each sequence length once"),
+        ("512,0", [], "must be a positive whole number"),
+        ("512,1024", ["--gpus", "8", "--strategy", "fsdp"], "several --seq-len values are planned on one GPU"),
+    ],
+)
+def test_a_bad_sweep_is_refused_in_one_line(
+    lengths: str, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["plan", "--hf-config", "gpt2", "--gpu", "h100", "--seq-len", lengths, *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err

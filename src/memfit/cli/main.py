@@ -113,6 +113,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from memfit.planning.finetune import ForeignQuantizationError
 
     if is_sharded(args):  # --strategy, --gpus auto, --nodes: one rank of a sharded job
+        if len(args.seq_len) > 1:
+            print("memfit: error: several --seq-len values are planned on one GPU; give one with --strategy/--gpus "
+                  "auto", file=sys.stderr)  # fmt: skip
+            return 2
         if args.lora_r is not None or args.quantize:
             print(
                 "memfit: error: --lora-r/--quantize are not planned together with --strategy/--gpus auto yet; "
@@ -164,7 +168,8 @@ def _plan_for_gpus(args: argparse.Namespace, finetune: FinetuneSpec) -> PlanRepo
         model=args.model,
         gpus=args.gpu or [],
         budget=args.budget,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len[0],
+        more_seq_lens=args.seq_len[1:],
         image_size=args.image_size,
         layers=args.layers,
         precision=args.precision,
@@ -195,6 +200,15 @@ def _target(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive whole number such as 64 or 1K, or max; got {text!r}")
     return value
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """An argparse type: one sequence length, or several separated by commas (each a positive whole number)."""
+    whole = _whole(1)
+    lengths = tuple(whole(part.strip()) for part in text.split(","))
+    if len(set(lengths)) != len(lengths):
+        raise argparse.ArgumentTypeError(f"each sequence length once, got {text!r}")
+    return lengths
 
 
 def _whole(minimum: int) -> Callable[[str], int]:
@@ -286,7 +300,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
     plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")
     plan.add_argument("--budget", metavar="SIZE", help="plan for this much memory instead, e.g. 20GiB")
-    plan.add_argument("--seq-len", type=_whole(1), default=1024, help="tokens per sample (default 1024)")
+    plan.add_argument("--seq-len", type=_lengths, default=(1024,), metavar="N[,N...]",
+                      help="tokens per sample (default 1024); several, e.g. 512,1024,4096, plan each from the same "
+                      "trace")  # fmt: skip
     plan.add_argument("--image-size", type=_whole(1), help="image side for vision models (default: the config's)")
     plan.add_argument("--layers", type=_whole(1), help="override the depth (a quick look at a deep model)")
     plan.add_argument("--precision", help="fp32, 16-mixed, bf16-mixed, fp16 (16-true) or bf16 (bf16-true); default "

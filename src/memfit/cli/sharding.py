@@ -181,7 +181,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         max_gpus=args.max_gpus,
         micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len[0],
         image_size=args.image_size,
         layers=args.layers,
         precision=args.precision,

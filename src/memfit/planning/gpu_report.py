@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.errors import EstimationError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.deep_models import BUILD_DEPTHS, EXTRAPOLATION_DEPTHS, DeepModel, model_depth
 from memfit.planning.finetune import (
@@ -66,6 +67,7 @@ class GpuPlan:
     base: MemoryEstimate | None = None  # the trace at batch 1 the plan started from (for the batch curve)
     precision: str | None = None  # what this card is planned in (``None``: it cannot run the one asked for)
     note: str | None = None  # why the precision is not the report's
+    seq_len: int | None = None  # the sequence length of a row of a sweep (``None``: the report's)
 
     @property
     def refused(self) -> bool:
@@ -80,6 +82,8 @@ class GpuPlan:
         out: dict[str, Any] = {"gpu": self.gpu, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                                "approximate": self.approximate, "error": self.error, "precision": self.precision,
                                "note": self.note, "refused": self.refused}  # fmt: skip
+        if self.seq_len is not None:
+            out["seq_len"] = self.seq_len
         if self.plan is not None:
             out.update({k: v for k, v in self.plan.to_dict().items() if k not in ("capacity_bytes",)})
         if self.estimate is not None:
@@ -157,6 +161,7 @@ def plan_for_gpus(
     exact: bool = False,
     zero_grad: ZeroGrad = "after_step",
     finetune: FinetuneSpec | None = None,
+    more_seq_lens: Sequence[int] = (),
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
 
@@ -178,7 +183,10 @@ def plan_for_gpus(
     fp16 there). A bf16 precision asked of a card without bf16 is that row's error. One trace serves
     every GPU planned in the same precision.
 
-    ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``)."""
+    ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``).
+
+    ``more_seq_lens`` plans every GPU again at each of those sequence lengths, read off the same traces (their
+    sequence length is symbolic: ``MemoryEstimate.for_seq_len``); those rows carry their ``seq_len``."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
@@ -241,6 +249,9 @@ def plan_for_gpus(
                                   always_checkpoint=allow == "on")  # fmt: skip
             row = _plan_one(name, gpu, for_gpu, request, whole, deep.extrapolated)
             rows.append(_in_precision(row, row_precision, default, gpu))
+            for length in more_seq_lens:
+                rows.append(_in_precision(_at_length(name, gpu, for_gpu, whole, request, deep, length, seq_len),
+                                          row_precision, default, gpu))  # fmt: skip
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
@@ -248,6 +259,23 @@ def plan_for_gpus(
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def _at_length(name: str, gpu: GPU | None, search: Any, whole: Any, request: PlanRequest, deep: DeepModel,
+               length: int, traced_length: int) -> GpuPlan:  # fmt: skip
+    """The row of ``gpu`` at sequence length ``length``, planned on the traces made at ``traced_length``."""
+
+    def at_length(source: Any) -> Any:
+        return lambda batch, checkpointing, accumulation=1: source(batch, checkpointing, accumulation).for_seq_len(
+            length
+        )
+
+    try:
+        row = _plan_one(name, gpu, at_length(search), request, at_length(whole), deep.extrapolated)
+    except (InvalidInputError, EstimationError) as error:
+        row = GpuPlan(name, request.capacity_bytes, None, None,
+                      error=f"sequence length {length} not read off the trace at {traced_length}: {error}")  # fmt: skip
+    return dataclasses.replace(row, seq_len=length)
 
 
 def _default_precision(requested: str | None, inference: bool) -> Precision:

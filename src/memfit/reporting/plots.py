@@ -15,7 +15,7 @@ from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import GiB
 
-__all__ = ["plot_batch_curve", "plot_drift", "plot_plan", "plot_timeline"]
+__all__ = ["plot_batch_curve", "plot_drift", "plot_plan", "plot_seq_curve", "plot_timeline"]
 
 _COLORS = {
     Category.PARAMETERS: "#4c72b0",
@@ -136,6 +136,37 @@ def plot_batch_curve(
     return _save(figure, path)
 
 
+def plot_seq_curve(
+    estimate: MemoryEstimate,
+    *,
+    batch: int,
+    capacities: Mapping[str, int] | None = None,
+    lengths: Sequence[int] | None = None,
+    path: str | Path | None = None,
+    ax: Any = None,
+) -> Any:
+    """Predicted peak (device memory) against the sequence length at micro batch ``batch``, read off the same trace
+    as the batch curve (the estimate's sequence length is symbolic), with each GPU's capacity."""
+    if estimate.seq_len is None:
+        raise InvalidInputError("this estimate's sample has no sequence dimension to draw a sequence-length curve of")
+    figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
+    axis = axes[0]
+    traced = estimate.seq_len
+    lengths = sorted(set(lengths or [max(2, round(traced * 2 ** (k / 2))) for k in range(-6, 5)]))
+    axis.plot(lengths, [estimate.at(batch, n).device_bytes / _UNIT for n in lengths], "o-", color="#55a868",
+              markersize=3, label=f"predicted peak, micro batch {batch}")  # fmt: skip
+    axis.axvline(traced, color="gray", linestyle=":", linewidth=1, label=f"traced length {traced}")
+    for index, (name, capacity) in enumerate((capacities or {}).items()):
+        axis.axhline(capacity / _UNIT, color=f"C{index + 1}", linestyle="--", linewidth=1, label=f"{name} capacity")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("sequence length (tokens a sample)")
+    axis.set_ylabel("GiB")
+    axis.set_title("predicted peak vs sequence length")
+    axis.legend(fontsize=8)
+    axis.set_ylim(bottom=0)
+    return _save(figure, path)
+
+
 def plot_plan(
     estimate: MemoryEstimate,
     *,
@@ -144,12 +175,17 @@ def plot_plan(
     timeline_of: MemoryEstimate | None = None,
     path: str | Path | None = None,
 ) -> Any:
-    """The two pictures of ``memfit plan --plot``: the step's timeline (at the first chosen batch) and
-    the batch curve."""
-    figure, axes = _figure(rows=2)
+    """The pictures of ``memfit plan --plot``: the step's timeline (at the first chosen batch), the batch curve, and
+    where the sample has a sequence length, the sequence-length curve at the first chosen batch (all three read
+    off the same trace)."""
+    seq_curve = estimate.seq_len is not None and estimate.exact_peaks is not None
+    figure, axes = _figure(rows=3 if seq_curve else 2)
     first_capacity = next(iter(capacities.values()), None)
     plot_timeline(timeline_of or estimate, capacity_bytes=first_capacity, ax=axes[0])
     plot_batch_curve(estimate, capacities=capacities, chosen=chosen, ax=axes[1])
+    if seq_curve:
+        batch = next(iter(chosen.values()), estimate.batch_size)
+        plot_seq_curve(estimate, batch=batch, capacities=capacities, ax=axes[2])
     return _save(figure, path)
 
 

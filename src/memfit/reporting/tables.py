@@ -156,20 +156,24 @@ def plan_table(report: PlanReport) -> Table:
     from the target, where gradients are freed at the peak, and why a GPU does not fit.
     """
     what = "inference (forward only)" if report.inference else f"optimizer {report.optimizer}"
-    seq = f", seq {report.seq_len}" if report.seq_len else ""
+    sweep = any(row.seq_len is not None for row in report.rows)
+    seq = f", seq {report.seq_len}" if report.seq_len and not sweep else ""
     title = f"{report.model}: {_count(report.parameters)} parameters, {report.precision}, {what}{seq}"
     table = Table(title=title)
     # A forward-only pass has no accumulation, checkpointing, gradients or optimizer state to show.
     skipped = {"accum.", "ckpt", "effective", "grads", "optim state"} if report.inference else set()
-    columns = [c for c in ("GPU", "memory", "fits", "micro batch", "accum.", "ckpt", "effective", "predicted peak",
-                           *_STATE_COLUMNS, "activations", "other", "peak in") if c not in skipped]  # fmt: skip
+    columns = [c for c in ("GPU", "seq", "memory", "fits", "micro batch", "accum.", "ckpt", "effective",
+                           "predicted peak", *_STATE_COLUMNS, "activations", "other", "peak in")
+               if c not in skipped and (c != "seq" or sweep)]  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("GPU", "fits", "peak in") else "right")
     notes: list[str] = []
     for row in report.rows:
         name = row.gpu + (" (approx.)" if row.approximate else "")
+        length = [str(row.seq_len or report.seq_len)] if sweep else []
         if row.plan is None or row.estimate is None:
-            table.add_row(name, format_bytes(row.capacity_bytes), "[red]no[/red]", *["-"] * (len(columns) - 4), "")
+            table.add_row(name, *length, format_bytes(row.capacity_bytes), "[red]no[/red]",
+                          *["-"] * (len(columns) - 4 - len(length)), "")  # fmt: skip
             continue
         plan, breakdown = row.plan, row.estimate.breakdown
         state = {column: sum(breakdown.get(c, 0) for c in kinds) for column, kinds in _STATE_COLUMNS.items()}
@@ -191,6 +195,7 @@ def plan_table(report: PlanReport) -> Table:
             )
         cells = {
             "GPU": name,
+            "seq": length[0] if length else "",
             "memory": format_bytes(row.capacity_bytes),
             "fits": "[green]yes[/green]",
             "micro batch": str(plan.micro_batch_size),
