@@ -267,6 +267,21 @@ def test_kept_gradients_are_reduced_unit_by_unit_as_fully_shard_does(loop: Train
     assert not torch.distributed.is_initialized()
 
 
+def test_a_rank_log_built_from_shallow_traces_is_the_whole_models() -> None:
+    """``memfit plan`` builds a deep model's log from traces at 3 and 4 blocks (``memfit.tracing.depth``); the built
+    log says which block runs each event, so FSDP's units are placed in it as in a trace of the whole model."""
+    from memfit.prediction.estimator import estimate_for_runtimes
+
+    sharding = ShardingConfig("fsdp", 4, mixed_precision_param_dtype="bfloat16")
+    step = {"precision": "bf16-mixed", "loop": TrainingLoop(sharding=sharding)}
+    whole = estimate_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), **step)[0]  # type: ignore[arg-type]
+    built = estimate_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), repeated=[tiny_llama(3, SEQ), tiny_llama(4, SEQ)],
+                                  **step)[0]  # type: ignore[arg-type]  # fmt: skip
+    assert any("built from traces at 3 and 4 blocks" in note for note in built.notes), built.notes
+    assert [p.allocated_bytes for p in built.phases] == [p.allocated_bytes for p in whole.phases]
+    assert built.rank_terms == whole.rank_terms
+
+
 # --------------------------------------------------------------- real FSDP2 runs
 def _gloo_run(tmp_path: Path, world: int, *args: str) -> list[int]:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
