@@ -1,11 +1,12 @@
 """Real FSDP2 (``fully_shard``) training on CPU with the gloo backend: each rank's measured peak tensor bytes.
 
 Used by test_sharding.py and benchmarks/sharding_gloo.py. Every rank builds the same tiny GPT-2 (seeded),
-wraps each block with ``fully_shard`` and then the root, and runs two AdamW steps under PyTorch's
-``MemTracker`` (it follows storages, including FSDP's ``resize_`` of gathered parameters), which reports the
-peak of this rank's CPU tensor bytes.
+wraps each block with ``fully_shard`` and then the root (with ``MixedPrecisionPolicy(param_dtype=...)`` when a
+``param_dtype`` is given: fp32 sharded parameters, 16-bit compute, no autocast), and runs two AdamW steps under
+PyTorch's ``MemTracker`` (it follows storages, including FSDP's ``resize_`` of gathered parameters), which
+reports the peak of this rank's CPU tensor bytes.
 
-Usage: python fsdp2_fit.py WORLD_SIZE OUT_JSON [LAYERS] [BATCH] [SEQ]
+Usage: python fsdp2_fit.py WORLD_SIZE OUT_JSON [LAYERS] [BATCH] [SEQ] [PARAM_DTYPE]
 """
 
 from __future__ import annotations
@@ -36,23 +37,39 @@ def tiny_gpt2(layers: int, seq: int) -> Any:
     return GPT2LMHeadModel(config)
 
 
+def tiny_llama(layers: int, seq: int) -> Any:
+    """A Llama from a config (grouped-query attention, RMSNorm, SwiGLU, an untied output projection), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=EMBED, intermediate_size=344, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=2, max_position_embeddings=seq, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
 def sample(batch: int, seq: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _rank(rank: int, world: int, port: int, out: str, layers: int, batch: int, seq: int) -> None:
+def _rank(
+    rank: int, world: int, port: int, out: str, layers: int, batch: int, seq: int, param_dtype: str | None
+) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = tiny_gpt2(layers, seq)
+        options = {"mp_policy": MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype))} if param_dtype else {}
         for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **options)
+        fully_shard(model, **options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         data = sample(batch, seq)
         tracker = MemTracker()
@@ -73,12 +90,15 @@ def _rank(rank: int, world: int, port: int, out: str, layers: int, batch: int, s
         dist.destroy_process_group()
 
 
-def run(world: int, out: str | Path, layers: int = 2, batch: int = 2, seq: int = 64) -> list[dict[str, Any]]:
-    """Run ``world`` ranks and return each rank's measured peak (in rank order)."""
+def run(
+    world: int, out: str | Path, layers: int = 2, batch: int = 2, seq: int = 64, param_dtype: str | None = None
+) -> list[dict[str, Any]]:
+    """Run ``world`` ranks and return each rank's measured peak (in rank order); ``param_dtype`` (``"bfloat16"``):
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank, args=(world, port, str(out), layers, batch, seq), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, port, str(out), layers, batch, seq, param_dtype), nprocs=world, join=True)
     results = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(world)]
     Path(out).write_text(json.dumps(results))
     return results
@@ -86,5 +106,6 @@ def run(world: int, out: str | Path, layers: int = 2, batch: int = 2, seq: int =
 
 if __name__ == "__main__":
     world_size, path = int(sys.argv[1]), sys.argv[2]
-    extra = [int(a) for a in sys.argv[3:]]
-    print(json.dumps(run(world_size, path, *extra)))
+    extra = [int(a) for a in sys.argv[3:6]]
+    dtype = sys.argv[6] if len(sys.argv) > 6 else None
+    print(json.dumps(run(world_size, path, *extra, param_dtype=dtype)))  # type: ignore[misc]

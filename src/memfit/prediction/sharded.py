@@ -3,7 +3,10 @@
 The step is traced once as a single process would run it; the trace's storage log is then rewritten to what
 one rank holds (``memfit.tracing.shard_log``) by the documented models of FSDP (``memfit.tracing.fsdp``) and
 DeepSpeed ZeRO (``memfit.tracing.zero``), and replayed through the allocator as any trace is. Activations,
-temporaries and the batch are one rank's already: each rank runs the micro batch the trace ran.
+temporaries and the batch are one rank's already: each rank runs the micro batch the trace ran. The step is
+traced with the weights the rank computes on (``sharded_settings``): DeepSpeed's 16-bit module under ZeRO, FSDP's
+16-bit gathered parameters under a 16-bit ``mixed_precision_param_dtype``; the stored fp32 shards are the
+rank plans' (``ModelFacts.stored_element_bytes``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import StepTrace, TraceSettings
 from memfit.tracing.zero import zero_rank_plan
 
-__all__ = ["ANALYTIC_PATH", "model_facts", "rank_plan", "shard_trace", "sharded_settings", "traced_bytes"]
+__all__ = [
+    "ANALYTIC_PATH",
+    "fsdp_compute_dtype",
+    "model_facts",
+    "rank_plan",
+    "shard_trace",
+    "sharded_settings",
+    "traced_bytes",
+]
 
 ANALYTIC_PATH = "sharding modelled on the traced single-process step (memfit.tracing.{})"
 _HALF_OF = {Precision.BF16_MIXED: Precision.BF16_TRUE, Precision.FP16_MIXED: Precision.FP16_TRUE}
@@ -37,7 +48,12 @@ _HALF_OF = {Precision.BF16_MIXED: Precision.BF16_TRUE, Precision.FP16_MIXED: Pre
 
 def sharded_settings(settings: TraceSettings, sharding: ShardingConfig) -> TraceSettings:
     """The trace settings one rank's step runs with: DDP's buckets under ``"ddp"``; DeepSpeed's 16-bit model
-    (its ``bf16``/``fp16`` sections convert the module, they do not autocast) under ZeRO."""
+    (its ``bf16``/``fp16`` sections convert the module, they do not autocast) under ZeRO; under FSDP with a
+    16-bit ``mixed_precision_param_dtype``, parameters (and floating inputs) in that dtype, as FSDP gathers and
+    computes on them, with the precision's autocast kept as it is (Lightning's ``FSDPPrecision`` and accelerate
+    autocast on top of FSDP's mixed precision; bare ``fully_shard`` with ``precision="32-true"`` does not).
+    The fp32 shards the run keeps are the rank plan's (``memfit.tracing.fsdp``). An FSDP trace records which
+    block runs at each event: FSDP gathers and reduces by block."""
     if settings.inference:
         raise InvalidInputError("sharding plans a training step; estimate a forward-only pass without sharding")
     if sharding.strategy == "ddp" and settings.ddp is None:
@@ -48,7 +64,21 @@ def sharded_settings(settings: TraceSettings, sharding: ShardingConfig) -> Trace
         )
     if sharding.is_zero and settings.precision in _HALF_OF:
         return dataclasses.replace(settings, precision=_HALF_OF[settings.precision])
+    if sharding.is_fsdp and sharding.shard_group_size > 1 and sharding.strategy != "fsdp-no-shard":
+        settings = dataclasses.replace(settings, record_blocks=True)  # the rank's units run where the blocks run
+    half = fsdp_compute_dtype(sharding)
+    if half is not None and not settings.precision.converts_to_half:
+        return dataclasses.replace(settings, parameter_dtype=half)
     return settings
+
+
+def fsdp_compute_dtype(sharding: ShardingConfig) -> torch.dtype | None:
+    """The 16-bit dtype FSDP gathers a sharded run's parameters in (``MixedPrecisionPolicy`` / ``MixedPrecision``
+    ``param_dtype``); ``None`` where the parameters are gathered as stored or not sharded (NO_SHARD)."""
+    name = sharding.mixed_precision_param_dtype
+    if not sharding.is_fsdp or sharding.shard_group_size == 1 or name in (None, "float32"):
+        return None
+    return getattr(torch, name)  # type: ignore[no-any-return]
 
 
 def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: CheckpointTarget | None) -> ModelFacts:
@@ -58,22 +88,25 @@ def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: C
         blocks = find_blocks(model, checkpoint_modules)
     except InvalidInputError:
         blocks = []
-    in_units: set[int] = set()
+    unit_of: dict[int, int] = {}  # id of a parameter -> the block unit that holds it (absent: the root)
     units = []
     for number, block in enumerate(blocks):
-        own = [p for p in _unique_parameters(block.parameters()) if id(p) not in in_units]
-        in_units.update(id(p) for p in own)
+        own = [p for p in _unique_parameters(block.parameters()) if id(p) not in unit_of]
+        unit_of.update((id(p), number) for p in own)
         units.append(_unit(f"{type(block).__name__}[{number}]", own))
-    root = _unit("root", [p for p in params if id(p) not in in_units])
+    root = _unit("root", [p for p in params if id(p) not in unit_of])
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    stored = _element_bytes(params, settings.precision)
     return ModelFacts(
         numel=sum(p.numel() for p in params),
         trainable_numel=sum(p.numel() for p in params if p.requires_grad),
-        element_bytes=_element_bytes(params, settings.precision),
+        element_bytes=settings.parameter_dtype.itemsize if settings.parameter_dtype is not None else stored,
         units=tuple(units),
         root=root,
         largest_module_numel=largest,
         parameter_numels=tuple(p.numel() for p in params),
+        trainable=tuple((unit_of.get(id(p), len(units)), tuple(p.shape)) for p in params if p.requires_grad),
+        stored_element_bytes=stored,
     )
 
 

@@ -195,10 +195,17 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
         sid = storage(placed_as + block - owner, log.roles[sid])
         return sid if event > 0 else -sid
 
-    events = recorder.events
+    events, running = recorder.events, recorder.event_blocks
     runs = _runs(log.owners)
     out: list[int] = []
+    out_blocks: list[int | None] = []  # the block running at each event of ``out`` (a copy's is its own)
     starts = [0] * (len(events) + 1)  # where the events emitted for each original event start in ``out``
+
+    def emit(begin: int, end: int, owner: int | None, placed_as: int | None) -> None:
+        out.extend(moved(e, owner, placed_as) for e in events[begin:end])
+        out_blocks.extend(None if running[i] is None or owner is None or placed_as is None
+                          else running[i] + placed_as - owner for i in range(begin, end))  # fmt: skip
+
     for number, (owner, begin, end) in enumerate(runs):
         starts[begin] = len(out)
         placed = owner if owner is None or owner <= template else owner + added
@@ -207,24 +214,25 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
             order = range(1, added + 1) if ascending else range(added, 0, -1)
             if not ascending:
                 for copy_number in order:
-                    out.extend(moved(e, owner, template + copy_number) for e in events[begin:end])
+                    emit(begin, end, owner, template + copy_number)
             first = len(out)
-            out.extend(moved(e, owner, placed) for e in events[begin:end])
+            emit(begin, end, owner, placed)
             for index in range(begin + 1, end):
                 starts[index] = first + index - begin
             if ascending:
                 for copy_number in order:
-                    out.extend(moved(e, owner, template + copy_number) for e in events[begin:end])
+                    emit(begin, end, owner, template + copy_number)
         else:
             for index in range(begin, end):
                 starts[index] = len(out)
-                out.append(moved(events[index], owner, placed))
+                emit(index, index + 1, owner, placed)
     starts[len(events)] = len(out)
     _check_pairs(out)
     deep = copy.copy(recorder)
     deep.events, deep.sizes, deep.categories, deep.alloc_phase = out, sizes, categories, alloc_phase
     deep.marks = [PhaseMark(starts[m.event_index], m.step, m.phase) for m in recorder.marks]
-    deep.event_blocks = None
+    deep.event_blocks = out_blocks  # which block ran each event, as a trace of the deep model records it
+    deep.claimed_by, deep.derived_from = {}, {}  # the shallow trace's storages: not the deep log's to resolve
     return deep
 
 

@@ -100,6 +100,9 @@ class TraceSettings:
     extra_batches: int = 0
     compile_paths: bool = False  # take the branch models keep for torch.compile (see ``compile_paths``)
     record_blocks: bool = False  # log which repeated block each event is in (``memfit.tracing.depth``)
+    # floating parameters and inputs in this dtype whatever ``precision`` keeps (FSDP's MixedPrecisionPolicy
+    # param_dtype: the step computes on 16-bit copies of fp32 shards, under autocast or not)
+    parameter_dtype: torch.dtype | None = None
 
     @property
     def targets_cuda(self) -> bool:
@@ -578,6 +581,8 @@ def _fake_like(tensor: torch.Tensor, is_param: bool, settings: TraceSettings, re
     dtype = tensor.dtype
     if tensor.is_floating_point() and settings.precision.converts_to_half and not is_quantized_parameter(tensor):
         dtype = settings.precision.parameter_dtype  # Lightning's "*-true" converts the module
+    elif is_param and tensor.is_floating_point() and settings.parameter_dtype and not is_quantized_parameter(tensor):
+        dtype = settings.parameter_dtype  # FSDP's MixedPrecisionPolicy: parameters only, buffers stay
     fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=settings.device)
     if is_param:
         fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
@@ -591,6 +596,8 @@ def _fake_input(tensor: torch.Tensor, shape: tuple, settings: TraceSettings, rec
     dtype = tensor.dtype
     if tensor.is_floating_point() and settings.precision.converts_to_half:
         dtype = settings.precision.parameter_dtype
+    elif tensor.is_floating_point() and settings.parameter_dtype is not None:
+        dtype = settings.parameter_dtype  # FSDP casts floating forward inputs to param_dtype
     fake = torch.empty(shape, dtype=dtype, device=settings.device)
     recorder.track(fake, Category.INPUTS)
     return fake
