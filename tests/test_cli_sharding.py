@@ -142,6 +142,7 @@ def test_gpus_auto_picks_the_smallest_count_its_own_answers_say_fits(
         (["--gpus", "4", "--strategy", "zero4"], ["--strategy", "zero4"]),
         (["--gpus", "4", "--strategy", "fsdp", "--inference"], ["--inference"]),
         (["--gpus", "auto", "--gpu", "h100", "--gpu", "a100"], ["give --gpu once"]),
+        (["--gpus", "4", "--strategy", "fsdp", "--lora-r", "8", "--quantize", "nf4"], ["--quantize nf4", "QLoRA"]),
     ],
 )
 def test_bad_combinations_are_one_clear_line(
@@ -157,3 +158,20 @@ def test_bad_combinations_are_one_clear_line(
     assert len(lines) == 1 and lines[0].startswith("memfit: error:")
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def test_lora_under_sharding_counts_states_for_the_adapters_only(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    """LoRA on a bf16 base (peft keeps the adapters fp32) under ZeRO-3 and FSDP on 4 GPUs: the frozen base is
+    sharded, and only the adapters have gradients and (fp32) Adam state, a quarter of them on each rank."""
+    # (DeepSpeed's default buckets, 5e8 elements, are allocated whole whatever the model: a larger budget)
+    full = _plan(capsys, config, "--gpus", "4", "--strategy", "zero3", budget="8GiB")
+    for strategy in ("zero3", "fsdp"):
+        lora = _plan(capsys, config, "--gpus", "4", "--strategy", strategy, "--lora-r", "8", "--lora-targets",
+                     "all-linear", budget="8GiB")  # fmt: skip
+        trainable = lora["trainable_parameters"]
+        assert 0 < trainable < lora["parameters"] // 20
+        states = lora["model_states_per_rank_bytes"]
+        assert states["optimizer_state"] == pytest.approx(8 * trainable / 4, rel=0.1), strategy
+        assert states["optimizer_state"] < full["model_states_per_rank_bytes"]["optimizer_state"] / 10

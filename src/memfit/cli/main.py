@@ -117,14 +117,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print("memfit: error: several --seq-len values are planned on one GPU; give one with --strategy/--gpus "
                   "auto", file=sys.stderr)  # fmt: skip
             return 2
-        if args.lora_r is not None or args.quantize:
-            print(
-                "memfit: error: --lora-r/--quantize are not planned together with --strategy/--gpus auto yet; "
-                "plan the adapters on one GPU, or drop them to plan the sharded full fine-tune",
-                file=sys.stderr,
-            )
-            return 2
-        return run_sharded(args)
+        return run_sharded(args, plan_finetune(args))
     finetune = plan_finetune(args)
     try:
         report = _plan_for_gpus(args, finetune)

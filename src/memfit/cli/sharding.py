@@ -13,6 +13,7 @@ import json
 import sys
 
 from memfit.errors import InvalidInputError
+from memfit.planning.finetune import FinetuneSpec
 from memfit.planning.sharded_plan import AUTO_OFFLOADS, AUTO_STRATEGIES, Option, ShardedReport, plan_sharded
 from memfit.units import format_bytes
 
@@ -166,8 +167,8 @@ def _check_layout(args: argparse.Namespace) -> None:
             )
 
 
-def run_sharded(args: argparse.Namespace) -> int:
-    """Plan one rank of the job (or find the fewest GPUs) and print it."""
+def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) -> int:
+    """Plan one rank of the job (or find the fewest GPUs) and print it; ``finetune``: LoRA adapters to add."""
     _check_layout(args)
     options, hints = _options(args)
     report = plan_sharded(
@@ -192,6 +193,7 @@ def run_sharded(args: argparse.Namespace) -> int:
         exact=args.exact,
         zero_grad=args.zero_grad,
         show_progress=not args.json,
+        finetune=finetune,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -21,6 +21,7 @@ from typing import Any
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.deep_models import DeepModel
+from memfit.planning.finetune import FinetuneSpec, apply_finetune
 from memfit.planning.gpu_report import (
     EXTRAPOLATION_MIN_PARAMETERS,
     START_BATCH,
@@ -200,11 +201,20 @@ def plan_sharded(
     exact: bool = False,
     zero_grad: ZeroGrad = "after_step",
     show_progress: bool = False,
+    finetune: FinetuneSpec | None = None,
 ) -> ShardedReport:
     """One rank's plan for ``gpus`` GPUs (``nodes`` nodes) under ``options[0]``, or with ``gpus`` ``None``
     the fewest GPUs (``candidate_gpu_counts``, ``gpus_per_node`` a node) at which one of ``options`` fits
     ``micro_batch_size`` per rank, preferring them in the order given at that count. ``hints`` are weighed
-    at each count and shown, never chosen (offload, unless the user asked for it)."""
+    at each count and shown, never chosen (offload, unless the user asked for it). ``finetune`` adds LoRA adapters
+    (their frozen base is sharded and has no gradients or optimizer state); quantized weights are refused here.
+    """
+    finetune = finetune or FinetuneSpec()
+    if finetune.quantize:
+        raise InvalidInputError(
+            f"--quantize {finetune.quantize} is not planned under --strategy/--gpus auto yet (bitsandbytes weights "
+            "sharded by FSDP or ZeRO are not modelled); plan QLoRA on one GPU, or LoRA on a 16-bit base with --strategy"
+        )
     if (gpu is None) == (budget is None):
         raise InvalidInputError("a per-rank plan is for one kind of GPU: give one --gpu (e.g. h100) or a --budget")
     card = gpu_by_name(gpu) if gpu else None
@@ -215,7 +225,7 @@ def plan_sharded(
     if not isinstance(row_precision, Precision):
         raise InvalidInputError(row_precision)
     with _progress(show_progress, "building the model on the meta device"):
-        spec = _spec(hf_config, model, seq_len, image_size, layers)
+        spec = apply_finetune(_spec(hf_config, model, seq_len, image_size, layers), finetune, default, inference=False)
     parameters = sum(p.numel() for p in spec.model.parameters())
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
     units = model_units(spec.model)
@@ -223,7 +233,8 @@ def plan_sharded(
 
     def build_at(depth: int) -> ModelSpec:
         with _progress(show_progress, f"building {spec.name} at {depth} blocks"):
-            return _spec(hf_config, None, seq_len, image_size, depth)
+            shallow = _spec(hf_config, None, seq_len, image_size, depth)
+            return apply_finetune(shallow, finetune, default, inference=False)
 
     whole_only = not hf_config or exact or layers is not None
     deep = DeepModel.of(spec, None if whole_only else build_at, large=parameters >= EXTRAPOLATION_MIN_PARAMETERS)
