@@ -126,6 +126,21 @@ def test_frozen_parameters_have_no_gradients_or_state_under_fsdp() -> None:
     assert ours.rank_terms["gradients"] < full.rank_terms["gradients"] / 10
 
 
+def test_fp32_adapters_on_a_16_bit_base_keep_fp32_gradients_and_state_under_fsdp() -> None:
+    """peft keeps its adapters in fp32 on a bf16 base: FSDP shards each parameter in its own dtype, so the adapters'
+    gradients and Adam state are fp32 shards, whatever the base's dtype (which the model's most common one is)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(tiny_gpt2(2, SEQ).to(torch.bfloat16), config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in trainable} == {torch.float32}
+    count, world = sum(p.numel() for p in trainable), 4
+    sharding = ShardingConfig("fsdp", world, mixed_precision_param_dtype="bfloat16")
+    ours = _estimate(model, sharding, precision="bf16-mixed", optimizer="adamw")
+    assert ours.rank_terms["optimizer_state"] == pytest.approx(8 * count / world, rel=0.05)
+    assert ours.rank_terms["gradients"] == pytest.approx(4 * count / world, rel=0.05)
+
+
 def test_checkpointing_composes_with_sharding(gpt2: torch.nn.Module) -> None:
     plain = _estimate(gpt2, ShardingConfig("fsdp", 4))
     checkpointed = _estimate(gpt2, ShardingConfig("fsdp", 4), gradient_checkpointing=True)

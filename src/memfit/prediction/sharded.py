@@ -107,6 +107,7 @@ def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: C
         parameter_numels=tuple(p.numel() for p in params),
         trainable=tuple((unit_of.get(id(p), len(units)), tuple(p.shape)) for p in params if p.requires_grad),
         stored_element_bytes=stored,
+        trainable_stored_element_bytes=_element_bytes([p for p in params if p.requires_grad], settings.precision),
     )
 
 

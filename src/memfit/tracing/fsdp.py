@@ -17,8 +17,9 @@ the parameter is outside FSDP (fp32 under ``32-true`` or ``*-mixed``). Per rank:
   each parameter, FSDP1 each flat parameter); frozen parameters are sharded too. ``offload_params``
   (``CPUOffloadPolicy`` / ``CPUOffload(offload_params=True)``) moves them to the host.
 * **optimizer state and the optimizer step's temporaries** (traced storages): ``1/G``, scaled from the traced
-  ``g`` to ``s`` bytes (the optimizer steps the stored shards); on the host with either offload.
-* **gradients**, unit by unit (``memfit.tracing.shard_log.UnitSchedule``; the trace records which block runs at each
+  ``g`` to ``t`` bytes, the trainable parameters' stored element (the optimizer steps the stored shards; LoRA
+  keeps fp32 adapters on a 16-bit base, so ``t`` may differ from ``s``); on the host with either offload.
+* **gradients** (in the trainable parameters' ``t`` where stored), unit by unit (``memfit.tracing.shard_log.UnitSchedule``; the trace records which block runs at each
   event, so a gradient born while block ``b`` runs is its unit's, one born outside every block the root's): each
   traced gradient stays whole, in ``g`` bytes, from its birth to its unit's post-backward, which runs right after
   the unit's last gradient is born (the root's at the end of backward: its inputs, token ids, need no gradient, so a
@@ -71,7 +72,7 @@ __all__ = ["fsdp_rank_plan"]
 def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[Category, int]) -> RankPlan:
     """One rank's ``RankPlan`` under an ``fsdp*`` strategy; ``traced``: the traced step's bytes per category."""
     group = sharding.shard_group_size
-    g, s = facts.element_bytes, facts.stored_bytes
+    g, s, t = facts.element_bytes, facts.stored_bytes, facts.trainable_stored_bytes
     if sharding.strategy == "fsdp-no-shard" or group == 1:
         whole = {"parameters": traced.get(Category.PARAMETERS, 0), "gradients": traced.get(Category.GRADIENTS, 0),
                  "optimizer_state": traced.get(Category.OPTIMIZER_STATE, 0)}  # fmt: skip
@@ -83,20 +84,27 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         """A traced storage of ``g``-byte elements as the run stores it (``s``-byte elements), sharded."""
         return shard_bytes(size * s // g, group, s)
 
+    def stored_trainable(size: int) -> int:
+        """The same for a gradient: a trainable parameter's (``t``-byte elements)."""
+        return shard_bytes(size * t // g, group, t)
+
     def shard(size: int) -> int:
         return 0 if on_host else stored(size)
 
+    def shard_gradient(size: int) -> int:
+        return 0 if on_host else stored_trainable(size)
+
     def state(size: int) -> int:
-        return 0 if on_host or sharding.offload_optimizer else shard_bytes(size * s // g, group, 4)
+        return 0 if on_host or sharding.offload_optimizer else shard_bytes(size * t // g, group, 4)
 
     units = facts.units
     largest = max((u.numel for u in units), default=0)
     reshard = sharding.reshard_after_forward and sharding.strategy != "fsdp-grad-op" and bool(units)
     gathered = min((facts.root.numel + 2 * largest) * g, facts.numel * g) if reshard else facts.numel * g
-    schedule = _schedule(facts, group, g, s, on_host, largest * g if reshard else 0)
+    schedule = _schedule(facts, group, g, t, on_host, largest * g if reshard else 0)
     params = stored(traced.get(Category.PARAMETERS, 0))
-    grads = stored(traced.get(Category.GRADIENTS, 0))
-    states = shard_bytes(traced.get(Category.OPTIMIZER_STATE, 0) * s // g, group, 4)
+    grads = stored_trainable(traced.get(Category.GRADIENTS, 0))
+    states = shard_bytes(traced.get(Category.OPTIMIZER_STATE, 0) * t // g, group, 4)
     terms = {
         "parameters": 0 if on_host else params,
         "gradients": 0 if on_host else grads,
@@ -115,7 +123,7 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     return RankPlan(
         strategy=sharding.strategy,
         world_size=sharding.world_size,
-        resize={Category.PARAMETERS: shard, Category.GRADIENTS: shard, Category.OPTIMIZER_STATE: state},
+        resize={Category.PARAMETERS: shard, Category.GRADIENTS: shard_gradient, Category.OPTIMIZER_STATE: state},
         # without resharding after forward every parameter stays gathered to the end of backward
         buffers=() if reshard else (Buffer("gathered parameters", gathered, Phase.FORWARD, end=Phase.OPTIMIZER),),
         step_temporaries=state,

@@ -377,7 +377,8 @@ class ModelFacts:
     ``persistent_numel``: elements of parameters at or under ZeRO-3's persistence threshold; ``trainable``: the
     unit (an index into ``units``; ``len(units)`` for the root) and shape of each trainable parameter;
     ``stored_element_bytes``: bytes of an element as the run
-    stores it where the trace computes on other copies (FSDP's fp32 shards under a 16-bit ``param_dtype``).
+    stores it where the trace computes on other copies (FSDP's fp32 shards under a 16-bit ``param_dtype``), and
+    ``trainable_stored_element_bytes`` the same of the trainable parameters alone.
     """
 
     numel: int
@@ -389,6 +390,9 @@ class ModelFacts:
     parameter_numels: tuple[int, ...] = ()
     trainable: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (unit, shape) of each trainable parameter
     stored_element_bytes: int = 0  # bytes of a parameter element as the run keeps it; 0: as traced
+    # the same for the trainable parameters (LoRA keeps fp32 adapters on a 16-bit base): their gradients and
+    # optimizer state are stored in it; 0: ``stored_bytes``
+    trainable_stored_element_bytes: int = 0
 
     @property
     def frozen_numel(self) -> int:
@@ -397,6 +401,10 @@ class ModelFacts:
     @property
     def stored_bytes(self) -> int:
         return self.stored_element_bytes or self.element_bytes
+
+    @property
+    def trainable_stored_bytes(self) -> int:
+        return self.trainable_stored_element_bytes or self.stored_bytes
 
     def persistent_numel(self, threshold: int) -> int:
         return sum(n for n in self.parameter_numels if n <= threshold)
