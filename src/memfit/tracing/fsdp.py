@@ -19,8 +19,9 @@ the parameter is outside FSDP (fp32 under ``32-true`` or ``*-mixed``). Per rank:
 * **optimizer state and the optimizer step's temporaries** (traced storages): ``1/G``, scaled from the traced
   ``g`` to ``t`` bytes, the trainable parameters' stored element (the optimizer steps the stored shards; LoRA
   keeps fp32 adapters on a 16-bit base, so ``t`` may differ from ``s``); on the host with either offload.
-* **gradients** (in the trainable parameters' ``t`` where stored), unit by unit (``memfit.tracing.shard_log.UnitSchedule``; the trace records which block runs at each
-  event, so a gradient born while block ``b`` runs is its unit's, one born outside every block the root's): each
+* **gradients** (sharded in ``t`` bytes), unit by unit (``memfit.tracing.shard_log.UnitSchedule``; the trace
+  records which block runs at each event, so a gradient born while block ``b`` runs is its unit's, one born
+  outside every block the root's): each
   traced gradient stays whole, in ``g`` bytes, from its birth to its unit's post-backward, which runs right after
   the unit's last gradient is born (the root's at the end of backward: its inputs, token ids, need no gradient, so a
   tied or untied output projection's gradient stays whole through the whole backward). There the previous unit's
