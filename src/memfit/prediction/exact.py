@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from memfit.categories import Category
+from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.simulation.replay import PhasePeak, replay
 from memfit.simulation.runtime import CudaRuntime
@@ -280,7 +281,13 @@ class ExactPeaks:
         if batch not in self._cache:
             try:
                 trace, _ = self._session.trace_at(batch)
-            except Exception:  # a failure away from the traced batch: at() falls back to the fit in the batch
+            except Exception as error:  # a failure away from the traced batch: at() falls back to the fit in the batch
+                degrade(
+                    f"memfit could not trace the step at batch {batch} ({type(error).__name__}: {error}); estimates "
+                    "there come from the fit between the traced batches, which can be a few percent off",
+                    error,
+                    key=f"exact-peaks-{type(error).__name__}",
+                )
                 self._cache[batch] = None
             else:
                 self._cache[batch] = self._replayed(trace)
