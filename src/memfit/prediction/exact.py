@@ -68,6 +68,8 @@ class StepSession:
         self.symbolic: list[SymbolicTrace] = []
         self.concrete: dict[int, StepTrace] = {}
         self.other_lengths: dict[tuple[int, int], StepTrace] = {}  # (batch, sequence length) -> concrete trace
+        self.with_length: SymbolicTrace | None = None  # the sequence length symbolic too (``ensure_with_length``)
+        self.length_unavailable: str | None = None  # why there is none
         self.unavailable: str | None = None  # why the step cannot be traced symbolically
         self.trace_seconds = 0.0
         self._factory = callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
@@ -79,7 +81,8 @@ class StepSession:
         if not self.symbolic and self.unavailable is None and model is not None:
             try:
                 self.symbolic.append(self._timed(
-                    lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings, hint=hint)
+                    lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings, hint=hint,
+                                           symbolic_sequence=False)
                 ))  # fmt: skip
             except SymbolicUnavailable as exc:
                 self.unavailable = exc.reason
@@ -101,7 +104,7 @@ class StepSession:
         if batch >= 2 and self.unavailable is None:
             try:
                 symbolic = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
-                                                              hint=batch))  # fmt: skip
+                                                              hint=batch, symbolic_sequence=False))  # fmt: skip
             except SymbolicUnavailable as exc:
                 if not self.symbolic:
                     self.unavailable = exc.reason
@@ -123,15 +126,33 @@ class StepSession:
             )
         return self.concrete[batch], _outside_note(batch, self.symbolic[0]) if self.symbolic else None
 
+    def ensure_with_length(self, hint: int) -> SymbolicTrace | None:
+        """The trace with the sequence length symbolic too, taken once, when another length is first asked for (a
+        second symbol makes a trace about twice as slow, so the batch-only one serves the sample's own length)."""
+        model = self._model()
+        if self.with_length is None and self.length_unavailable is None and model is not None:
+            if self.seq_len is None:
+                self.length_unavailable = "the sample has no sequence dimension"
+            else:
+                try:
+                    traced = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
+                                                                hint=hint, symbolic_sequence=True))  # fmt: skip
+                except SymbolicUnavailable as exc:
+                    self.length_unavailable = exc.reason
+                else:
+                    if traced.seq is None:
+                        self.length_unavailable = "the step cannot run with its sequence length symbolic"
+                    else:
+                        self.with_length = traced
+        return self.with_length
+
     def _at_length(self, batch: int, seq_len: int) -> tuple[StepTrace, str | None]:
-        """Another sequence length: read off the symbolic trace where its sequence length is symbolic and covers
-        it, else traced concretely with the sample remade at that length."""
-        if batch >= 2:
-            self.ensure_symbolic(batch)
-        for symbolic in self.symbolic:
-            if symbolic.valid(batch, seq_len):
-                return symbolic.at(batch, seq_len), None
-        why = "batch 1" if batch == 1 else "the trace's sequence length is not symbolic or does not cover it"
+        """Another sequence length: read off the trace with the length symbolic where it covers it, else traced
+        concretely with the sample remade at that length."""
+        symbolic = self.ensure_with_length(max(2, batch))
+        if batch >= 2 and symbolic is not None and symbolic.valid(batch, seq_len):
+            return symbolic.at(batch, seq_len), None
+        why = "batch 1" if batch == 1 else (self.length_unavailable or "outside the trace's conditions")
         return self.concrete_trace(batch, seq_len), f"sequence length {seq_len} traced on its own ({why})"
 
     def concrete_trace(self, batch: int, seq_len: int | None = None) -> StepTrace:
@@ -192,6 +213,7 @@ class DeepSession:
     def __init__(self, shallow: StepSession, deeper: StepSession, depth: int, depths: tuple[int, int]) -> None:
         self._shallow, self._deeper, self.depth, self.depths = shallow, deeper, depth, depths
         self.symbolic: list[SymbolicTrace] = []
+        self.with_length: SymbolicTrace | None = None
         self.concrete: dict[int, StepTrace] = {}
 
     @property
@@ -213,16 +235,25 @@ class DeepSession:
     def seq_len(self) -> int | None:
         return self._shallow.seq_len
 
+    def ensure_with_length(self, hint: int) -> SymbolicTrace | None:
+        """Both models' traces with the sequence length symbolic too, the shallow one built to the whole depth."""
+        if self.with_length is None:
+            base, check = self._shallow.ensure_with_length(hint), self._deeper.ensure_with_length(hint)
+            if base is not None and check is not None:
+                self.with_length = deepen_symbolic(base, self.depth, check=check)
+        return self.with_length
+
     def trace_at(self, batch: int, seq_len: int | None = None) -> tuple[StepTrace, str | None]:
         if seq_len == self.seq_len:
             seq_len = None
-        if seq_len is not None and batch >= 2:
-            self.ensure_symbolic(batch)
-        for symbolic in self.symbolic:
-            if symbolic.valid(batch, seq_len):
-                return symbolic.at(batch, seq_len), None
         if seq_len is not None:
+            symbolic = self.ensure_with_length(max(2, batch))
+            if batch >= 2 and symbolic is not None and symbolic.valid(batch, seq_len):
+                return symbolic.at(batch, seq_len), None
             return self.concrete_trace(batch, seq_len), f"sequence length {seq_len} traced on its own"
+        for symbolic in self.symbolic:
+            if symbolic.valid(batch):
+                return symbolic.at(batch), None
         note = None
         if self.unavailable is not None:
             note = f"traced at each batch size: {self.unavailable}"

@@ -13,6 +13,7 @@ workspaces, NCCL buffers) never passes through dispatch; ``runtime`` models the 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,7 +71,24 @@ def symbolic_decompositions() -> dict[Any, Any]:
     from torch._decomp import decomposition_table
 
     ops = (torch.ops.aten.constant_pad_nd.default,)
-    return {op: decomposition_table[op] for op in ops if op in decomposition_table}
+    table = {op: decomposition_table[op] for op in ops if op in decomposition_table}
+    table[torch.ops.aten.slice_backward.default] = _slice_backward
+    return table
+
+
+def _slice_backward(grad: torch.Tensor, input_sizes: Any, dim: int, start: Any, end: Any, step: Any) -> torch.Tensor:
+    """``slice_backward`` that passes the gradient through where indexing sliced a whole dimension.
+
+    Eager indexing returns the tensor itself for ``x[:, ...]`` or ``x[0:]``, so nothing runs in backward; over a
+    symbolic dimension it cannot tell the slice is whole, records it, and its backward would allocate a zeroed
+    gradient of the input's size and copy into it. Only the open end that indexing passes (``sys.maxsize``) is
+    taken as whole: it is past any size without installing a guard, while an explicit ``narrow`` over the whole
+    dimension is recorded in eager too and keeps its backward.
+    """
+    whole = (start, step) == (0, 1) and isinstance(end, int) and end >= sys.maxsize
+    if whole and all(isinstance(value, int) for value in (start, step)):
+        return torch.ops.aten.alias.default(grad)
+    return torch.ops.aten.slice_backward.default(grad, input_sizes, dim, start, end, step)
 
 
 @dataclass(frozen=True)

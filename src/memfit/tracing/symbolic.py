@@ -199,11 +199,12 @@ def trace_symbolic(
     settings: TraceSettings,
     *,
     hint: int,
-    symbolic_sequence: bool = True,
+    symbolic_sequence: bool = False,
 ) -> SymbolicTrace:
-    """Trace the step with the batch symbolic, the model's branches taken as at batch ``hint`` (>= 2), and the
-    sequence length too where the sample has one (unless ``symbolic_sequence`` is false, or the step cannot run
-    with both: then the batch alone).
+    """Trace the step with the batch symbolic, the model's branches taken as at batch ``hint`` (>= 2), and with
+    ``symbolic_sequence`` the sequence length too where the sample has one (the batch alone where the step cannot
+    run with both). A second symbol makes the trace about twice as slow: planners take it only when asked about
+    another length.
 
     Raises:
         SymbolicUnavailable: the step cannot run with a symbolic batch (the reason in plain words).
@@ -212,8 +213,8 @@ def trace_symbolic(
         raise ValueError("the hint of a symbolic batch must be at least 2")
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample, sample_batch = _from_factory(sample, hint), hint
-    length = sequence_length(sample, sample_batch) if symbolic_sequence else None
-    if length is not None and length >= 2:
+    length = sequence_length(sample, sample_batch)
+    if symbolic_sequence and length is not None and length >= 2:
         try:
             return _trace(model, sample, sample_batch, settings, hint, length)
         except SymbolicUnavailable:
