@@ -5,16 +5,20 @@
 Per case, in a fresh process (cases: gpt2-124m, bert-base, resnet50, llama-3-8b):
 * ``concrete_trace_s``: one concrete trace of two training steps (``trace_steps``), after one warm-up trace
   of the same step (so one-time kernel and import costs are not counted);
-* ``symbolic_trace_s``: one trace of the same step with the batch symbolic (``trace_symbolic``);
+* ``symbolic_trace_s``: one trace of the same step with the batch symbolic (``trace_symbolic``), after one
+  warm-up symbolic trace, and
+  ``symbolic_with_length_trace_s`` with the sequence length symbolic too (``None``: the sample has none), which a
+  plan takes only when asked about another length;
 * ``plan_s``: a whole plan from nothing (the traces kept between calls cleared): a ``PlanningSession`` over
   ``memfit.estimate`` (what the Lightning and Hugging Face callbacks run) for an 80 GiB H100, target
   ``"max"``, checkpointing allowed; ``plan_concrete_s`` the same with ``MEMFIT_TRACE=concrete`` (two traces
   per estimate and a confirming trace per batch the plan looks at);
 * ``ratio`` = ``plan_s / concrete_trace_s``, the issue's goal being at most 1.3.
 Llama-3-8B is planned as ``memfit plan --hf-config llama-3-8b --gpu h100 --seq-len 2048`` plans it
-(searched on traces at 2 and 4 blocks extrapolated in depth, confirmed on the whole model; the concrete
-path first, so that it, not the symbolic one, pays the first call's costs); its trace columns are the
-4-block model's. Import times (``import memfit.cli.main``, ``import transformers``) are measured in fresh
+(the whole model's log built from symbolic traces at 3 and 4 blocks; with ``MEMFIT_TRACE=concrete``,
+searched on concrete traces at 2 and 4 blocks extrapolated in depth and confirmed on the whole model; the
+concrete path first, so that it, not the symbolic one, pays the first call's costs); its trace columns
+are the 4-block model's. Import times (``import memfit.cli.main``, ``import transformers``) are measured in fresh
 processes. The machine's load average is recorded: this 2-core machine is shared, so seconds vary with it.
 Results go to ``benchmarks/results/symbolic_speed.json``.
 """
@@ -108,10 +112,15 @@ def trace_times(model: nn.Module, sample: Any, loss_fn: Any, forward_fn: Any, ba
     started = time.perf_counter()
     trace_steps(model, sample, sample_batch, batch, settings)
     concrete = time.perf_counter() - started
+    trace_symbolic(model, sample, sample_batch, settings, hint=batch)  # warm-up: sympy's first costs
     started = time.perf_counter()
     trace_symbolic(model, sample, sample_batch, settings, hint=batch)
     symbolic = time.perf_counter() - started
-    return {"concrete_trace_s": round(concrete, 2), "symbolic_trace_s": round(symbolic, 2)}
+    started = time.perf_counter()
+    with_length = trace_symbolic(model, sample, sample_batch, settings, hint=batch, symbolic_sequence=True)
+    both = time.perf_counter() - started
+    return {"concrete_trace_s": round(concrete, 2), "symbolic_trace_s": round(symbolic, 2),
+            "symbolic_with_length_trace_s": round(both, 2) if with_length.seq is not None else None}  # fmt: skip
 
 
 def session_plan(model: nn.Module, sample: Any, loss_fn: Any, forward_fn: Any, mode: str) -> dict[str, Any]:

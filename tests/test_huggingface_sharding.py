@@ -176,8 +176,8 @@ def torchrun(tmp_path: Path, mode: str, budgets: tuple[str, str]) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-               str(here / "hf_fit.py"), str(tmp_path), mode, *budgets]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(here / "hf_fit.py"), str(tmp_path), mode, *budgets]  # fmt: skip
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:  # fmt: skip
         try:
@@ -187,6 +187,15 @@ def torchrun(tmp_path: Path, mode: str, budgets: tuple[str, str]) -> list[dict]:
             raise
     assert process.returncode == 0, stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _free_port() -> int:
+    """A port no other test's processes hold (tests may run in parallel workers)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def assert_one_plan_and_every_rank_logged(reports: list[dict]) -> dict:

@@ -122,7 +122,10 @@ def test_the_depth_extrapolation_table_is_the_result_file(tmp_path: Path) -> Non
     for line, row in zip(table, data["rows"], strict=True):
         assert line.startswith(f"| {row['model']} | {row['depth']} |")
         assert f"{row['reserved_error_pct']:+.3f} %" in line
-        assert line.endswith(f"| {row['exact_seconds']:.2f} / {row['extrapolated_seconds']:.2f} |")
+        built = f"{row['built_seconds']:.2f}" if "built_seconds" in row else "-"
+        assert line.endswith(f"| {row['exact_seconds']:.2f} / {built} / {row['extrapolated_seconds']:.2f} |")
+        if "built_largest_difference_bytes" in row:
+            assert f"| {row['built_largest_difference_bytes']:,} B |" in line
 
 
 def test_a_readme_without_its_status_block_is_refused() -> None:

@@ -363,6 +363,36 @@ def speed(results: Path) -> list[str]:
     ]
 
 
+def performance(results: Path) -> list[str]:
+    """README's lines on speed, from ``benchmarks/symbolic_speed.py``'s result file."""
+    data = _load("symbolic_speed.json", results)
+    if data is None:
+        return ["- **Speed: not measured yet.** `python benchmarks/symbolic_speed.py`."]
+    cases = {row["case"]: row for row in data["cases"] if "plan_s" in row}
+    names = {"gpt2-124m": "GPT-2 124M (seq 1024)", "bert-base": "BERT-base (seq 512)",
+             "resnet50": "a ResNet-50 (224 x 224)"}  # fmt: skip
+    plans = [
+        f"{names[case]} {row['plan_s']:.1f} s ({row['ratio']:.1f} x one concrete trace of its step, "
+        f"{row['concrete_trace_s']:.1f} s)"
+        for case, row in cases.items()
+        if case in names
+    ]
+    lines = [
+        f"- **Planning** (`python benchmarks/symbolic_speed.py`, `benchmarks/results/symbolic_speed.json`; "
+        f"{data['machine']}, torch {data['torch']}): a whole plan for an 80 GiB H100 from a model in hand, as the "
+        f"callbacks make it (one symbolic trace, then allocator replays): {'; '.join(plans)}."
+    ]
+    llama = cases.get("llama-3-8b")
+    if llama is not None:
+        lines.append(
+            f"- `memfit plan --hf-config llama-3-8b --gpu h100 --seq-len 2048` (its 32 blocks' log built from traces "
+            f"at 3 and 4 blocks): {llama['plan_s']:.1f} s, against {llama['plan_concrete_s']:.1f} s on concrete "
+            f"traces; importing the command line {data['imports']['memfit.cli.main_s']:.1f} s, and transformers "
+            f"{data['imports']['transformers_s']:.1f} s where a preset needs it."
+        )
+    return lines
+
+
 # --------------------------------------------------------------------------- depth extrapolation
 
 
@@ -589,7 +619,11 @@ BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "depth-extrapolation": depth_extrapolation,
     "published": published,
 }
-README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {"status": status, "published-status": published_status}
+README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {
+    "status": status,
+    "published-status": published_status,
+    "performance": performance,
+}
 
 
 def targets() -> dict[Path, dict[str, Callable[[Path], list[str]]]]:

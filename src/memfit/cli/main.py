@@ -318,7 +318,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pin-memory", action="store_true", help="the dataloader pins memory")
     add_sharding_arguments(plan)  # --gpus (--world-size), --strategy, --offload (--offload-optimizer), --nodes
     plan.add_argument("--exact", action="store_true", help="trace the whole model even when it is deep (slower; by "
-                      "default deep configs are traced at 2 and 4 blocks and extrapolated)")  # fmt: skip
+                      "default a deep config's log is built from traces at 3 and 4 blocks)")  # fmt: skip
     add_plan_options(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument(
