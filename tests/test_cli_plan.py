@@ -186,6 +186,33 @@ def test_plan_plot_draws_timeline_and_batch_curve(tmp_path: Path, capsys: pytest
     assert _png_size(out) == (1100, 1485)  # 10 x 13.5 inches at 110 dpi: three panels (the sample has token ids)
 
 
+def test_a_sweeps_pictures_are_the_first_lengths_and_its_length_curve_reaches_the_longest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    import memfit.reporting.plots as plots
+
+    drawn: list[Any] = []
+    real = plots.plot_plan
+    monkeypatch.setattr(plots, "plot_plan", lambda *args, **kwargs: drawn.append(real(*args, **kwargs)))
+    command = ["plan", "--hf-config", "gpt2", "--layers", "1", "--budget", "8GiB", "--json"]
+    assert main([*command, "--seq-len", "64,512", "--plot", str(tmp_path / "sweep.png")]) == 0
+    first, longer = json.loads(capsys.readouterr().out)["gpus"]
+    assert first["micro_batch_size"] > longer["micro_batch_size"]
+    (figure,) = drawn
+    _, batches, lengths = figure.axes
+    (marked,) = [text.get_text() for text in batches.texts]
+    assert marked == f"budget 8GiB: {first['micro_batch_size']}"  # the first length's choice, not the last row's
+    (curve,) = [line for line in lengths.lines if line.get_label().startswith("predicted peak")]
+    assert max(curve.get_xdata()) == 512 and curve.get_label().endswith(f"micro batch {first['micro_batch_size']}")
+
+
+def test_a_plot_that_cannot_be_written_is_refused_before_tracing(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--hf-config", "gpt2", "--layers", "1", "--gpu", "t4", "--plot", "/no/such/folder/p.png"])
+    assert code == 2
+    assert "the folder /no/such/folder does not exist" in capsys.readouterr().err
+
+
 def test_the_sequence_length_curve_reads_the_trace_and_needs_a_sequence(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from memfit import InvalidInputError

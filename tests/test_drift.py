@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import pytest
-import torch
 
 from memfit.monitoring.drift import CPU_LEAK_MIN_BYTES, LEAK_WARMUP_WINDOWS, LEAK_WINDOWS, DriftMonitor
 from memfit.monitoring.measure import MemorySample, PeakSampler
@@ -105,8 +105,11 @@ def test_without_a_prediction_the_measured_peaks_are_logged_alone_and_leaks_stil
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-window peak RSS needs Linux")
 def test_cpu_peak_sampler_sees_a_transient_allocation_and_resets() -> None:
     sampler = PeakSampler("cpu")
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, touched
-    del block
+    # 64 MiB of fresh pages, touched and unmapped: a tensor could reuse heap the process already holds
+    # (after earlier tests freed theirs), which raises no resident peak
+    block = mmap.mmap(-1, 64 * MiB)
+    block.write(b"\x01" * (64 * MiB))
+    block.close()
     first = sampler.sample()
     second = sampler.sample()
     assert first.rss_bytes is not None and second.rss_bytes is not None

@@ -152,6 +152,11 @@ def test_every_report_to_tracker_receives_the_memfit_keys(tmp_path: Path, monkey
     assert trainer.callback_handler.callbacks[0] is callback  # before the trackers
     trainer.train()
 
+    # the Trainer's own history (``trainer_state.json``) holds them too, though it copies the logs before callbacks
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logged if set(entry) >= DRIFT_KEYS] == [2, 4, 6]
+    assert logged[0]["memfit/micro_batch_size"] == 12 and "memfit/micro_batch_size" not in logged[1]
+
     event_files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert event_files
     events = EventAccumulator(str(event_files[0].parent))

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
@@ -118,6 +119,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   "auto", file=sys.stderr)  # fmt: skip
             return 2
         return run_sharded(args, plan_finetune(args))
+    if args.plot:
+        _check_writable(args.plot, "--plot")  # before the traces, not after them
     finetune = plan_finetune(args)
     try:
         report = _plan_for_gpus(args, finetune)
@@ -133,6 +136,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         console = stdout_console(width=None if sys.stdout.isatty() else 200)
         console.print(plan_table(report))
+        if args.gpus > 1:
+            console.print(f"one rank of ddp over {args.gpus} GPUs: every rank holds the whole model, its gradient "
+                          "buckets and its own micro batches; the effective batch counts all ranks")  # fmt: skip
         if report.finetune is not None:
             console.print(finetune_table(report))
         if report.host is not None:
@@ -150,6 +156,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
         return _EXIT_USAGE
     return 0
+
+
+def _check_writable(path: str, option: str) -> None:
+    """One line now for an output file that cannot be written, rather than a traceback at the end."""
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise InvalidInputError(f"{option} {path}: the folder {folder} does not exist; create it or give another path")
+    if Path(path).expanduser().is_dir():
+        raise InvalidInputError(f"{option} {path} is a folder; give a file name such as {Path(path) / 'plan.png'}")
+    if not os.access(folder, os.W_OK):
+        raise InvalidInputError(f"{option} {path}: the folder {folder} is not writable; give another path")
 
 
 def _plan_for_gpus(args: argparse.Namespace, finetune: FinetuneSpec) -> PlanReport:

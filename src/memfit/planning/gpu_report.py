@@ -113,13 +113,15 @@ class PlanReport:
         plan, the timeline at batch 1 is the one extrapolated in depth when the search was."""
         from memfit.reporting.plots import plot_plan
 
-        base = next((row.base for row in self.rows if row.base is not None), None)
+        traced = [row for row in self.rows if row.seq_len is None]  # the traced length's rows, not a sweep's
+        base = next((row.base for row in traced if row.base is not None), None)
         if base is None:
             raise InvalidInputError("nothing was traced to draw: no GPU could run the precision asked for")
-        capacities = {row.gpu: row.capacity_bytes for row in self.rows}
-        chosen = {row.gpu: row.plan.micro_batch_size for row in self.rows if row.plan is not None}
-        first = next((row.estimate for row in self.rows if row.estimate is not None), None)
-        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=first, path=path)
+        capacities = {row.gpu: row.capacity_bytes for row in traced}
+        chosen = {row.gpu: row.plan.micro_batch_size for row in traced if row.plan is not None}
+        first = next((row.estimate for row in traced if row.estimate is not None), None)
+        lengths = [row.seq_len for row in self.rows if row.seq_len is not None]
+        plot_plan(base, capacities=capacities, chosen=chosen, timeline_of=first, seq_lens=lengths, path=path)
 
     def to_dict(self) -> dict[str, Any]:
         return {

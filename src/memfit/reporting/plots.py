@@ -146,13 +146,14 @@ def plot_seq_curve(
     ax: Any = None,
 ) -> Any:
     """Predicted peak (device memory) against the sequence length at micro batch ``batch``, read off the same trace
-    as the batch curve (the estimate's sequence length is symbolic), with each GPU's capacity."""
+    as the batch curve (the estimate's sequence length is symbolic), with each GPU's capacity. ``lengths``: where
+    to draw it (default: from an eighth of the traced length to four times it)."""
     if estimate.seq_len is None:
         raise InvalidInputError("this estimate's sample has no sequence dimension to draw a sequence-length curve of")
     figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
     axis = axes[0]
     traced = estimate.seq_len
-    lengths = sorted(set(lengths or [max(2, round(traced * 2 ** (k / 2))) for k in range(-6, 5)]))
+    lengths = sorted(set(lengths or _length_grid(traced)))
     axis.plot(lengths, [estimate.at(batch, n).device_bytes / _UNIT for n in lengths], "o-", color="#55a868",
               markersize=3, label=f"predicted peak, micro batch {batch}")  # fmt: skip
     axis.axvline(traced, color="gray", linestyle=":", linewidth=1, label=f"traced length {traced}")
@@ -167,17 +168,27 @@ def plot_seq_curve(
     return _save(figure, path)
 
 
+def _length_grid(traced: int, asked: Sequence[int] = ()) -> list[int]:
+    """From an eighth of the traced length to four times it in steps of sqrt(2), on to the longest length asked
+    about, and the lengths asked about."""
+    grid = {max(2, round(traced * 2 ** (k / 2))) for k in range(-6, 5)}
+    while asked and max(grid) < max(asked):
+        grid.add(round(max(grid) * 2**0.5))
+    return sorted(grid | set(asked))
+
+
 def plot_plan(
     estimate: MemoryEstimate,
     *,
     capacities: Mapping[str, int],
     chosen: Mapping[str, int],
     timeline_of: MemoryEstimate | None = None,
+    seq_lens: Sequence[int] = (),
     path: str | Path | None = None,
 ) -> Any:
     """The pictures of ``memfit plan --plot``: the step's timeline (at the first chosen batch), the batch curve, and
-    where the sample has a sequence length, the sequence-length curve at the first chosen batch (all three read
-    off the same trace)."""
+    where the sample has a sequence length, the sequence-length curve at the first chosen batch, reaching the
+    longest of ``seq_lens`` (the lengths a sweep asked about; all three read off the same trace)."""
     seq_curve = estimate.seq_len is not None and estimate.exact_peaks is not None
     figure, axes = _figure(rows=3 if seq_curve else 2)
     first_capacity = next(iter(capacities.values()), None)
@@ -185,7 +196,8 @@ def plot_plan(
     plot_batch_curve(estimate, capacities=capacities, chosen=chosen, ax=axes[1])
     if seq_curve:
         batch = next(iter(chosen.values()), estimate.batch_size)
-        plot_seq_curve(estimate, batch=batch, capacities=capacities, ax=axes[2])
+        lengths = _length_grid(estimate.seq_len, seq_lens)
+        plot_seq_curve(estimate, batch=batch, capacities=capacities, lengths=lengths, ax=axes[2])
     return _save(figure, path)
 
 

@@ -257,14 +257,21 @@ class MemoryPlannerCallback(TrainerCallback):
     ) -> None:
         if logs is None or not self._pending or "loss" not in logs:
             return  # only training logs carry memory metrics
-        logs.update(self._pending)
+        added = dict(self._pending)
         if not self._timeline_logged and self.estimate is not None and state.is_world_process_zero:
             self._timeline_logged = True  # the trackers are set up by now (their on_train_begin ran after ours)
             self._figure(args, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate), state.global_step)
         if self._first_log and self.plan is not None:
             for key in ("micro_batch_size", "accumulate_grad_batches", "effective_batch_size"):
-                logs[f"memfit/{key}"] = getattr(self.plan, key)
-            logs["memfit/gradient_checkpointing"] = int(self.plan.gradient_checkpointing)
+                added[f"memfit/{key}"] = getattr(self.plan, key)
+            added["memfit/gradient_checkpointing"] = int(self.plan.gradient_checkpointing)
+        loss = logs["loss"]
+        logs.update(added)
+        # The Trainer appended a copy of these logs to ``log_history`` (``trainer_state.json``) before calling the
+        # callbacks: the keys go into that entry too, so the saved history holds them.
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step and history[-1].get("loss") == loss:
+            history[-1].update(added)
         self._first_log = False
         self._pending = {}
 
