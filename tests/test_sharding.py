@@ -135,10 +135,17 @@ def test_fp32_adapters_on_a_16_bit_base_keep_fp32_gradients_and_state_under_fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert {p.dtype for p in trainable} == {torch.float32}
     count, world = sum(p.numel() for p in trainable), 4
-    sharding = ShardingConfig("fsdp", world, mixed_precision_param_dtype="bfloat16")
-    ours = _estimate(model, sharding, precision="bf16-mixed", optimizer="adamw")
-    assert ours.rank_terms["optimizer_state"] == pytest.approx(8 * count / world, rel=0.05)
-    assert ours.rank_terms["gradients"] == pytest.approx(4 * count / world, rel=0.05)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # cast to bf16 for compute (the trace's parameters) or not: the shards are stored as the parameters are
+    for param_dtype in ("bfloat16", None):
+        sharding = ShardingConfig("fsdp", world, mixed_precision_param_dtype=param_dtype)
+        ours = _estimate(model, sharding, precision="bf16-mixed", optimizer="adamw")
+        assert ours.rank_terms["optimizer_state"] == pytest.approx(8 * count / world, rel=0.05), param_dtype
+        assert ours.rank_terms["gradients"] == pytest.approx(4 * count / world, rel=0.05), param_dtype
+        # the bf16 base in 2-byte shards, the adapters in 4-byte ones, in the terms and in the rank's log
+        parameters = ours.rank_terms["parameters"]
+        assert parameters == pytest.approx((2 * frozen + 4 * count) / world, rel=0.01), param_dtype
+        assert ours.breakdown[Category.PARAMETERS] == pytest.approx(parameters, rel=0.01), param_dtype
 
 
 def test_checkpointing_composes_with_sharding(gpt2: torch.nn.Module) -> None:

@@ -108,6 +108,9 @@ def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: C
         trainable=tuple((unit_of.get(id(p), len(units)), tuple(p.shape)) for p in params if p.requires_grad),
         stored_element_bytes=stored,
         trainable_stored_element_bytes=_element_bytes([p for p in params if p.requires_grad], settings.precision),
+        trainable_element_bytes=settings.parameter_dtype.itemsize
+        if settings.parameter_dtype is not None
+        else _element_bytes([p for p in params if p.requires_grad], settings.precision),
     )
 
 

@@ -13,12 +13,14 @@ copies it gathers, so no copy of an fp32 weight is made or cached for the step; 
 accelerate add under ``*-mixed`` finds the weights 16-bit already). ``s`` is the bytes of a stored element: what
 the parameter is outside FSDP (fp32 under ``32-true`` or ``*-mixed``). Per rank:
 
-* **parameters** (traced storages): ``1/G`` of each, in ``s`` bytes, padded to ``G`` (FSDP2 pads dim 0 of
-  each parameter, FSDP1 each flat parameter); frozen parameters are sharded too. ``offload_params``
+* **parameters** (traced storages): ``1/G`` of each, in ``s`` bytes (a trainable one in ``t``: fp32 LoRA adapters
+  on a 16-bit base), padded to ``G`` (FSDP2 pads dim 0 of each parameter, FSDP1 each flat parameter); frozen
+  parameters are sharded too. ``offload_params``
   (``CPUOffloadPolicy`` / ``CPUOffload(offload_params=True)``) moves them to the host.
 * **optimizer state and the optimizer step's temporaries** (traced storages): ``1/G``, scaled from the traced
-  ``g`` to ``t`` bytes, the trainable parameters' stored element (the optimizer steps the stored shards; LoRA
-  keeps fp32 adapters on a 16-bit base, so ``t`` may differ from ``s``); on the host with either offload.
+  ``tg`` (a trainable element in the trace: ``g`` where FSDP casts the parameters, else their own) to ``t``
+  bytes, the trainable parameters' stored element (the optimizer steps the stored shards; LoRA keeps fp32
+  adapters on a 16-bit base, so ``t`` may differ from ``s``); on the host with either offload.
 * **gradients** (sharded in ``t`` bytes), unit by unit (``memfit.tracing.shard_log.UnitSchedule``; the trace
   records which block runs at each event, so a gradient born while block ``b`` runs is its unit's, one born
   outside every block the root's): each
@@ -74,6 +76,7 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
     """One rank's ``RankPlan`` under an ``fsdp*`` strategy; ``traced``: the traced step's bytes per category."""
     group = sharding.shard_group_size
     g, s, t = facts.element_bytes, facts.stored_bytes, facts.trainable_stored_bytes
+    tg = facts.trainable_traced_bytes  # a trainable element in the trace: its gradients and state are made like it
     if sharding.strategy == "fsdp-no-shard" or group == 1:
         whole = {"parameters": traced.get(Category.PARAMETERS, 0), "gradients": traced.get(Category.GRADIENTS, 0),
                  "optimizer_state": traced.get(Category.OPTIMIZER_STATE, 0)}  # fmt: skip
@@ -86,8 +89,8 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         return shard_bytes(size * s // g, group, s)
 
     def stored_trainable(size: int) -> int:
-        """The same for a gradient: a trainable parameter's (``t``-byte elements)."""
-        return shard_bytes(size * t // g, group, t)
+        """The same for a trainable parameter, its gradient (``tg``-byte elements traced, ``t``-byte stored)."""
+        return shard_bytes(size * t // tg, group, t)
 
     def shard(size: int) -> int:
         return 0 if on_host else stored(size)
@@ -96,16 +99,22 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         return 0 if on_host else stored_trainable(size)
 
     def state(size: int) -> int:
-        return 0 if on_host or sharding.offload_optimizer else shard_bytes(size * t // g, group, 4)
+        return 0 if on_host or sharding.offload_optimizer else shard_bytes(size * t // tg, group, 4)
 
     units = facts.units
     largest = max((u.numel for u in units), default=0)
     reshard = sharding.reshard_after_forward and sharding.strategy != "fsdp-grad-op" and bool(units)
     gathered = min((facts.root.numel + 2 * largest) * g, facts.numel * g) if reshard else facts.numel * g
-    schedule = _schedule(facts, group, g, t, on_host, largest * g if reshard else 0)
-    params = stored(traced.get(Category.PARAMETERS, 0))
+    schedule = _schedule(facts, group, g, tg, t, on_host, largest * g if reshard else 0)
+    separate = (tg, t) != (g, s)  # trainable parameters traced or stored in other dtypes than the frozen ones
+    traced_params = traced.get(Category.PARAMETERS, 0)
+    if separate:
+        trainable_traced = min(facts.trainable_numel * tg, traced_params)
+        params = stored(traced_params - trainable_traced) + stored_trainable(trainable_traced)
+    else:
+        params = stored(traced_params)
     grads = stored_trainable(traced.get(Category.GRADIENTS, 0))
-    states = shard_bytes(traced.get(Category.OPTIMIZER_STATE, 0) * t // g, group, 4)
+    states = shard_bytes(traced.get(Category.OPTIMIZER_STATE, 0) * t // tg, group, 4)
     terms = {
         "parameters": 0 if on_host else params,
         "gradients": 0 if on_host else grads,
@@ -132,12 +141,15 @@ def fsdp_rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[
         terms=terms,
         host_bytes=host,
         notes=(note,),
+        trainable_parameter_sizes=facts.trainable_storage_sizes() if separate else {},
+        resize_trainable_parameters=(lambda size: 0 if on_host else stored_trainable(size)) if separate else None,
     )
 
 
-def _schedule(facts: ModelFacts, group: int, g: int, s: int, on_host: bool, unit_bytes: int) -> UnitSchedule:
+def _schedule(facts: ModelFacts, group: int, g: int, tg: int, s: int, on_host: bool, unit_bytes: int) -> UnitSchedule:
     """The units' gathered parameters (none with ``unit_bytes`` 0: all stay gathered) and reduce-scatters: input,
-    output and sharded gradients, in bytes (module docstring)."""
+    output and sharded gradients, in bytes (module docstring). Gradients are computed in ``tg``-byte elements
+    (the trainable parameters' in the trace) and sharded in ``s``-byte ones."""
     padded: dict[int, int] = {}  # unit -> trainable elements, each parameter's dim 0 padded to the group
     for unit, shape in facts.trainable:
         rows = shape[0] if shape else 1
@@ -145,10 +157,10 @@ def _schedule(facts: ModelFacts, group: int, g: int, s: int, on_host: bool, unit
     largest = max(padded.values(), default=0)
     return UnitSchedule(
         root=len(facts.units),
-        input_bytes={unit: n * g for unit, n in padded.items()},
-        output_bytes={unit: n // group * g for unit, n in padded.items()},
+        input_bytes={unit: n * tg for unit, n in padded.items()},
+        output_bytes={unit: n // group * tg for unit, n in padded.items()},
         sharded_bytes={unit: 0 if on_host else n // group * s for unit, n in padded.items()},
-        cast=g != s or on_host,
+        cast=tg != s or on_host,
         root_bytes=facts.root.numel * g if unit_bytes else 0,
         unit_bytes=unit_bytes,
         fallback_bytes=2 * largest * g,

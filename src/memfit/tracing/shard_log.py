@@ -126,6 +126,11 @@ class RankPlan:
     terms: Mapping[str, int] = field(default_factory=dict)
     host_bytes: int = 0
     notes: tuple[str, ...] = ()
+    # trainable parameters stored in another dtype than the frozen ones (fp32 LoRA adapters on a 16-bit base):
+    # that many parameter storages of each traced size take this resize instead of ``resize``'s (parameters live
+    # through the whole step, so which storages of one size they are does not change any moment's bytes)
+    trainable_parameter_sizes: Mapping[int, int] = field(default_factory=dict)
+    resize_trainable_parameters: Resize | None = None
 
     def buffer_bytes(self, what: str) -> int:
         return sum(b.size_bytes for b in self.buffers if b.what == what)
@@ -138,11 +143,15 @@ def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorde
     log = _Insertions(recorder)
     reduced = _schedule_units(recorder, plan.units, log) if plan.units is not None else set()
     sizes = log.sizes
+    trainable_left = dict(plan.trainable_parameter_sizes) if plan.resize_trainable_parameters is not None else {}
     for sid in recorder.sizes:
         category = recorder.categories.get(sid, Category.TEMPORARIES)  # uncategorized: temporaries, as replayed
         resize = plan.resize.get(category)
         if sid in reduced:
             continue
+        if category is Category.PARAMETERS and trainable_left.get(sizes[sid], 0) > 0:
+            trainable_left[sizes[sid]] -= 1
+            resize = plan.resize_trainable_parameters
         if resize is not None:
             sizes[sid] = max(0, int(resize(sizes[sid])))
         elif (
@@ -393,6 +402,9 @@ class ModelFacts:
     # the same for the trainable parameters (LoRA keeps fp32 adapters on a 16-bit base): their gradients and
     # optimizer state are stored in it; 0: ``stored_bytes``
     trainable_stored_element_bytes: int = 0
+    # bytes of a trainable parameter's element in the trace (FSDP's ``param_dtype`` where it casts them, else their
+    # own dtype); 0: ``element_bytes``
+    trainable_element_bytes: int = 0
 
     @property
     def frozen_numel(self) -> int:
@@ -405,6 +417,18 @@ class ModelFacts:
     @property
     def trainable_stored_bytes(self) -> int:
         return self.trainable_stored_element_bytes or self.stored_bytes
+
+    @property
+    def trainable_traced_bytes(self) -> int:
+        return self.trainable_element_bytes or self.element_bytes
+
+    def trainable_storage_sizes(self) -> dict[int, int]:
+        """How many trainable parameter storages of each traced size (bytes) the trace holds."""
+        sizes: dict[int, int] = {}
+        for _, shape in self.trainable:
+            size = math.prod(shape) * self.trainable_traced_bytes
+            sizes[size] = sizes.get(size, 0) + 1
+        return sizes
 
     def persistent_numel(self, threshold: int) -> int:
         return sum(n for n in self.parameter_numels if n <= threshold)
