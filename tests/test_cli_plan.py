@@ -73,6 +73,10 @@ def test_plan_counts_ddp_buckets_and_the_loops_zero_grad(capsys: pytest.CaptureF
     assert data_parallel["effective_batch_size"] == 8 and data_parallel["micro_batch_size"] == 4
     lightning = row("--zero-grad", "before_backward")
     assert lightning["predicted_peak_bytes"] >= single["predicted_peak_bytes"]
+    # the table says the row is one rank of two
+    assert main(["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--budget", "3GiB",
+                 "--target-batch-size", "8", "--gpus", "2"]) == 0  # fmt: skip
+    assert "one rank of ddp over 2 GPUs" in capsys.readouterr().out
 
 
 def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) -> None:
