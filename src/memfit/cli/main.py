@@ -91,13 +91,16 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     """Formula tier: estimate from parameter and activation counts."""
     from memfit.cli.finetune_options import estimate_counts
 
-    estimate = estimate_from_counts(
-        batch_size=_parse_count(args.batch_size, "--batch-size"),
-        activations_per_sample=_parse_count(args.activations_per_sample, "--activations-per-sample"),
-        precision=args.precision,
-        trainable_fraction=_parse_fraction(args.trainable_fraction, "--trainable-fraction"),
-        **estimate_counts(args, _parse_count),
-    )
+    try:
+        estimate = estimate_from_counts(
+            batch_size=_parse_count(args.batch_size, "--batch-size"),
+            activations_per_sample=_parse_count(args.activations_per_sample, "--activations-per-sample"),
+            precision=args.precision,
+            trainable_fraction=_parse_fraction(args.trainable_fraction, "--trainable-fraction"),
+            **estimate_counts(args, _parse_count),
+        )
+    except InvalidInputError as error:
+        raise _as_flag(error) from None
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:
@@ -156,6 +159,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
         return _EXIT_USAGE
     return 0
+
+
+def _as_flag(error: InvalidInputError) -> InvalidInputError:
+    """The Python API names its arguments ("batch_size must be ..."); the command line names the flag."""
+    name, said, rest = str(error).partition(" must be ")
+    if said and name.isidentifier():
+        return InvalidInputError(f"--{name.replace('_', '-')} must be {rest}")
+    return error
 
 
 def _check_writable(path: str, option: str) -> None:
