@@ -215,6 +215,7 @@ class DeepSession:
         self.symbolic: list[SymbolicTrace] = []
         self.with_length: SymbolicTrace | None = None
         self.concrete: dict[int, StepTrace] = {}
+        self.other_lengths: dict[tuple[int, int], StepTrace] = {}  # (batch, sequence length) -> built trace
 
     @property
     def unavailable(self) -> str | None:
@@ -268,8 +269,12 @@ class DeepSession:
 
     def concrete_trace(self, batch: int, seq_len: int | None = None) -> StepTrace:
         if seq_len is not None and seq_len != self.seq_len:
-            shallow = self._shallow.concrete_trace(batch, seq_len)
-            return deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch, seq_len)))
+            key = (batch, seq_len)
+            if key not in self.other_lengths:
+                shallow = self._shallow.concrete_trace(batch, seq_len)
+                deeper = self._deeper.concrete_trace(batch, seq_len)
+                self.other_lengths[key] = deepen(shallow, self.depth, check=(shallow, deeper))
+            return self.other_lengths[key]
         if batch not in self.concrete:
             shallow = self._shallow.concrete_trace(batch)
             self.concrete[batch] = deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch)))

@@ -97,6 +97,7 @@ def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: C
     root = _unit("root", [p for p in params if id(p) not in unit_of])
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     stored = _element_bytes(params, settings.precision)
+    trainable_stored = _element_bytes([p for p in params if p.requires_grad], settings.precision)
     return ModelFacts(
         numel=sum(p.numel() for p in params),
         trainable_numel=sum(p.numel() for p in params if p.requires_grad),
@@ -107,10 +108,8 @@ def model_facts(model: nn.Module, settings: TraceSettings, checkpoint_modules: C
         parameter_numels=tuple(p.numel() for p in params),
         trainable=tuple((unit_of.get(id(p), len(units)), tuple(p.shape)) for p in params if p.requires_grad),
         stored_element_bytes=stored,
-        trainable_stored_element_bytes=_element_bytes([p for p in params if p.requires_grad], settings.precision),
-        trainable_element_bytes=settings.parameter_dtype.itemsize
-        if settings.parameter_dtype is not None
-        else _element_bytes([p for p in params if p.requires_grad], settings.precision),
+        trainable_stored_element_bytes=trainable_stored,
+        trainable_element_bytes=settings.parameter_dtype.itemsize if settings.parameter_dtype else trainable_stored,
     )
 
 
