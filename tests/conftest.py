@@ -7,6 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests: random examples while developing, so new counterexamples keep turning up; the same examples on
+# every CI run (CI=true), so a counterexample not yet found cannot turn an unrelated change red. The strategies are
+# the tests' own either way; `--hypothesis-profile=ci` runs CI's examples locally, `--hypothesis-profile=hunt` 2,000
+# examples a property.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.register_profile("hunt", deadline=None, print_blob=True, max_examples=2000)  # --hypothesis-profile=hunt
+settings.load_profile("ci" if os.environ.get("CI", "").lower() in {"1", "true", "yes"} else "dev")
 
 sys.path.insert(0, os.path.dirname(__file__))  # the zoo of test models
 

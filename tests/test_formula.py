@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -278,6 +278,14 @@ def test_is_a_formula_estimate() -> None:
     assert isinstance(estimate_from_counts(parameters=1), FormulaEstimate)
 
 
+@example(  # 8-bit state: training 3/4 of 4096 elements was counted as more than training them all
+    parameters=4096,
+    batch_size=1,
+    activations_per_sample=0,
+    precision="16-mixed",
+    optimizer="adam-8bit",
+    trainable_fraction=0.75,
+)
 @given(
     parameters=st.integers(min_value=0, max_value=10**12),
     batch_size=st.integers(min_value=1, max_value=4096),
@@ -393,6 +401,32 @@ def test_a_quantized_model_served_is_its_packed_weights_as_bitsandbytes_packs_th
     assert served.quantized_weights_bytes == real and served.total_bytes == real
     nothing = estimate_from_counts(parameters=100, trainable_fraction=0.5, quantize="nf4", quantized_parameters=0)
     assert nothing.quantized_weights_bytes == 0  # no code books for no quantized weight
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_count_never_needs_less_state_than_a_smaller_one(optimizer: str) -> None:
+    """The state grows with the trainable count whatever the optimizer: a part of a model never needs more than
+    the whole. Checked at every count around bitsandbytes' min_8bit_size and its blocks, where a count read as
+    one tensor drops from 32-bit to 8-bit states."""
+    counts = [*range(0, 600), *range(3500, 4700), *range(8000, 8400), 10**6, 10**9]
+    states = [estimate_from_counts(parameters=n, optimizer=optimizer).optimizer_state_bytes for n in counts]
+    assert states == sorted(states), optimizer
+
+
+def test_8bit_state_of_a_count_reads_small_tensors_then_large_ones() -> None:
+    """Without tensor sizes: under 4096 elements every tensor is small (fp32 states, exact); above, 4095 elements
+    are read as small tensors and the rest as large ones, which is within 24 KiB of a model of large tensors."""
+    under = estimate_from_counts(parameters=4095, optimizer="adam-8bit")
+    assert under.optimizer_state_bytes == 8 * 4095
+    assert under.optimizer_state_bytes == estimate_from_counts(
+        parameters=4095, optimizer="adam-8bit", trainable_sizes=[4095]
+    ).optimizer_state_bytes
+    big = 7 * 10**6
+    counted = estimate_from_counts(parameters=big, optimizer="adam-8bit").optimizer_state_bytes
+    large_tensors = estimate_from_counts(
+        parameters=big, optimizer="adam-8bit", trainable_sizes=[10**6] * 7
+    ).optimizer_state_bytes
+    assert 0 < counted - large_tensors <= 6 * 4095 + 8 * 2
 
 
 def test_8bit_optimizer_state_is_what_bitsandbytes_allocates() -> None:

@@ -23,9 +23,10 @@ Accounting rules (bytes per parameter; *trainable* = ``round(parameters * traina
   tensor of 4096 elements or more, two 1-byte states and two fp32 scales per block of 256, plus two
   256-entry fp32 code books once, and for a smaller tensor two fp32 states (8 B, 4x as much). Given
   ``trainable_sizes`` (each trainable tensor's element count, which ``memfit estimate --hf-config``
-  passes), this is exact; without them the trainable count is taken as one tensor, right for a count
-  under 4096 and, above it, as if every tensor were of 4096 elements or more (LoRA adapters of
-  hidden sizes from 512 up at rank 8).
+  passes), this is exact. Without them a count cannot say which tensors are small, so it is read as
+  4095 elements in small tensors and the rest in tensors of 4096 or more (``OptimizerInfo.count_state_bytes``):
+  exact under 4096, about 24 KiB above a model whose every tensor is large (LoRA adapters of hidden sizes
+  from 512 up at rank 8), and never more for a part of the model than for the whole.
 * **Activations**: ``activations_per_sample * batch_size`` elements, 4 B each in fp32 and 2 B in
   any half or mixed precision.
 * **LoRA and quantization** (``trainable_parameters``, ``quantize``): ``trainable_parameters`` counts
@@ -50,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from memfit.errors import InvalidInputError
@@ -165,11 +167,16 @@ def estimate_from_counts(
         trainable = _whole("trainable_parameters", trainable_parameters, minimum=0)
         if trainable > parameters:
             raise InvalidInputError(f"trainable_parameters ({trainable:,}) exceeds parameters ({parameters:,})")
-    sizes = (
-        [trainable] if trainable_sizes is None else [_whole("trainable_sizes", n, minimum=1) for n in trainable_sizes]
-    )
-    if trainable_sizes is not None and sum(sizes) != trainable:
-        raise InvalidInputError(f"trainable_sizes add up to {sum(sizes):,}, not the {trainable:,} trainable parameters")
+    optimizer_entry = optimizer_info(optimizer)
+    if trainable_sizes is None:
+        state_bytes = partial(optimizer_entry.count_state_bytes, trainable)
+    else:
+        sizes = [_whole("trainable_sizes", n, minimum=1) for n in trainable_sizes]
+        if sum(sizes) != trainable:
+            raise InvalidInputError(
+                f"trainable_sizes add up to {sum(sizes):,}, not the {trainable:,} trainable parameters"
+            )
+        state_bytes = partial(optimizer_entry.optimizer_state_bytes, sizes)
     layers = _whole("quantized_layers", quantized_layers, minimum=1)
     quantized, quantized_bytes = _quantized(
         quantize, quantized_parameters, parameters - trainable, double_quant, layers
@@ -186,7 +193,7 @@ def estimate_from_counts(
         parameters_bytes=trainable * weight_size + (parameters - trainable - quantized) * frozen_size,
         gradients_bytes=trainable * weight_size,
         master_weights_bytes=trainable * _FP32_BYTES if precision.is_mixed else 0,
-        optimizer_state_bytes=optimizer_info(optimizer).optimizer_state_bytes(sizes if trainable else [], state_size),
+        optimizer_state_bytes=state_bytes(state_size),
         activations_bytes=activations_per_sample * batch_size * activation_size,
         parameters=parameters,
         batch_size=batch_size,

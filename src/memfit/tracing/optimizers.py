@@ -95,6 +95,24 @@ class OptimizerInfo:
             total += 2 * 256 * 4  # name2qmap's "dynamic" and "udynamic" maps, moved to the parameters' device
         return total
 
+    def count_state_bytes(self, numel: int, state_dtype_bytes: int) -> int:
+        """Optimizer state of ``numel`` trainable elements whose tensor sizes are unknown.
+
+        For most optimizers the state is per element, so the count decides it. bitsandbytes' 8-bit ones
+        decide per tensor (``tensor_state_bytes``), which a count cannot: the rule here reads the count as
+        ``MIN_8BIT_SIZE - 1`` elements in small tensors (32-bit state) and the rest in large ones (8-bit).
+        It is exact under ``MIN_8BIT_SIZE`` (every tensor of such a count is small), about 24 KiB above a count
+        whose every tensor is large, and never falls as the count grows: training a part of a model never needs
+        more state than training the whole, as for real, where the state adds up tensor by tensor.
+        """
+        if not self.eight_bit_states or numel < MIN_8BIT_SIZE:
+            return self.optimizer_state_bytes([numel] if numel else [], state_dtype_bytes)
+        small = MIN_8BIT_SIZE - 1
+        large = numel - small
+        own = large * (self.states * state_dtype_bytes + self.fixed_bytes)
+        eight_bit = self.eight_bit_states * (large + 4 * math.ceil(large / BLOCK_8BIT)) + 2 * 256 * 4
+        return self.tensor_state_bytes(small, state_dtype_bytes) + own + eight_bit
+
 
 OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType({
     info.name: info
