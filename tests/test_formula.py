@@ -418,9 +418,10 @@ def test_8bit_state_of_a_count_reads_small_tensors_then_large_ones() -> None:
     are read as small tensors and the rest as large ones, which is within 24 KiB of a model of large tensors."""
     under = estimate_from_counts(parameters=4095, optimizer="adam-8bit")
     assert under.optimizer_state_bytes == 8 * 4095
-    assert under.optimizer_state_bytes == estimate_from_counts(
-        parameters=4095, optimizer="adam-8bit", trainable_sizes=[4095]
-    ).optimizer_state_bytes
+    assert (
+        under.optimizer_state_bytes
+        == estimate_from_counts(parameters=4095, optimizer="adam-8bit", trainable_sizes=[4095]).optimizer_state_bytes
+    )
     big = 7 * 10**6
     counted = estimate_from_counts(parameters=big, optimizer="adam-8bit").optimizer_state_bytes
     large_tensors = estimate_from_counts(
