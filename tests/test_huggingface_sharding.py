@@ -12,6 +12,7 @@ from transformers import Trainer, TrainerCallback
 from memfit import ShardingConfig
 from memfit.errors import ShardingNotModelledError
 from memfit.huggingface import MemoryPlannerCallback, attach, plan_training_arguments
+from memfit.integrations.huggingface.arguments import checkpointing_switch
 from test_huggingface import Tokens, tiny_gpt2, training_args
 
 ZERO3_AUTO = {
@@ -69,7 +70,7 @@ def test_fsdp_checkpointing_is_the_strategys_own(tmp_path: Path) -> None:
     assert planned.sharding == ShardingConfig("fsdp-grad-op", world_size=1, gpus_per_node=1,
                                               reshard_after_forward=False)  # fmt: skip
     assert planned.plan.gradient_checkpointing and planned.estimate.gradient_checkpointing
-    assert not planned.args.activation_checkpointing  # the Trainer refuses FSDP's and its own together
+    assert not getattr(planned.args, checkpointing_switch(planned.args))  # the Trainer refuses FSDP's and its own
     assert any("NO_WRAP gathers every parameter at once" in note for note in planned.estimate.notes)
 
 
