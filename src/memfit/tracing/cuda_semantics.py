@@ -4,10 +4,12 @@ On a machine whose torch cannot create (fake) CUDA tensors, memfit traces on fak
 Most aten ops use the same memory on both devices; the ones that do not are handled here, in one
 place, each with the CUDA behaviour it models:
 
-* ``scaled_dot_product_attention``: CUDA runs the flash kernel (fp16/bf16, no explicit mask) or the
-  memory-efficient kernel (masks, fp32), which never materialise the seq x seq score matrix. The CPU
-  path keeps it (GPT-2 124M at seq 1024: 28 GiB traced instead of 14 GiB). We call the CUDA
-  kernels' shape-only implementations so outputs and saved ``logsumexp`` have CUDA's sizes.
+* ``scaled_dot_product_attention``: CUDA picks cuDNN, flash, memory-efficient or math attention per call,
+  by dtype, head dim, mask (and whether it needs a gradient), dropout, grouped heads and the GPU; each keeps
+  different memory for backward, and the CPU path keeps the seq x seq matrix of none of them
+  (``memfit.tracing.sdpa`` makes the choice by torch's rules and runs the chosen kernel's shape-only form).
+* ``dropout``: CUDA's fused ``native_dropout`` keeps a 1-byte mask for backward; CPU's keeps a noise tensor
+  of the input's dtype (4 bytes an element in fp32).
 * Autocast: ``torch.autocast("cuda")`` casts by CUDA's op lists (``aten/src/ATen/autocast_mode.h``),
   which differ from CPU's (CUDA keeps softmax, layer_norm, exp, pow, sum and the losses in fp32).
   CPU autocast would apply CPU's lists to fake CPU tensors, so instead we cast above autograd, as
@@ -24,13 +26,15 @@ autocast itself (``torch.autocast(enabled=False)``), are not modelled.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.tracing.sdpa import CudaBuild, attention_like_cuda, fused_dropout, is_fused_dropout
 
 __all__ = ["CudaSemantics"]
 
@@ -68,7 +72,6 @@ _PROMOTE = frozenset(
 )  # fmt: skip
 
 _HALF = (torch.float16, torch.bfloat16)
-_FLASH_MAX_HEAD_DIM = 256
 
 
 def _eligible(value: Any) -> bool:
@@ -83,11 +86,13 @@ class CudaSemantics(TorchFunctionMode):
     ``autocast_active`` is switched by the tracer: on in forward and in checkpointing's
     recomputation, off elsewhere.
     ``cache_casts`` mirrors autocast's weight-cast cache, which lives for one autocast region.
+    ``build`` is the target GPU, whose compute capability and cuDNN decide the attention kernel.
     """
 
-    def __init__(self, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, autocast_dtype: torch.dtype | None = None, build: CudaBuild | None = None) -> None:
         super().__init__()
         self.autocast_dtype = autocast_dtype
+        self.build = build or CudaBuild()
         self.autocast_active = False
         self.cache_casts = False
         self._cast_cache: dict[int, torch.Tensor] = {}
@@ -99,14 +104,17 @@ class CudaSemantics(TorchFunctionMode):
     @contextlib.contextmanager
     def recomputation(self) -> Iterator[None]:
         """Checkpointing re-runs forward code inside backward, with the forward's autocast state but
-        outside every torch-function mode; this puts the substitutions back for it."""
-        previous = self.autocast_active
+        outside every torch-function mode; this puts the substitutions back for it. The recomputation is an
+        autocast region of its own (``torch.utils.checkpoint`` enters ``torch.autocast`` for it), so weights
+        cast in it are cached until it ends, and freed then unless backward keeps them."""
+        previous = self.autocast_active, self.cache_casts, self._cast_cache
         self.autocast_active = self.autocast_dtype is not None
+        self.cache_casts, self._cast_cache = self.autocast_active, {}
         try:
             with self:
                 yield
         finally:
-            self.autocast_active = previous
+            self.autocast_active, self.cache_casts, self._cast_cache = previous
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -127,7 +135,10 @@ class CudaSemantics(TorchFunctionMode):
             elif name == "cross_entropy":
                 return self._count("cross_entropy", _cross_entropy_like_cuda_autocast(*args, **kwargs))
         if func is F.scaled_dot_product_attention:
-            return _sdpa_like_cuda(self, *args, **kwargs)
+            out, backend = attention_like_cuda(*args, **kwargs, build=self.build)
+            return self._count(backend.value, out)
+        if name == "dropout" and is_fused_dropout(*_dropout_arguments(*args, **kwargs)):
+            return self._count("dropout", fused_dropout(*_dropout_arguments(*args, **kwargs)[:2]))
         return func(*args, **kwargs)
 
     def _count(self, key: str, value: Any) -> Any:
@@ -146,7 +157,11 @@ class CudaSemantics(TorchFunctionMode):
                 return cached
             return value.to(dtype)
 
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        # autocast's C++ wrapper casts the arguments in one call expression, which GCC evaluates right to left:
+        # a linear layer's bias is cast before its weight, and the allocator sees them in that order
+        leaves, spec = tree_flatten((args, kwargs))
+        cast_leaves = [cast(leaf) for leaf in reversed(leaves)][::-1]
+        return tree_unflatten(cast_leaves, spec)
 
 
 def _widest_float(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -183,46 +198,8 @@ def _cross_entropy_like_cuda_autocast(
     return loss
 
 
-def _sdpa_like_cuda(
-    mode: CudaSemantics,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """Pick the kernel CUDA's ``_fused_sdp_choice`` would pick on sm80+ and run its shape-only form."""
-    head_dim = query.shape[-1]
-    same_dims = key.shape[-1] == head_dim and value.shape[-1] == head_dim
-    grouped = query.dim() == 4 and key.shape[-3] != query.shape[-3]
-    needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
-    kernel: Callable[..., Any]
-    if (
-        query.dtype in _HALF
-        and attn_mask is None
-        and same_dims
-        and head_dim <= _FLASH_MAX_HEAD_DIM
-        and query.dim() == 4
-    ):
-        # Flash attention: output + fp32 logsumexp (B, H, S); handles grouped-query heads natively.
-        kernel = torch.ops.aten._scaled_dot_product_flash_attention
-        out = kernel(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        return mode._count("flash_attention", out)
-    if query.dim() == 4 and same_dims and not grouped and query.dtype in (*_HALF, torch.float32):
-        # Memory-efficient attention: supports an additive/boolean mask, fp32, no seq x seq matrix.
-        bias = attn_mask
-        if bias is not None and bias.dtype == torch.bool:
-            bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
-        if bias is not None:
-            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        kernel = torch.ops.aten._scaled_dot_product_efficient_attention
-        out = kernel(query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale)[0]
-        return mode._count("efficient_attention", out)
-    # Anything else falls back to the math path on CUDA as well.
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )
-    return mode._count("math_attention", out)
+def _dropout_arguments(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, train: bool | None = None
+) -> tuple[torch.Tensor, float, bool, bool]:
+    """``F.dropout``'s arguments, positional or by name (``torch.dropout`` names ``training`` ``train``)."""
+    return input, p, training if train is None else train, inplace
