@@ -36,6 +36,9 @@ class CudaRuntime:
 
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
     compute_capability: tuple[int, int] = (9, 0)
+    # what kernels size their launch grids by (and so the buffers some allocate): an H100 SXM's by default
+    multiprocessors: int = 132
+    max_threads_per_multiprocessor: int = 2048
 
     @property
     def workspace_bytes(self) -> int:
@@ -45,5 +48,10 @@ class CudaRuntime:
     def of_current_device(cls) -> CudaRuntime:
         """Facts of the visible GPU when torch has one, else defaults for an H100-class card."""
         if torch.cuda.is_available():
-            return cls(compute_capability=torch.cuda.get_device_capability())
+            properties = torch.cuda.get_device_properties()
+            return cls(
+                compute_capability=(properties.major, properties.minor),
+                multiprocessors=properties.multi_processor_count,
+                max_threads_per_multiprocessor=getattr(properties, "max_threads_per_multi_processor", 2048),
+            )
         return cls()

@@ -163,6 +163,7 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
     sizes, categories, alloc_phase = dict(recorder.sizes), dict(recorder.categories), dict(recorder.alloc_phase)
     next_id = max(sizes, default=0) + 1
     copies: dict[tuple[int, int], int] = {}
+    scratch = set(recorder.scratch)  # a kernel's scratch, in the copies too (``SymbolicTrace.at`` drops a 0 one)
 
     def storage(block: int, role: tuple[int, int]) -> int:
         """The storage with ``role`` in block ``block`` of the deep model."""
@@ -178,6 +179,8 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
                 if original in categories:
                     categories[next_id] = categories[original]
                 alloc_phase[next_id] = alloc_phase[original]
+                if original in recorder.scratch:
+                    scratch.add(next_id)
                 next_id += 1
             return copies[key]
         real = block if block <= template else block - added
@@ -230,6 +233,7 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
     _check_pairs(out)
     deep = copy.copy(recorder)
     deep.events, deep.sizes, deep.categories, deep.alloc_phase = out, sizes, categories, alloc_phase
+    deep.scratch = scratch
     deep.marks = [PhaseMark(starts[m.event_index], m.step, m.phase) for m in recorder.marks]
     deep.event_blocks = out_blocks  # which block ran each event, as a trace of the deep model records it
     deep.claimed_by, deep.derived_from = {}, {}  # the shallow trace's storages: not the deep log's to resolve

@@ -6,8 +6,10 @@ whose callback logs the free. No real memory is involved; the log is replayed af
 (``replay``) to find peaks, and through the caching-allocator simulation to predict what the
 CUDA allocator would reserve.
 
-Known limitations: memory that a kernel uses internally without returning a tensor (cuDNN
-workspaces, NCCL buffers) never passes through dispatch; ``runtime`` models the ones that matter.
+Memory that a kernel uses internally without returning a tensor never passes through dispatch: the cuBLAS
+workspace and the scratch of CUDA kernels (``memfit.tracing.cuda_scratch``: cuDNN workspaces, reductions' staging
+buffers, embedding backward's sort) are added here for a CUDA target; NCCL buffers are modelled where DDP and
+sharding are.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.categories import Category, Phase
+from memfit.tracing import cuda_scratch
 
 __all__ = ["PhaseMark", "StorageRecorder", "storage_bytes", "symbolic_decompositions"]
+
+_ADD = torch.ops.aten.add.Tensor
 
 # Ops that reach cuBLAS on a GPU: the first one on each thread makes cuBLAS allocate its workspace.
 _CUBLAS_OPS = frozenset(
@@ -106,12 +113,19 @@ class StorageRecorder(TorchDispatchMode):
     ``events`` holds signed storage ids; ``sizes[id]`` the storage bytes; ``categories[id]``
     the role decided so far (absent until a phase end settles it; temporaries by default).
     ``workspace_bytes`` > 0 adds a cuBLAS workspace the first time a matmul runs in forward and
-    in backward, as on a GPU.
+    in backward, as on a GPU, and the scratch CUDA kernels allocate for themselves on ``cuda_target``
+    (``memfit.tracing.cuda_scratch``).
     """
 
-    def __init__(self, *, workspace_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        workspace_bytes: int = 0,
+        cuda_target: cuda_scratch.CudaTarget | None = None,
+    ) -> None:
         super().__init__()
         self.workspace_bytes = workspace_bytes
+        self.cuda_target = cuda_target or cuda_scratch.CudaTarget()
         self.events: list[int] = []
         self.sizes: dict[int, int] = {}
         self.categories: dict[int, Category] = {}
@@ -132,6 +146,8 @@ class StorageRecorder(TorchDispatchMode):
         # (``memfit.tracing.depth``); ``None`` unless ``record_blocks`` turned it on.
         self.current_block: int | None = None
         self.event_blocks: list[int | None] | None = None
+        self._accumulation: tuple[int, int] | None = None  # (sum, old gradient) of the engine's last accumulation
+        self.scratch: set[int] = set()  # allocations of a kernel's own scratch (``memfit.tracing.cuda_scratch``)
         self.claimed_by: dict[int, int] = {}  # storage -> the storage whose block it belongs to (optimizer state)
         self.derived_from: dict[int, int] = {}  # storage made outside any block -> the storage it was made from
 
@@ -191,6 +207,8 @@ class StorageRecorder(TorchDispatchMode):
     def _free(self, sid: int) -> None:
         if self._closed or sid not in self._live:
             return
+        if self._free_before_sum(sid):
+            return
         del self._live[sid]
         self._refs.pop(sid, None)
         self._log(-sid)
@@ -205,16 +223,17 @@ class StorageRecorder(TorchDispatchMode):
         finally:
             self._allocating_off_device = False
 
-    def allocate_untracked(self, size: int, category: Category) -> int:
+    def allocate_untracked(self, size: int, category: Category, *, in_block: bool = False) -> int:
         """An allocation that no traced tensor owns (cuBLAS workspace, DDP buckets); it lives until
-        ``free_untracked``, or to the end."""
+        ``free_untracked``, or to the end. ``in_block``: it belongs to the repeated block running now (a kernel's
+        workspace), not to the run."""
         sid = self._next_id
         self._next_id += 1
         self.sizes[sid] = size
         self.categories[sid] = category
         self.alloc_phase[sid] = len(self.marks) - 1
         self._live[sid] = size
-        self._log(sid, in_block=False)  # the run's, not the block's that happened to need it first
+        self._log(sid, in_block=in_block)  # by default the run's, not the block's that happened to need it first
         return sid
 
     def free_untracked(self, sid: int) -> None:
@@ -266,17 +285,79 @@ class StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         self.ops += 1
-        if self.workspace_bytes and func.overloadpacket.__name__ in _CUBLAS_OPS:
-            self._maybe_allocate_workspace()
+        target = self.cuda_target if self.workspace_bytes else None
+        scratch: dict[str, int | None] = {}
+        if target is not None:
+            self._scratch(cuda_scratch.before_outputs(func, args, target), scratch)
         out = self.decompositions.get(func, func)(*args, **kwargs)
         flat, _ = tree_flatten(out)
         first_new = self._next_id
+        each = cuda_scratch.per_output(func, args, out, target) if target is not None else {}
         for item in flat:
             if isinstance(item, torch.Tensor):
                 self.track(item)
+                self._scratch(each.get(id(item)), {})
+        if target is not None:
+            self._scratch(cuda_scratch.after_outputs(func, args, out, target), scratch)
+        if self.workspace_bytes and func.overloadpacket.__name__ in _CUBLAS_OPS:
+            self._maybe_allocate_workspace()  # cuBLAS takes it as the kernel runs, after the output is allocated
+        accumulation = self._gradient_sum(func, args, kwargs, out)
+        if accumulation is not None:  # kept until the next free: ops that log nothing may come in between
+            self._accumulation = accumulation
         if self.event_blocks is not None and self._next_id > first_new and self.current_phase is Phase.OPTIMIZER:
             self._note_sources(func, args, kwargs, flat, first_new)
         return out
+
+    def _scratch(self, steps: cuda_scratch.Scratch | None, held: dict[str, int | None]) -> None:
+        """Log a kernel's own allocations and frees (``memfit.tracing.cuda_scratch``) in the block running it."""
+        for name, size in steps or ():
+            if size is None:
+                sid = held.pop(name)
+                if sid is not None:
+                    self.free_untracked(sid)
+            elif size != 0:  # a symbolic size may still come to 0 at some batch: ``SymbolicTrace.at`` drops it there
+                held[name] = sid = self.allocate_untracked(size, Category.TEMPORARIES, in_block=True)
+                self.scratch.add(sid)
+            else:
+                held[name] = None
+
+    def _gradient_sum(self, func: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int] | None:
+        """``(sum, old)`` storages when this op may be the autograd engine adding a second gradient for the same
+        input to the first (``InputBuffer::accumulate``): a plain ``add`` of two same-shaped tensors in backward,
+        without grad mode. The engine adds in place into the first when it holds its last reference, which a fake
+        tensor never lets it do (``can_accumulate_inplace`` refuses tensor subclasses); ``_free`` sees whether the
+        first dies right after and, if so, logs its free before the sum (``_free_before_sum``)."""
+        if func is not _ADD or kwargs or len(args) != 2 or torch.is_grad_enabled():
+            return None
+        if self.current_phase is not Phase.BACKWARD:
+            return None
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)):
+            return None
+        same = old.dtype == out.dtype and old.dim() == out.dim() and old.is_contiguous()
+        if not same or not all(guard_or_false(a == b) for a, b in zip(old.shape, out.shape, strict=True)):
+            return None
+        old_sid, sum_sid = self._ids.get(old.untyped_storage()), self._ids.get(out.untyped_storage())
+        return None if old_sid is None or sum_sid is None else (sum_sid, old_sid)
+
+    def _free_before_sum(self, sid: int) -> bool:
+        """Whether freeing ``sid`` ends an in-place gradient accumulation (``_gradient_sum``); if so, the free is
+        logged before the sum's allocation, so that the sum can take the old gradient's memory as the engine's
+        ``add_`` does, and the two never hold memory at once."""
+        pending, self._accumulation = self._accumulation, None
+        if pending is None or pending[1] != sid or not self.events or self.events[-1] != pending[0]:
+            return False
+        total = pending[0]
+        difference = self.sizes[total] - self.sizes[sid]  # under a symbolic batch, equal sizes may differ in form
+        if difference != 0 and not (isinstance(difference, sympy.Basic) and difference.expand() == 0):
+            return False
+        del self._live[sid]
+        self._refs.pop(sid, None)
+        self.events[-1] = -sid
+        self.events.append(total)
+        if self.event_blocks is not None:
+            self.event_blocks.append(self.event_blocks[-1])
+        return True
 
     def _note_sources(self, func: Any, args: Any, kwargs: Any, outputs: list[Any], first_new: int) -> None:
         """Which input each new storage of an optimizer step was made from: the i-th tensor of a ``_foreach_``

@@ -195,9 +195,13 @@ def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorde
             event = recorder.events[index]
             if abs(event) not in dropped and -event not in log.moved_frees:
                 events.append(event)
-    rewritten = StorageRecorder(workspace_bytes=recorder.workspace_bytes)
+    rewritten = StorageRecorder(
+        workspace_bytes=recorder.workspace_bytes,
+        cuda_target=recorder.cuda_target,
+    )
     rewritten.events = events
     rewritten.sizes = sizes
+    rewritten.scratch = recorder.scratch & set(sizes)
     rewritten.categories = log.categories
     rewritten.alloc_phase = log.alloc_phase
     # a mark points at the first event of its phase: the buffers allocated there belong to it

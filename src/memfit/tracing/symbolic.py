@@ -26,7 +26,7 @@ import copy
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sympy
@@ -139,6 +139,9 @@ class SymbolicTrace:
         recorder.categories = dict(source.categories)
         recorder.marks = list(source.marks)
         recorder.events = list(source.events)
+        vanished = {sid for sid in source.scratch if sizes.get(sid) == 0}
+        if vanished:  # a kernel's scratch that this batch does not need: a trace here would not log it at all
+            _drop_events(recorder, vanished)
         return StepTrace(
             batch_size=batch,
             recorder=recorder,
@@ -317,3 +320,17 @@ def _plain(guard: sympy.Basic, symbol: sympy.Symbol) -> str:
         words = {"<=": "at least", "<": "above", ">=": "at most", ">": "below"}[match.group(2)]
         return f"the batch size is {words} {match.group(1)}"
     return "the model's own conditions on the batch size hold"
+
+
+def _drop_events(recorder: Any, sids: set[int]) -> None:
+    """Remove every event of ``sids`` from ``recorder``'s log, keeping phase marks and block labels in step."""
+    keep = [abs(event) not in sids for event in recorder.events]
+    moved_to, kept = [], 0
+    for flag in keep:
+        moved_to.append(kept)
+        kept += flag
+    moved_to.append(kept)
+    recorder.marks = [replace(mark, event_index=moved_to[mark.event_index]) for mark in recorder.marks]
+    recorder.events = [event for event, flag in zip(recorder.events, keep, strict=True) if flag]
+    if recorder.event_blocks is not None:
+        recorder.event_blocks = [block for block, flag in zip(recorder.event_blocks, keep, strict=True) if flag]

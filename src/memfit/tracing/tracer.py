@@ -38,6 +38,8 @@ from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, call_model, describe, rebatch, sequence_length
 from memfit.tracing.blocks import BlockContext, tensor_blocks
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing, find_blocks
+from memfit.tracing.cuda_reductions import GridLimits
+from memfit.tracing.cuda_scratch import CudaTarget
 from memfit.tracing.cuda_semantics import CudaSemantics
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
@@ -60,6 +62,7 @@ from memfit.tracing.quantized import (
     refuse_unsupported_quantization,
 )
 from memfit.tracing.recorder import StorageRecorder, symbolic_decompositions
+from memfit.tracing.sdpa import CudaBuild
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
 
@@ -158,11 +161,18 @@ def trace_steps(
     """
     refuse_unsupported_quantization(model)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-    recorder = StorageRecorder(workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0)
+    recorder = StorageRecorder(
+        workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0,
+        cuda_target=CudaTarget(
+            settings.runtime.compute_capability,
+            GridLimits(settings.runtime.multiprocessors, settings.runtime.max_threads_per_multiprocessor),
+        ),
+    )
     if fake_mode.shape_env is not None:
         recorder.decompositions = symbolic_decompositions()
     autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
-    semantics = CudaSemantics(autocast_dtype) if settings.emulate_cuda else None
+    build = CudaBuild(compute_capability=settings.runtime.compute_capability)
+    semantics = CudaSemantics(autocast_dtype, build) if settings.emulate_cuda else None
     checkpointing: str | None = None
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample = _call_sample_factory(sample, batch_size)
