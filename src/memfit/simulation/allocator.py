@@ -8,9 +8,9 @@ therefore depend on the order and sizes of the allocations, not only on their su
 sequence of storage allocations and frees through the same rules (default settings: no expandable
 segments, unlimited ``max_split_size``, a single stream) and reports those two peaks.
 
-Addresses are modelled as ``(segment creation index, offset inside the segment)``. Real device pointers
+Addresses are modelled as the segment's creation index followed by the offset inside it. Real device pointers
 order segments differently, which only matters when two free blocks of exactly the same size compete in
-a best-fit search.
+a best-fit search; a replay of a real allocator's trace sets ``next_segment_address`` from it.
 
 Known limitations: only one stream is modelled (blocks are never held back by cross-stream events and
 per-stream pools are not kept apart); expandable segments, ``PYTORCH_CUDA_ALLOC_CONF`` options
@@ -45,6 +45,8 @@ LARGE_BUFFER = 20971520
 MIN_LARGE_ALLOC = 10485760
 # kRoundLarge: those segments are rounded up to a multiple of 2 MiB (get_allocation_size).
 ROUND_LARGE = 2097152
+# Synthetic segment addresses: segment i starts at (i + 1) << _ADDRESS_BITS, above any offset inside it.
+_ADDRESS_BITS = 48
 
 
 def _check_nbytes(nbytes: int, what: str) -> None:
@@ -103,11 +105,12 @@ class SegmentInfo(NamedTuple):
 class _Block:
     """A piece of a segment; neighbours are linked so a freed block can merge with them."""
 
-    __slots__ = ("allocated", "next", "offset", "prev", "segment", "size")
+    __slots__ = ("address", "allocated", "next", "offset", "prev", "segment", "size")
 
-    def __init__(self, segment: int, offset: int, size: int) -> None:
+    def __init__(self, segment: int, base: int, offset: int, size: int) -> None:
         self.segment = segment
         self.offset = offset
+        self.address = base + offset
         self.size = size
         self.allocated = False
         self.prev: _Block | None = None
@@ -115,43 +118,43 @@ class _Block:
 
 
 class _Pool:
-    """Free blocks of one pool, sorted by (size, segment, offset) so best fit is one bisect away."""
+    """Free blocks of one pool, sorted by (size, address) so best fit is one bisect away (``BlockComparatorSize``)."""
 
     __slots__ = ("by_address", "free", "is_small", "name")
 
     def __init__(self, name: str, is_small: bool) -> None:
         self.name = name
         self.is_small = is_small
-        self.free: list[tuple[int, int, int]] = []
-        self.by_address: dict[tuple[int, int], _Block] = {}
+        self.free: list[tuple[int, int]] = []
+        self.by_address: dict[int, _Block] = {}
 
     def insert(self, block: _Block) -> None:
-        insort(self.free, (block.size, block.segment, block.offset))
-        self.by_address[block.segment, block.offset] = block
+        insort(self.free, (block.size, block.address))
+        self.by_address[block.address] = block
 
     def remove(self, block: _Block) -> None:
-        entry = (block.size, block.segment, block.offset)
-        i = bisect_left(self.free, entry)
+        i = bisect_left(self.free, (block.size, block.address))
         del self.free[i]
-        del self.by_address[block.segment, block.offset]
+        del self.by_address[block.address]
 
     def take_best_fit(self, size: int) -> _Block | None:
         """Pop the smallest free block of ``size`` bytes or more, lowest address first (get_free_block)."""
         i = bisect_left(self.free, (size,))
         if i == len(self.free):
             return None
-        _, segment, offset = self.free.pop(i)
-        return self.by_address.pop((segment, offset))
+        _, address = self.free.pop(i)
+        return self.by_address.pop(address)
 
 
 class _Segment:
-    __slots__ = ("head", "index", "pool", "size")
+    __slots__ = ("base", "head", "index", "pool", "size")
 
-    def __init__(self, index: int, size: int, pool: _Pool) -> None:
+    def __init__(self, index: int, base: int, size: int, pool: _Pool) -> None:
         self.index = index
+        self.base = base
         self.size = size
         self.pool = pool
-        self.head = _Block(index, 0, size)
+        self.head = _Block(index, base, 0, size)
 
 
 class CachingAllocatorSimulator:
@@ -173,6 +176,9 @@ class CachingAllocatorSimulator:
         self._large = _Pool("large", is_small=False)
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 0
+        # the device address the next cudaMalloc returns, when replaying a real allocator's trace (its
+        # ``segment_alloc`` events): best fit breaks ties between equal blocks by address, as the real one does
+        self.next_segment_address: int | None = None
         self._live: dict[int, _Block | None] = {}
         self._allocated = 0
         self._reserved = 0
@@ -266,7 +272,7 @@ class CachingAllocatorSimulator:
         if block is None:
             block = self._alloc_segment(pool, size, nbytes)
         if self._should_split(pool, block, size):
-            rest = _Block(block.segment, block.offset + size, block.size - size)
+            rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
             rest.prev = block
             rest.next = block.next
             if block.next is not None:
@@ -334,7 +340,11 @@ class CachingAllocatorSimulator:
                 self._num_ooms += 1
                 if self._first_oom_request is None:
                     self._first_oom_request = nbytes
-        segment = _Segment(self._next_segment, alloc_size, pool)
+        base = self.next_segment_address
+        if base is None:  # creation order stands for the device address (see the module docstring)
+            base = (self._next_segment + 1) << _ADDRESS_BITS
+        self.next_segment_address = None
+        segment = _Segment(self._next_segment, base, alloc_size, pool)
         self._next_segment += 1
         self._segments[segment.index] = segment
         self._reserved += alloc_size
