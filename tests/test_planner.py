@@ -273,7 +273,9 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
         return memfit.estimate(case.model, case.batch, batch_size=micro, loop=loop)
 
     confirmed = plan(plain, capacity, margin=0.0, target_batch_size=12, confirm=confirm)
-    assert calls[-1] == (confirmed.micro_batch_size, confirmed.accumulate_grad_batches) and calls[-1][1] > 1
+    # the plan chosen was confirmed by a trace of its own loop (a larger micro batch may be tried after it)
+    assert (confirmed.micro_batch_size, confirmed.accumulate_grad_batches) in calls
+    assert confirmed.accumulate_grad_batches > 1
     assert confirmed.predicted_peak_bytes <= capacity
     assert not any("room is kept" in reason for reason in confirmed.reasons)
 
