@@ -673,6 +673,10 @@ def _build_estimate(
         notes.append("traced on fake CPU tensors with CUDA kernels' memory substituted")
     for name, count in sorted(primary.substitutions.items()):
         notes.append(f"{name}: {count} call(s) per trace modelled as on CUDA")
+    kinds = getattr(primary.recorder, "scratch_kinds", {})
+    if kinds:
+        added = ", ".join(f"{kind} x {count}" for kind, count in sorted(kinds.items()))
+        notes.append(f"memory CUDA kernels allocate for themselves, added per trace: {added}")
     if settings.compile_paths:
         notes.append(
             "the model's eager forward reads tensor values: traced the branch it keeps for torch.compile "

@@ -48,6 +48,7 @@ class Scratch:
     allocated before the outputs may be freed after them."""
 
     steps: tuple[tuple[str, Any], ...]
+    kind: str = "kernel scratch"  # what it is, for the estimate's notes
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return iter(self.steps)
@@ -63,7 +64,10 @@ def before_outputs(func: Any, args: tuple[Any, ...], target: CudaTarget) -> Scra
 def per_output(func: Any, args: tuple[Any, ...], out: Any, target: CudaTarget) -> dict[int, Scratch]:
     """Scratch the kernel allocates and frees right after one of its outputs, by ``id`` of that output."""
     found = conv_workspaces(func, args, out, target.compute_capability)
-    return {key: Scratch((("workspace", size), ("workspace", None))) for key, size in found.items()}
+    return {
+        key: Scratch((("workspace", size), ("workspace", None)), "cuDNN convolution workspace")
+        for key, size in found.items()
+    }
 
 
 def after_outputs(func: Any, args: tuple[Any, ...], out: Any, target: CudaTarget) -> Scratch | None:
@@ -75,7 +79,8 @@ def after_outputs(func: Any, args: tuple[Any, ...], out: Any, target: CudaTarget
     staging = reduction_workspaces(func, args, out, target.grid)
     if staging is not None:
         buffer, semaphores = staging
-        return Scratch((("buffer", buffer), ("semaphores", semaphores), ("semaphores", None), ("buffer", None)))
+        steps = (("buffer", buffer), ("semaphores", semaphores), ("semaphores", None), ("buffer", None))
+        return Scratch(steps, "reduction staging buffer")
     return None
 
 
@@ -87,7 +92,7 @@ def _cudnn_attention_backward(args: tuple[Any, ...]) -> Scratch:
     query = args[1]
     batch, heads, length, head_dim = (_expr(size) for size in query.shape)
     workspace = _plain(4 * batch * heads * length * head_dim + 4 * batch * heads * length)
-    return Scratch((("workspace", workspace), ("workspace", None)))
+    return Scratch((("workspace", workspace), ("workspace", None)), "cuDNN attention backward workspace")
 
 
 def _embedding_backward(args: tuple[Any, ...]) -> tuple[Scratch | None, Scratch | None]:
@@ -135,7 +140,7 @@ def _embedding_backward(args: tuple[Any, ...]) -> tuple[Scratch | None, Scratch 
         ("orig_indices", None),
         ("sorted_indices", None),
     )
-    return Scratch(before), Scratch(after)
+    return Scratch(before, "embedding backward sort"), Scratch(after, "embedding backward sort")
 
 
 def _expr(size: Any) -> Any:

@@ -17,10 +17,12 @@ place, each with the CUDA behaviour it models:
 * ``cross_entropy``: CUDA autocast lets its inner ``log_softmax`` run in the input dtype (the dtype
   is passed explicitly) and casts only at ``nll_loss``, which saves an fp32 copy of the log-probs.
 
-Runtime memory outside tensors (CUDA context, cuBLAS workspace) is in ``memfit.simulation.runtime``.
+Runtime memory outside tensors (CUDA context, cuBLAS workspace) is in ``memfit.simulation.runtime``; what kernels
+allocate for themselves (cuDNN workspaces, reductions' staging buffers), on both paths, in
+``memfit.tracing.cuda_scratch``.
 
-Known limitations: cuDNN convolution and RNN workspaces, and regions where a model disables
-autocast itself (``torch.autocast(enabled=False)``), are not modelled.
+Known limitations: regions where a model disables autocast itself (``torch.autocast(enabled=False)``) are still
+cast; torch's own autocast state on a machine without CUDA cannot be asked for CUDA's.
 """
 
 from __future__ import annotations

@@ -148,6 +148,7 @@ class StorageRecorder(TorchDispatchMode):
         self.event_blocks: list[int | None] | None = None
         self._accumulation: tuple[int, int] | None = None  # (sum, old gradient) of the engine's last accumulation
         self.scratch: set[int] = set()  # allocations of a kernel's own scratch (``memfit.tracing.cuda_scratch``)
+        self.scratch_kinds: dict[str, int] = {}  # how many kernels allocated scratch, by kind
         self.claimed_by: dict[int, int] = {}  # storage -> the storage whose block it belongs to (optimizer state)
         self.derived_from: dict[int, int] = {}  # storage made outside any block -> the storage it was made from
 
@@ -310,6 +311,8 @@ class StorageRecorder(TorchDispatchMode):
 
     def _scratch(self, steps: cuda_scratch.Scratch | None, held: dict[str, int | None]) -> None:
         """Log a kernel's own allocations and frees (``memfit.tracing.cuda_scratch``) in the block running it."""
+        if steps is not None and any(size for _, size in steps):
+            self.scratch_kinds[steps.kind] = self.scratch_kinds.get(steps.kind, 0) + 1
         for name, size in steps or ():
             if size is None:
                 sid = held.pop(name)
