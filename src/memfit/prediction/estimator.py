@@ -34,7 +34,8 @@ from memfit.prediction.sharded import (
     traced_fsdp2_peak,
     with_traced_fsdp2,
 )
-from memfit.simulation.replay import PhasePeak, TimelinePoint, extrapolate_timeline, replay
+from memfit.simulation.allocator import AllocatorConfig
+from memfit.simulation.replay import LimitFit, PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size
 from memfit.tracing.checkpointing import CheckpointTarget
@@ -68,12 +69,23 @@ COMPILED_NOTE = (
 
 @dataclass(frozen=True)
 class BatchPeak:
-    """Predicted peaks at one batch size. ``device_bytes`` adds the CUDA context to reserved."""
+    """Predicted peaks at one batch size. ``device_bytes`` adds the CUDA context to reserved.
+
+    ``least_reserved_bytes``, where it was asked for (``MemoryEstimate.least_device_bytes``), is the least the
+    allocator must be allowed to reserve for the step to run: at its limit it frees its cache and retries."""
 
     batch_size: int
     allocated_bytes: int
     reserved_bytes: int
     device_bytes: int
+    least_reserved_bytes: int | None = None
+
+    @property
+    def least_device_bytes(self) -> int:
+        """The least memory the step runs in, CUDA context included (``device_bytes`` where not known)."""
+        if self.least_reserved_bytes is None:
+            return self.device_bytes
+        return self.least_reserved_bytes + self.device_bytes - self.reserved_bytes
 
 
 @dataclass(frozen=True)
@@ -182,6 +194,42 @@ class MemoryEstimate:
         reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
         return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
 
+    def least_device_bytes(
+        self, batch_size: int, *, seq_len: int | None = None, allocator: AllocatorConfig | None = None
+    ) -> int | None:
+        """The least memory the step at ``batch_size`` runs in, CUDA context included, when the caching allocator
+        reaches its limit: it frees its cached blocks and retries before it runs out of memory, so a step fits
+        where its blocks do, below the peak it reserves with room to spare (``at().device_bytes``).
+
+        ``allocator``: the allocator's options (default: this process's ``PYTORCH_ALLOC_CONF``). ``None`` where the
+        step's log cannot be replayed at that batch (a CPU target, or an estimate on the concrete path).
+        """
+        least = getattr(self.exact_peaks, "least_reserved", None)
+        if least is None or self.cuda_context_bytes is None:
+            return None
+        config = allocator if allocator is not None else AllocatorConfig.from_environment()
+        reserved = least(batch_size, seq_len, config)
+        return None if reserved is None else reserved + self.cuda_context_bytes
+
+    def at_limit(
+        self,
+        batch_size: int,
+        capacity_bytes: int,
+        *,
+        include_context: bool = True,
+        seq_len: int | None = None,
+        allocator: AllocatorConfig | None = None,
+    ) -> LimitFit | None:
+        """The step at ``batch_size`` replayed with the caching allocator held to ``capacity_bytes`` (less the CUDA
+        context unless ``include_context=False``): whether it runs, and after how many allocator retries.
+        ``None`` where the log cannot be replayed (see ``least_device_bytes``)."""
+        replay_limit = getattr(self.exact_peaks, "at_limit", None)
+        if replay_limit is None or self.cuda_context_bytes is None:
+            return None
+        config = allocator if allocator is not None else AllocatorConfig.from_environment()
+        limit = capacity_bytes - (self.cuda_context_bytes if include_context else 0)
+        return replay_limit(batch_size, seq_len, limit, config)
+
     def _at_length(self, batch_size: int, seq_len: int) -> BatchPeak:
         """At another sequence length: the symbolic trace read there (or a trace of its own), never the fit."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -221,7 +269,13 @@ class MemoryEstimate:
         )  # fmt: skip
 
     def max_batch_size(
-        self, capacity_bytes: int, *, include_context: bool = True, seq_len: int | None = None
+        self,
+        capacity_bytes: int,
+        *,
+        include_context: bool = True,
+        seq_len: int | None = None,
+        at_limit: bool = False,
+        allocator: AllocatorConfig | None = None,
     ) -> int | None:
         """Largest batch whose predicted peak fits in ``capacity_bytes`` (``None``: not even 1).
 
@@ -229,6 +283,10 @@ class MemoryEstimate:
         process (``torch.cuda.mem_get_info`` then already excludes the context).
 
         ``seq_len``: at that many tokens a sample (default: the traced sample's).
+
+        ``at_limit=True`` asks where the step really runs out of memory: the allocator frees its cache and
+        retries at its limit (``least_device_bytes``, under ``allocator``'s options), rather than where its peak
+        with room to spare reaches the capacity.
 
         This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
         sizes traced, which can be off by a few samples either way (the allocator's rounding and the
@@ -240,6 +298,9 @@ class MemoryEstimate:
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
         def fits(batch: int) -> bool:
+            least = self.least_device_bytes(batch, seq_len=seq_len, allocator=allocator) if at_limit else None
+            if least is not None:
+                return least - (self.cuda_context_bytes or 0) + overhead <= capacity_bytes
             return self.at(batch, seq_len).reserved_bytes + overhead <= capacity_bytes
 
         # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit

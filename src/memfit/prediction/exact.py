@@ -31,7 +31,8 @@ from torch import nn
 from memfit.categories import Category
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
-from memfit.simulation.replay import PhasePeak, replay
+from memfit.simulation.allocator import AllocatorConfig
+from memfit.simulation.replay import LimitFit, PhasePeak, least_reserved, replay, replay_at_limit
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
@@ -307,6 +308,7 @@ class ExactPeaks:
         self._rebuild = rebuild  # (trace, trace at another batch) -> the estimate of that step
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
         self._lengths: dict[tuple[int, int], tuple[PhasePeak, ...]] = {}
+        self._least: dict[tuple[int, int | None, AllocatorConfig], int | None] = {}
 
     def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
         session = self._session
@@ -358,6 +360,29 @@ class ExactPeaks:
             trace = self._transform(trace)
         return tuple(replay_for(trace, self._runtime))
 
+    def least_reserved(self, batch: int, seq_len: int | None, config: AllocatorConfig) -> int | None:
+        """The least reserved memory the step at ``batch`` runs in at the allocator's limit (``least_reserved``);
+        ``None`` on a CPU target or where the step cannot be traced at that batch."""
+        key = (batch, seq_len, config)
+        if key not in self._least:
+            trace = self._prepared(batch, seq_len)
+            self._least[key] = None if trace is None else least_reserved(trace.recorder, config)
+        return self._least[key]
+
+    def at_limit(self, batch: int, seq_len: int | None, limit_bytes: int, config: AllocatorConfig) -> LimitFit | None:
+        """The step at ``batch`` replayed with the allocator held to ``limit_bytes`` (``replay_at_limit``)."""
+        trace = self._prepared(batch, seq_len)
+        return None if trace is None else replay_at_limit(trace.recorder, limit_bytes, config)
+
+    def _prepared(self, batch: int, seq_len: int | None) -> StepTrace | None:
+        if self._runtime is None or self(batch, seq_len) is None:
+            return None
+        trace, _ = self._session.trace_at(batch, seq_len if seq_len != self._session.seq_len else None)
+        if self._transform is not None:
+            trace = self._transform(trace)
+        resize_workspace(trace, self._runtime.workspace_bytes)
+        return trace
+
 
 class _AtLength:
     """``ExactPeaks`` read at one sequence length unless another is asked for."""
@@ -367,6 +392,12 @@ class _AtLength:
 
     def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
         return self._peaks(batch, seq_len if seq_len is not None else self._seq_len)
+
+    def least_reserved(self, batch: int, seq_len: int | None, config: AllocatorConfig) -> int | None:
+        return self._peaks.least_reserved(batch, seq_len if seq_len is not None else self._seq_len, config)
+
+    def at_limit(self, batch: int, seq_len: int | None, limit_bytes: int, config: AllocatorConfig) -> LimitFit | None:
+        return self._peaks.at_limit(batch, seq_len if seq_len is not None else self._seq_len, limit_bytes, config)
 
     def estimate_at_length(self, batch: int, seq_len: int) -> Any:
         return self._peaks.estimate_at_length(batch, seq_len)

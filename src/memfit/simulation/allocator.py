@@ -5,31 +5,46 @@ The bytes a training step *asks for* are not the bytes the GPU *gives up*: PyTor
 segments, and keeps freed blocks for reuse instead of returning them to the driver. The peaks that decide
 whether a step fits, ``torch.cuda.max_memory_allocated()`` and ``torch.cuda.max_memory_reserved()``,
 therefore depend on the order and sizes of the allocations, not only on their sum. This module replays a
-sequence of storage allocations and frees through the same rules (default settings: no expandable
-segments, unlimited ``max_split_size``, a single stream) and reports those two peaks.
+sequence of storage allocations and frees through the same rules and reports those two peaks.
+
+At a capacity (``capacity_bytes``: the device's memory, or ``torch.cuda.set_per_process_memory_fraction``'s
+limit) it does what the allocator does when a ``cudaMalloc`` would not fit (``DeviceCachingAllocator::malloc``):
+run the garbage collection a ``garbage_collection_threshold`` asks for, release cached blocks of
+``max_split_size`` or more (``release_available_cached_blocks``), then release every cached block and retry
+(``release_cached_blocks``, counted in ``num_alloc_retries``: each one synchronizes the device), and run out of
+memory only if that fails too. The allocator's options (``PYTORCH_ALLOC_CONF``, formerly
+``PYTORCH_CUDA_ALLOC_CONF``: ``expandable_segments``, ``max_split_size_mb``, ``max_non_split_rounding_mb``,
+``garbage_collection_threshold``) are an ``AllocatorConfig``. With expandable segments each pool has one segment
+that maps pages (2 MiB small, 20 MiB large) at its lowest free address as it grows and unmaps them when cached
+blocks are released (``ExpandableSegment``, ``try_allocate_expandable_block``).
 
 Addresses are modelled as the segment's creation index followed by the offset inside it. Real device pointers
 order segments differently, which only matters when two free blocks of exactly the same size compete in
 a best-fit search; a replay of a real allocator's trace sets ``next_segment_address`` from it.
 
-Known limitations: only one stream is modelled (blocks are never held back by cross-stream events and
-per-stream pools are not kept apart); expandable segments, ``PYTORCH_CUDA_ALLOC_CONF`` options
-(``max_split_size_mb``, ``roundup_power2_divisions``, ``garbage_collection_threshold``,
-``expandable_segments``, ...) and the garbage-collection pass they enable are not modelled; CUDA-graph
-private pools, the free-memory callbacks, and memory outside the allocator (CUDA context, cuBLAS/cuDNN
-workspaces allocated by the libraries themselves) are not modelled either. ``capacity_bytes`` stands for
-the memory the allocator may reserve, like ``torch.cuda.set_per_process_memory_fraction``; the driver's
-own fragmentation of device memory is ignored.
+Known limitations: one stream (blocks are never held back by cross-stream events, per-stream pools are not kept
+apart); ``roundup_power2_divisions``, CUDA-graph private pools and the free-memory callbacks are not modelled;
+memory outside the allocator (CUDA context) and the driver's own fragmentation of device memory are ignored.
 """
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left, insort
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from memfit.errors import InvalidInputError
 
-__all__ = ["BlockInfo", "CachingAllocatorSimulator", "SegmentInfo", "round_size", "segment_size"]
+__all__ = [
+    "AllocatorConfig",
+    "BlockInfo",
+    "CachingAllocatorSimulator",
+    "SegmentInfo",
+    "round_size",
+    "segment_size",
+]
 
 # kMinBlockSize: every request is rounded up to a multiple of 512 bytes (round_size), and a small-pool
 # block is split only when the remainder is at least this big (should_split).
@@ -37,9 +52,11 @@ MIN_BLOCK_SIZE = 512
 # kSmallSize: rounded requests up to 1 MiB go to the small pool (get_pool); a large-pool block is split
 # only when the remainder is bigger than this (should_split).
 SMALL_SIZE = 1048576
-# kSmallBuffer: a new small-pool segment is 2 MiB (get_allocation_size).
+# kSmallBuffer: a new small-pool segment is 2 MiB (get_allocation_size), and an expandable small segment maps
+# pages of this size.
 SMALL_BUFFER = 2097152
-# kLargeBuffer: a large request under kMinLargeAlloc gets a 20 MiB segment (get_allocation_size).
+# kLargeBuffer (large_segment_size): a large request under kMinLargeAlloc gets a 20 MiB segment, and an
+# expandable large segment maps pages of this size.
 LARGE_BUFFER = 20971520
 # kMinLargeAlloc: large requests from 10 MiB up get a segment of their own size (get_allocation_size).
 MIN_LARGE_ALLOC = 10485760
@@ -47,6 +64,7 @@ MIN_LARGE_ALLOC = 10485760
 ROUND_LARGE = 2097152
 # Synthetic segment addresses: segment i starts at (i + 1) << _ADDRESS_BITS, above any offset inside it.
 _ADDRESS_BITS = 48
+_MiB = 1048576
 
 
 def _check_nbytes(nbytes: int, what: str) -> None:
@@ -71,7 +89,7 @@ def round_size(nbytes: int) -> int:
     return MIN_BLOCK_SIZE * ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE)
 
 
-def segment_size(rounded: int) -> int:
+def segment_size(rounded: int, large_segment: int = LARGE_BUFFER) -> int:
     """Return the size of the segment cudaMalloc'd when no cached block fits ``rounded`` bytes.
 
     Mirrors ``get_allocation_size``: small requests share 2 MiB segments, large ones under 10 MiB share
@@ -81,8 +99,78 @@ def segment_size(rounded: int) -> int:
     if rounded <= SMALL_SIZE:
         return SMALL_BUFFER
     if rounded < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
+        return large_segment
     return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The caching allocator's options that change how much it reserves (``PYTORCH_ALLOC_CONF``).
+
+    ``max_split_size`` (``max_split_size_mb``): blocks of this size or more are never split, and a request below it
+    never takes one; ``None`` is torch's default, no limit. ``max_non_split_rounding``
+    (``max_non_split_rounding_mb``): how much larger than a request of ``max_split_size`` or more a cached block may
+    be and still be handed out whole. ``garbage_collection_threshold``: with a per-process memory limit, the share of
+    it above which cached blocks unused for longest are freed before a new segment is taken.
+    """
+
+    expandable_segments: bool = False
+    max_split_size: int | None = None
+    max_non_split_rounding: int = LARGE_BUFFER
+    garbage_collection_threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_split_size is not None and self.max_split_size < LARGE_BUFFER:
+            raise InvalidInputError(
+                f"max_split_size must be at least {LARGE_BUFFER // _MiB} MiB, as torch requires, got "
+                f"{self.max_split_size // _MiB} MiB"
+            )
+        if not 0.0 <= self.garbage_collection_threshold < 1.0:
+            raise InvalidInputError(
+                f"garbage_collection_threshold must be in [0, 1), got {self.garbage_collection_threshold!r}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | None) -> AllocatorConfig:
+        """The options of a ``PYTORCH_ALLOC_CONF`` string (``"expandable_segments:True,max_split_size_mb:128"``);
+        options that do not change what is reserved are ignored."""
+        options: dict[str, object] = {}
+        for item in (text or "").split(","):
+            if not item.strip():
+                continue
+            key, _, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            try:
+                if key == "expandable_segments":
+                    options["expandable_segments"] = value.lower() in ("true", "1")
+                elif key == "max_split_size_mb":
+                    options["max_split_size"] = int(float(value)) * _MiB
+                elif key == "max_non_split_rounding_mb":
+                    options["max_non_split_rounding"] = int(float(value)) * _MiB
+                elif key == "garbage_collection_threshold":
+                    options["garbage_collection_threshold"] = float(value)
+            except ValueError:
+                raise InvalidInputError(f"allocator option {key}:{value} is not a number") from None
+        return cls(**options)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
+        """The options this process's CUDA allocator reads: ``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``."""
+        environ = os.environ if environ is None else environ
+        return cls.parse(environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+    def setting(self) -> str:
+        """The ``PYTORCH_ALLOC_CONF`` value that selects these options ("" for torch's defaults)."""
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size // _MiB}")
+        if self.max_non_split_rounding != LARGE_BUFFER:
+            parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding // _MiB}")
+        if self.garbage_collection_threshold:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        return ",".join(parts)
 
 
 class BlockInfo(NamedTuple):
@@ -94,7 +182,7 @@ class BlockInfo(NamedTuple):
 
 
 class SegmentInfo(NamedTuple):
-    """One cudaMalloc'd segment and the blocks that tile it, lowest offset first."""
+    """One cudaMalloc'd segment (or the mapped pages of an expandable one) and the blocks that tile it."""
 
     index: int
     pool: str
@@ -105,56 +193,67 @@ class SegmentInfo(NamedTuple):
 class _Block:
     """A piece of a segment; neighbours are linked so a freed block can merge with them."""
 
-    __slots__ = ("address", "allocated", "next", "offset", "prev", "segment", "size")
+    __slots__ = ("address", "allocated", "gc_base", "mapped", "next", "offset", "prev", "segment", "size")
 
-    def __init__(self, segment: int, base: int, offset: int, size: int) -> None:
+    def __init__(self, segment: int, base: int, offset: int, size: int, mapped: bool = True) -> None:
         self.segment = segment
         self.offset = offset
         self.address = base + offset
         self.size = size
         self.allocated = False
+        self.mapped = mapped  # an expandable segment's block is either mapped or address space only
+        self.gc_base = 0  # the pool's get_free_block count when the block was cached (garbage collection)
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
 
 class _Pool:
-    """Free blocks of one pool, sorted by (size, address) so best fit is one bisect away (``BlockComparatorSize``)."""
+    """Free mapped blocks of one pool, sorted by (size, address) so best fit is one bisect away
+    (``BlockComparatorSize``), and an expandable segment's unmapped ranges by address."""
 
-    __slots__ = ("by_address", "free", "is_small", "name")
+    __slots__ = ("by_address", "free", "is_small", "lookups", "name", "page", "unmapped")
 
     def __init__(self, name: str, is_small: bool) -> None:
         self.name = name
         self.is_small = is_small
+        self.page = SMALL_BUFFER if is_small else LARGE_BUFFER
         self.free: list[tuple[int, int]] = []
         self.by_address: dict[int, _Block] = {}
+        self.unmapped: dict[int, _Block] = {}
+        self.lookups = 0  # get_free_blocks_call_count
 
     def insert(self, block: _Block) -> None:
+        if not block.mapped:
+            self.unmapped[block.address] = block
+            return
+        block.gc_base = self.lookups
         insort(self.free, (block.size, block.address))
         self.by_address[block.address] = block
 
     def remove(self, block: _Block) -> None:
+        if not block.mapped:
+            del self.unmapped[block.address]
+            return
         i = bisect_left(self.free, (block.size, block.address))
         del self.free[i]
         del self.by_address[block.address]
 
-    def take_best_fit(self, size: int) -> _Block | None:
-        """Pop the smallest free block of ``size`` bytes or more, lowest address first (get_free_block)."""
+    def best_fit(self, size: int) -> _Block | None:
+        """The smallest free block of ``size`` bytes or more, lowest address first (get_free_block)."""
         i = bisect_left(self.free, (size,))
-        if i == len(self.free):
-            return None
-        _, address = self.free.pop(i)
-        return self.by_address.pop(address)
+        return None if i == len(self.free) else self.by_address[self.free[i][1]]
 
 
 class _Segment:
-    __slots__ = ("base", "head", "index", "pool", "size")
+    __slots__ = ("base", "expandable", "head", "index", "pool", "size")
 
-    def __init__(self, index: int, base: int, size: int, pool: _Pool) -> None:
+    def __init__(self, index: int, base: int, size: int, pool: _Pool, expandable: bool = False) -> None:
         self.index = index
         self.base = base
-        self.size = size
+        self.size = size  # for an expandable segment, its address space
         self.pool = pool
-        self.head = _Block(index, base, 0, size)
+        self.expandable = expandable
+        self.head = _Block(index, base, 0, size, mapped=not expandable)
 
 
 class CachingAllocatorSimulator:
@@ -162,19 +261,21 @@ class CachingAllocatorSimulator:
 
     Feed it the ``malloc``/``free`` events of a training step in order; ``peak_allocated_bytes`` and
     ``peak_reserved_bytes`` then predict ``torch.cuda.max_memory_allocated()`` and
-    ``torch.cuda.max_memory_reserved()``. With ``capacity_bytes`` set, a segment that would not fit first
-    makes the simulator release every cached, fully free segment (as a failed cudaMalloc does); if it
-    still does not fit the out-of-memory is recorded and the allocation goes ahead anyway, so one replay
-    answers "would this step run out of memory, and where?".
+    ``torch.cuda.max_memory_reserved()``. With ``capacity_bytes`` set, a segment that would not fit makes the
+    simulator free cached memory and retry as the allocator does (see the module docstring); if it still does not
+    fit, the out-of-memory is recorded and the allocation goes ahead anyway, so one replay answers "would this step
+    run out of memory, where, and after how many retries?".
     """
 
-    def __init__(self, capacity_bytes: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int | None = None, config: AllocatorConfig | None = None) -> None:
         if capacity_bytes is not None:
             _check_nbytes(capacity_bytes, "capacity_bytes")
         self._capacity = capacity_bytes
+        self.config = config or AllocatorConfig()
         self._small = _Pool("small", is_small=True)
         self._large = _Pool("large", is_small=False)
         self._segments: dict[int, _Segment] = {}
+        self._expandable: dict[str, _Segment] = {}
         self._next_segment = 0
         # the device address the next cudaMalloc returns, when replaying a real allocator's trace (its
         # ``segment_alloc`` events): best fit breaks ties between equal blocks by address, as the real one does
@@ -202,7 +303,7 @@ class CachingAllocatorSimulator:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes in segments held from the driver now (``reserved_bytes.all.current``)."""
+        """Bytes in segments (or mapped pages) held from the driver now (``reserved_bytes.all.current``)."""
         return self._reserved
 
     @property
@@ -232,7 +333,7 @@ class CachingAllocatorSimulator:
 
     @property
     def num_alloc_retries(self) -> int:
-        """How many segment allocations had to release the cache and retry (``num_alloc_retries``)."""
+        """How many allocations had to release every cached block and retry (``num_alloc_retries``)."""
         return self._num_alloc_retries
 
     def reset_peaks(self) -> None:
@@ -241,15 +342,18 @@ class CachingAllocatorSimulator:
         self._peak_reserved = self._reserved
 
     def snapshot(self) -> list[SegmentInfo]:
-        """Describe every segment and its blocks, in creation order, for inspection and tests."""
+        """Describe every segment and its blocks, in creation order, for inspection and tests. An expandable
+        segment is described by its mapped blocks, as torch describes it."""
         result = []
         for segment in self._segments.values():
             blocks = []
             block: _Block | None = segment.head
             while block is not None:
-                blocks.append(BlockInfo(block.offset, block.size, block.allocated))
+                if block.mapped:
+                    blocks.append(BlockInfo(block.address - segment.base, block.size, block.allocated))
                 block = block.next
-            result.append(SegmentInfo(segment.index, segment.pool.name, segment.size, tuple(blocks)))
+            size = sum(b.size for b in blocks) if segment.expandable else segment.size
+            result.append(SegmentInfo(segment.index, segment.pool.name, size, tuple(blocks)))
         return result
 
     # -- events -------------------------------------------------------------------------------------------
@@ -268,18 +372,13 @@ class CachingAllocatorSimulator:
             return 0
         size = round_size(nbytes)
         pool = self._small if size <= SMALL_SIZE else self._large
-        block = pool.take_best_fit(size)
+        block = self._free_block(pool, size)
         if block is None:
-            block = self._alloc_segment(pool, size, nbytes)
+            block = self._new_block(pool, size, nbytes)
+        else:
+            pool.remove(block)
         if self._should_split(pool, block, size):
-            rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
-            rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            pool.insert(rest)
+            self._split(pool, block, size)
         block.allocated = True
         self._live[key] = block
         self._allocated += block.size
@@ -298,48 +397,57 @@ class CachingAllocatorSimulator:
         self._allocated -= block.size
         block.allocated = False
         pool = self._segments[block.segment].pool
-        prev = block.prev
-        if prev is not None and not prev.allocated:
-            pool.remove(prev)
-            prev.size += block.size
-            prev.next = block.next
-            if block.next is not None:
-                block.next.prev = prev
-            block = prev
-        nxt = block.next
-        if nxt is not None and not nxt.allocated:
-            pool.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-        pool.insert(block)
+        pool.insert(self._merged(pool, block))
 
     def empty_cache(self) -> None:
-        """Give every fully free segment back to the driver, like ``torch.cuda.empty_cache``."""
-        self._release_cached_segments()
+        """Give every cached block back to the driver, like ``torch.cuda.empty_cache``."""
+        self._release_cached_blocks()
 
-    # -- internals ----------------------------------------------------------------------------------------
+    # -- finding memory -----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _should_split(pool: _Pool, block: _Block, size: int) -> bool:
-        """Small blocks split off any leftover of 512 bytes or more, large ones only leftovers over 1 MiB."""
-        remaining = block.size - size
-        if pool.is_small:
-            return remaining >= MIN_BLOCK_SIZE
-        return remaining > SMALL_SIZE
+    def _free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """``get_free_block``: the best-fitting cached block, unless ``max_split_size`` rules it out."""
+        if self._garbage_collects():
+            pool.lookups += 1
+        block = pool.best_fit(size)
+        limit = self.config.max_split_size
+        if block is None or limit is None:
+            return block
+        if size < limit and block.size >= limit:  # an oversize block is not handed to a smaller request
+            return None
+        if size >= limit and block.size >= size + self.config.max_non_split_rounding:
+            return None  # nor a much larger one to a large request
+        return block
 
-    def _alloc_segment(self, pool: _Pool, size: int, nbytes: int) -> _Block:
-        """cudaMalloc a new segment (``alloc_block``); empty the cache and retry when it would not fit."""
-        alloc_size = segment_size(size)
-        capacity = self._capacity
-        if capacity is not None and self._reserved + alloc_size > capacity:
+    def _new_block(self, pool: _Pool, size: int, nbytes: int) -> _Block:
+        """Memory from the driver (``alloc_block``), freeing cached memory and retrying at the capacity as the
+        allocator does; past that the out-of-memory is recorded and the block made anyway."""
+        if self._garbage_collects():
+            self._garbage_collect()
+        block = self._alloc(pool, size)
+        if block is None and self._release_available_cached_blocks(pool, size):
+            block = self._alloc(pool, size)
+        if block is None:
             self._num_alloc_retries += 1
-            self._release_cached_segments()
-            if self._reserved + alloc_size > capacity:
-                self._num_ooms += 1
-                if self._first_oom_request is None:
-                    self._first_oom_request = nbytes
+            self._release_cached_blocks()
+            block = self._alloc(pool, size)
+        if block is None:
+            self._num_ooms += 1
+            if self._first_oom_request is None:
+                self._first_oom_request = nbytes
+            block = self._alloc(pool, size, over_capacity=True)
+            assert block is not None
+        return block
+
+    def _room(self, extra: int, over_capacity: bool) -> bool:
+        return over_capacity or self._capacity is None or self._reserved + extra <= self._capacity
+
+    def _alloc(self, pool: _Pool, size: int, over_capacity: bool = False) -> _Block | None:
+        if self.config.expandable_segments:
+            return self._map_expandable(pool, size, over_capacity)
+        alloc_size = segment_size(size)
+        if not self._room(alloc_size, over_capacity):
+            return None
         base = self.next_segment_address
         if base is None:  # creation order stands for the device address (see the module docstring)
             base = (self._next_segment + 1) << _ADDRESS_BITS
@@ -347,17 +455,206 @@ class CachingAllocatorSimulator:
         segment = _Segment(self._next_segment, base, alloc_size, pool)
         self._next_segment += 1
         self._segments[segment.index] = segment
-        self._reserved += alloc_size
-        if self._reserved > self._peak_reserved:
-            self._peak_reserved = self._reserved
+        self._grow_reserved(alloc_size)
         return segment.head
 
-    def _release_cached_segments(self) -> None:
-        """Free every segment that is one unallocated block (``release_cached_blocks``)."""
-        for index, segment in list(self._segments.items()):
-            head = segment.head
-            if head.allocated or head.next is not None:
-                continue
-            segment.pool.remove(head)
-            del self._segments[index]
-            self._reserved -= segment.size
+    def _grow_reserved(self, size: int) -> None:
+        self._reserved += size
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+
+    # -- expandable segments ------------------------------------------------------------------------------
+
+    def _map_expandable(self, pool: _Pool, size: int, over_capacity: bool) -> _Block | None:
+        """``try_allocate_expandable_block``: the lowest address where ``size`` fits in free and unmapped address
+        space (``find_expandable_block``), its missing pages mapped."""
+        segment = self._expandable.get(pool.name)
+        if segment is None:
+            segment = _Segment(self._next_segment, (self._next_segment + 1) << _ADDRESS_BITS, 1 << 46, pool, True)
+            self._next_segment += 1
+            self._segments[segment.index] = segment
+            self._expandable[pool.name] = segment
+            pool.insert(segment.head)
+        start = self._expandable_room(pool, size)
+        unmapped, pages = 0, pool.page
+        block: _Block | None = start
+        covered = 0
+        while covered < size and block is not None:  # the pages this allocation maps
+            if not block.mapped:
+                unmapped += min(block.size, size - covered)
+            covered += block.size
+            block = block.next
+        mapped = -(-unmapped // pages) * pages
+        if not self._room(mapped, over_capacity):
+            return None
+        candidate = start if start.mapped else self._map(pool, start, min(start.size, size))
+        while candidate.size < size:  # a free block, then unmapped space: map what is missing, merged into it
+            following = candidate.next
+            assert following is not None and not following.mapped and not following.allocated
+            candidate = self._map(pool, following, size - candidate.size)
+        pool.remove(candidate)
+        return candidate
+
+    def _expandable_room(self, pool: _Pool, size: int) -> _Block:
+        """The first block, by address, of free address space (a free mapped block before an unmapped one, or
+        the unmapped one) with ``size`` bytes of allocatable blocks from it."""
+        for address in sorted(pool.unmapped):
+            block = pool.unmapped[address]
+            if block.prev is not None and not block.prev.allocated and block.prev.mapped:
+                block = block.prev
+            room, probe = 0, block
+            while probe is not None and not probe.allocated and room < size:
+                room += probe.size
+                probe = probe.next
+            if room >= size:
+                return block
+        raise AssertionError("an expandable segment always ends in unmapped address space")
+
+    def _map(self, pool: _Pool, block: _Block, size: int) -> _Block:
+        """Map the pages of ``block``'s first ``size`` bytes (rounded up to a page); the rest stays unmapped."""
+        mapped = min(block.size, -(-size // pool.page) * pool.page)
+        pool.remove(block)
+        if mapped < block.size:
+            rest = _Block(block.segment, block.address - block.offset, block.offset + mapped, block.size - mapped,
+                          mapped=False)  # fmt: skip
+            self._link_after(block, rest)
+            block.size = mapped
+            pool.insert(rest)
+        block.mapped = True
+        self._grow_reserved(mapped)
+        merged = self._merged(pool, block)
+        pool.insert(merged)
+        return merged
+
+    def _unmap(self, pool: _Pool, block: _Block) -> None:
+        """``unmap_block``: give the whole pages inside a cached block back; partial pages at its ends stay."""
+        page = pool.page
+        first = -(-block.offset // page) * page  # pages count from the segment's start
+        last = (block.offset + block.size) // page * page
+        if last <= first:
+            return
+        pool.remove(block)
+        base = block.address - block.offset
+        if first > block.offset:
+            before = _Block(block.segment, base, block.offset, first - block.offset)
+            self._link_before(block, before)
+            pool.insert(before)
+        if last < block.offset + block.size:
+            after = _Block(block.segment, base, last, block.offset + block.size - last)
+            self._link_after(block, after)
+            pool.insert(after)
+        block.offset, block.address, block.size, block.mapped = first, base + first, last - first, False
+        self._reserved -= block.size
+        pool.insert(self._merged(pool, block))
+
+    # -- releasing cached memory --------------------------------------------------------------------------
+
+    def _garbage_collects(self) -> bool:
+        return self.config.garbage_collection_threshold > 0 and self._capacity is not None
+
+    def _garbage_collect(self) -> None:
+        """``garbage_collect_cached_blocks``: above the threshold share of the capacity, free the whole cached
+        large segments that have waited longest (at least the average wait, repeatedly) until below it."""
+        assert self._capacity is not None
+        threshold = int(self.config.garbage_collection_threshold * self._capacity)
+        if self._reserved <= threshold:
+            return
+        target, reclaimed = self._reserved - threshold, 0
+        pool = self._large
+        candidates = [b for b in pool.by_address.values() if b.prev is None and b.next is None]
+        while candidates and reclaimed < target:
+            ages = {id(b): pool.lookups - b.gc_base for b in candidates}
+            average = sum(ages.values()) / len(candidates)
+            old = [b for b in sorted(candidates, key=lambda b: (b.size, b.address)) if ages[id(b)] >= average]
+            if not old:
+                break
+            for block in old:
+                reclaimed += block.size
+                self._release_segment(block)
+            candidates = [b for b in candidates if b not in old]
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """With a ``max_split_size``, free one cached oversize block that fits ``size``, or the largest ones
+        until their sizes add up to it; without one, nothing (``release_available_cached_blocks``)."""
+        limit = self.config.max_split_size
+        if limit is None or self.config.expandable_segments:
+            return False
+        key = max(size, limit)
+        whole = [(s, a) for s, a in pool.free if pool.by_address[a].prev is None and pool.by_address[a].next is None]
+        fitting = [entry for entry in whole if entry[0] >= key]
+        if fitting:
+            self._release_segment(pool.by_address[fitting[0][1]])
+            return True
+        released = 0
+        for block_size, address in reversed(whole):
+            if released >= key or block_size < limit:
+                break
+            released += block_size
+            self._release_segment(pool.by_address[address])
+        return released >= key
+
+    def _release_cached_blocks(self) -> None:
+        """``release_cached_blocks``: every cached whole segment back to the driver, every expandable segment's
+        cached pages unmapped."""
+        for pool in (self._large, self._small):
+            for block in list(pool.by_address.values()):
+                if self._segments[block.segment].expandable:
+                    self._unmap(pool, block)
+                elif block.prev is None and block.next is None:
+                    self._release_segment(block)
+
+    def _release_segment(self, block: _Block) -> None:
+        segment = self._segments.pop(block.segment)
+        segment.pool.remove(block)
+        self._reserved -= segment.size
+
+    # -- blocks -------------------------------------------------------------------------------------------
+
+    def _should_split(self, pool: _Pool, block: _Block, size: int) -> bool:
+        """Small and expandable blocks split off any leftover of 512 bytes or more, large ones only leftovers over
+        1 MiB, and never a block of ``max_split_size`` or more."""
+        remaining = block.size - size
+        if pool.is_small or self.config.expandable_segments:
+            return remaining >= MIN_BLOCK_SIZE
+        limit = self.config.max_split_size
+        return (limit is None or size < limit) and remaining > SMALL_SIZE
+
+    def _split(self, pool: _Pool, block: _Block, size: int) -> None:
+        rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
+        self._link_after(block, rest)
+        block.size = size
+        pool.insert(rest)
+
+    @staticmethod
+    def _link_after(block: _Block, new: _Block) -> None:
+        new.prev, new.next = block, block.next
+        if block.next is not None:
+            block.next.prev = new
+        block.next = new
+
+    @staticmethod
+    def _link_before(block: _Block, new: _Block) -> None:
+        new.prev, new.next = block.prev, block
+        if block.prev is not None:
+            block.prev.next = new
+        block.prev = new
+
+    @staticmethod
+    def _merged(pool: _Pool, block: _Block) -> _Block:
+        """``block`` merged with free neighbours in the same mapping state; the caller inserts the result."""
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.mapped == block.mapped:
+            pool.remove(prev)
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            block = prev
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.mapped == block.mapped:
+            pool.remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        return block

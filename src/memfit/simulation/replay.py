@@ -8,10 +8,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memfit.categories import Category, Phase
-from memfit.simulation.allocator import CachingAllocatorSimulator, round_size
+from memfit.simulation.allocator import AllocatorConfig, CachingAllocatorSimulator, round_size
 from memfit.tracing.recorder import PhaseMark, StorageRecorder
 
-__all__ = ["PhasePeak", "TimelinePoint", "extrapolate_timeline", "replay"]
+__all__ = [
+    "LimitFit",
+    "PhasePeak",
+    "TimelinePoint",
+    "extrapolate_timeline",
+    "least_reserved",
+    "replay",
+    "replay_at_limit",
+]
 
 MAX_TIMELINE_POINTS = 1500
 
@@ -118,6 +126,56 @@ def replay(
         peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown, peak_tensors))
         position = end
     return peaks
+
+
+@dataclass(frozen=True)
+class LimitFit:
+    """A step replayed with the caching allocator held to ``limit_bytes`` of reserved memory.
+
+    ``fits``: no allocation ran out of memory after the allocator freed its cache and retried;
+    ``alloc_retries``: how many times it had to (``num_alloc_retries``: each one synchronizes the device, so a
+    step that needs them runs slower); the peaks are those under the limit."""
+
+    limit_bytes: int
+    fits: bool
+    alloc_retries: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+
+
+def replay_at_limit(recorder: StorageRecorder, limit_bytes: int, config: AllocatorConfig | None = None) -> LimitFit:
+    """Replay the log with the allocator's reserved memory held to ``limit_bytes``, as on a device (or under
+    ``set_per_process_memory_fraction``) with that much for the allocator."""
+    allocator = CachingAllocatorSimulator(capacity_bytes=max(0, limit_bytes), config=config)
+    sizes = recorder.sizes
+    for event in recorder.events:
+        if event > 0:
+            allocator.malloc(event, sizes[event])
+        else:
+            allocator.free(-event)
+    return LimitFit(
+        limit_bytes, not allocator.oom, allocator.num_alloc_retries, allocator.peak_allocated_bytes,
+        allocator.peak_reserved_bytes,
+    )  # fmt: skip
+
+
+RESERVE_RESOLUTION = 2 * 1024 * 1024
+"""How finely ``least_reserved`` finds the limit: the allocator's own rounding of large segments."""
+
+
+def least_reserved(recorder: StorageRecorder, config: AllocatorConfig | None = None) -> int:
+    """The least reserved memory the step runs in when the allocator may free its cache and retry at the limit
+    (to ``RESERVE_RESOLUTION``): between the peak of its blocks and the peak it reserves with no limit."""
+    unlimited = replay_at_limit(recorder, 1 << 62, config)
+    low = unlimited.peak_allocated_bytes - 1  # below the blocks themselves nothing runs
+    high = unlimited.peak_reserved_bytes
+    while high - low > RESERVE_RESOLUTION:
+        middle = (low + high) // 2
+        if replay_at_limit(recorder, middle, config).fits:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def extrapolate_timeline(
