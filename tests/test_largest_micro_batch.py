@@ -140,7 +140,7 @@ def test_a_plain_mlp_is_not_planned_at_micro_batch_1_when_16_x_16_fits() -> None
         )  # fmt: skip
 
     session = PlanningSession(trace_at, batch_size=8)
-    chosen = session.decide(PlanRequest(capacity_bytes=45 * MiB, target_batch_size=256)).plan
+    chosen = session.decide(PlanRequest(capacity_bytes=45 * MiB, margin=0.05, target_batch_size=256)).plan
     budget = chosen.budget_bytes
     assert session.trace_at(16, False, 16).peak_bytes <= budget  # what the old plan left on the table
     assert chosen.micro_batch_size >= 16 and chosen.effective_batch_size == 256

@@ -167,7 +167,7 @@ def test_checkpointing_for_a_markedly_larger_micro_batch() -> None:
 def test_too_small_budget_names_the_numbers() -> None:
     estimate = linear_estimate(30 * GiB, 1 * GiB)
     with pytest.raises(InsufficientMemoryError) as error:
-        plan(estimate, 16 * GiB, checkpointed=linear_estimate(29 * GiB, 0.1 * GiB))
+        plan(estimate, 16 * GiB, margin=0.05, checkpointed=linear_estimate(29 * GiB, 0.1 * GiB))
     message = str(error.value)
     assert "even with checkpointing" in message
     assert "15.20 GiB" in message and "16.00 GiB" in message  # budget and capacity

@@ -96,20 +96,23 @@ def test_the_readme_status_follows_the_result_files(tmp_path: Path, capsys: pyte
     assert "README.md" in capsys.readouterr().err
     rendered = readme.render(readme.README.read_text(), results, readme.README_BLOCKS)
     assert f"within {data['summary']['peak_error_pct']['median_abs']:.3f} %" in rendered
-    (results / "accuracy-gpu.json").unlink(missing_ok=True)  # before any GPU run
+    truth_path = results / "gpu_truth-cpu.json"
+    truth = json.loads(truth_path.read_text())
+    truth_path.unlink()  # before any GPU run
     assert "**GPU:** still to be measured" in readme.render(readme.README.read_text(), results, readme.README_BLOCKS)
 
-    rows = [{"config": "gpt2 fp32 adamw b8", "measured_peak_reserved_bytes": 1, "reserved_error_pct": -2.0},
-            {"config": "vit fp32 adamw b8", "measured_peak_reserved_bytes": 1, "reserved_error_pct": 4.0},
-            {"config": "vit x b8", "error": "Traceback"}]  # fmt: skip
-    meta = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu128", "date": "2026-12-01"}
-    (results / "accuracy-gpu.json").write_text(json.dumps({"meta": meta, "summary": {}, "rows": rows}))
+    truth["summary"]["without_gpu"].update(median_abs_pct=0.5, max_abs_pct=7.25, within_goal=40)
+    truth["summary"]["on_gpu_machine"].update(median_abs_pct=1.75)
+    truth_path.write_text(json.dumps(truth))
     gpu_line = readme.status(results)[1]
     assert "still to be measured" not in gpu_line
+    rows = truth["summary"]["without_gpu"]["rows"]
     assert (
         "NVIDIA H100 80GB HBM3" in gpu_line
-        and "within 3.000 %" in gpu_line
-        and "of 2 runs (4.000 % at worst)" in gpu_line
+        and "within 0.50 % of the measured one" in gpu_line
+        and "(7.25 % at worst; 40 of" in gpu_line
+        and f"{rows} measured runs" in gpu_line
+        and "1.75 % at the median" in gpu_line
     )
 
 

@@ -6,7 +6,7 @@ import re
 
 from memfit.errors import InvalidInputError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "format_margin", "parse_bytes"]
 
 KiB = 1024
 MiB = 1024**2
@@ -72,3 +72,8 @@ def format_bytes(num_bytes: int | None, precision: int = 2) -> str:
         if size >= factor:
             return f"{sign}{size / factor:.{precision}f} {unit}"
     return f"{sign}{int(size)} B"
+
+
+def format_margin(margin: float) -> str:
+    """A share as people write it: ``0.025`` is ``2.5%`` (``{:.0%}`` would print a misleading ``2%``)."""
+    return f"{round(margin * 100, 4):g}%"

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, NoReturn
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.formula import OPTIMIZERS, estimate_from_counts
+from memfit.simulation.allocator import AllocatorConfig
 from memfit.tracing.optimizers import OPTIMIZER_NAMES
 
 if TYPE_CHECKING:  # annotations only: the planner is imported when `memfit plan` runs
@@ -208,7 +210,13 @@ def _plan_for_gpus(args: argparse.Namespace, finetune: FinetuneSpec) -> PlanRepo
         exact=args.exact,
         zero_grad=args.zero_grad,
         finetune=finetune,
+        allocator=_allocator(args.allocator),
     )
+
+
+def _allocator(text: str | None) -> AllocatorConfig:
+    """``--allocator``'s options, else the ones this shell's ``PYTORCH_ALLOC_CONF`` would give the run."""
+    return AllocatorConfig.parse(text) if text is not None else AllocatorConfig.from_environment()
 
 
 def _target(text: str) -> int | str:
@@ -338,7 +346,15 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
                       help="when the loop frees gradients: after_step (Hugging Face Trainer, default) or "
                       "before_backward (Lightning, whose forward carries the last step's gradients)")  # fmt: skip
-    plan.add_argument("--margin", type=_margin, default=0.05, help="fraction of memory kept free (default 0.05)")
+    plan.add_argument(
+        "--margin",
+        type=_margin,
+        default=DEFAULT_MARGIN,
+        help=f"fraction of memory kept free for the prediction's measured error (default {DEFAULT_MARGIN})",
+    )
+    plan.add_argument("--allocator", metavar="OPTIONS",
+                      help="the caching allocator's options the run will have, as PYTORCH_ALLOC_CONF spells them "
+                      "(e.g. expandable_segments:True); default: this shell's PYTORCH_ALLOC_CONF")  # fmt: skip
     plan.add_argument("--inference", action="store_true", help="plan a forward-only pass (serving): no gradients, "
                       "optimizer state or saved activations; outputs and KV cache kept")  # fmt: skip
     plan.add_argument("--num-workers", type=_whole(0), default=0, help="dataloader workers, for the host RAM line")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from memfit.monitoring.measure import MemorySample
 from memfit.prediction.estimator import MemoryEstimate
-from memfit.units import MiB, format_bytes
+from memfit.units import MiB, format_bytes, format_margin
 
 __all__ = ["Drift", "DriftMonitor"]
 
@@ -134,10 +134,10 @@ class DriftMonitor:
             first = self.history[-1].step + 1 if self.history else 0
             alarms.append(("over_margin",
                 f"measured peak {what} {format_bytes(measured)} in steps {first}-{step} is {drift:.1f}% above the "
-                f"prediction {format_bytes(self.predicted_reserved_bytes or 0)}, more than the {self.margin:.0%} "
-                "margin: the run is closer to out-of-memory than planned. Likely causes: an op the trace does "
-                "not see (custom CUDA kernels, cuDNN workspaces), other processes on the GPU, or batches longer "
-                "than the sample."
+                f"prediction {format_bytes(self.predicted_reserved_bytes or 0)}, more than the "
+                f"{format_margin(self.margin)} margin: the run is closer to out-of-memory than planned. Likely "
+                "causes: an op the trace does not see (custom CUDA kernels), other processes on the GPU, or "
+                "batches longer than the sample."
             ))  # fmt: skip
         if self._leaking(measured, what) and "leak" not in self._raised:
             self._raised.add("leak")

@@ -38,6 +38,7 @@ import torch
 
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.tracing.batch import infer_batch_size
 from memfit.units import parse_bytes
@@ -195,7 +196,7 @@ class OOMRecovery:
         reset_gradients: Callable[[], None],
         on_oom: OnOOM = "replan",
         estimate: MemoryEstimate | None = None,
-        margin: float = 0.05,
+        margin: float = DEFAULT_MARGIN,
         enable_checkpointing: Callable[[], None] | None = None,
         checkpointing_on: bool = False,
         loss_reduction: LossReduction = "mean",

@@ -19,12 +19,14 @@ from memfit.planning.finetune import (
     from_config_quantization,
 )
 from memfit.planning.gpus import GPU, gpu_by_name
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes
 from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
 from memfit.presets import ModelSpec, from_factory, from_hf_config
+from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
@@ -153,7 +155,7 @@ def plan_for_gpus(
     checkpointing: str = "auto",
     target_batch_size: int | str = "max",
     world_size: int = 1,
-    margin: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     show_progress: bool = False,
     inference: bool = False,
     num_workers: int = 0,
@@ -164,6 +166,7 @@ def plan_for_gpus(
     zero_grad: ZeroGrad = "after_step",
     finetune: FinetuneSpec | None = None,
     more_seq_lens: Sequence[int] = (),
+    allocator: AllocatorConfig | None = None,
 ) -> PlanReport:
     """Trace once per GPU architecture, then plan (and confirm with a trace at the chosen batch) per GPU.
 
@@ -188,7 +191,10 @@ def plan_for_gpus(
     ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``).
 
     ``more_seq_lens`` plans every GPU again at each of those sequence lengths, read off the same traces (their
-    sequence length is symbolic: ``MemoryEstimate.for_seq_len``); those rows carry their ``seq_len``."""
+    sequence length is symbolic: ``MemoryEstimate.for_seq_len``); those rows carry their ``seq_len``.
+
+    ``allocator``: the caching allocator's options the run will have (default: ``PYTORCH_ALLOC_CONF`` here); each
+    micro batch is fitted where the allocator, freeing its cache and retrying, really runs out of memory."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
     targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
@@ -203,9 +209,7 @@ def plan_for_gpus(
     parameters = sum(p.numel() for p in spec.model.parameters())
     finetune = from_config_quantization(spec, finetune or FinetuneSpec())
     spec = apply_finetune(spec, finetune, default, inference=inference)
-    runtimes = [
-        CudaRuntime(compute_capability=(gpu.compute_capability if gpu else None) or (9, 0)) for _, _, gpu in targets
-    ]
+    runtimes = [gpu.runtime if gpu else CudaRuntime() for _, _, gpu in targets]
     # One trace serves every GPU of a precision. Confirmations at a chosen batch take their fit in the
     # batch from the search's trace at batch 1, so they trace once instead of twice.
     loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
@@ -248,7 +252,7 @@ def plan_for_gpus(
             whole = functools.partial(for_gpu, source=full_trace)
             request = PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size,
                                   world_size=world_size, allow_checkpointing=allow == "auto",
-                                  always_checkpoint=allow == "on")  # fmt: skip
+                                  always_checkpoint=allow == "on", allocator=allocator)  # fmt: skip
             row = _plan_one(name, gpu, for_gpu, request, whole, deep.extrapolated)
             rows.append(_in_precision(row, row_precision, default, gpu))
             for length in more_seq_lens:

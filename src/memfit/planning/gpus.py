@@ -41,6 +41,10 @@ class GPU:
     fp8: bool
     approximate: bool = False
     aliases: tuple[str, ...] = ()
+    # what CUDA kernels size their launch grids by (reductions' staging buffers grow with it): from the vendor's
+    # specifications; None where the catalog has no figure (an H100's is then assumed)
+    multiprocessors: int | None = None
+    max_threads_per_multiprocessor: int | None = None
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -52,7 +56,13 @@ class GPU:
     @property
     def runtime(self) -> CudaRuntime:
         """The runtime facts an estimate for this card takes (an H100-class card's where the catalog has none)."""
-        return CudaRuntime(compute_capability=self.compute_capability or (9, 0))
+        default = CudaRuntime()
+        return CudaRuntime(
+            compute_capability=self.compute_capability or default.compute_capability,
+            multiprocessors=self.multiprocessors or default.multiprocessors,
+            max_threads_per_multiprocessor=self.max_threads_per_multiprocessor
+            or default.max_threads_per_multiprocessor,
+        )
 
     def precision_for(self, requested: Precision | str | None, *, inference: bool = False) -> Precision:
         """The precision to plan this card in.
@@ -77,21 +87,36 @@ class GPU:
 
 
 _CATALOG: tuple[GPU, ...] = (
-    GPU("T4", 15360 * MiB, "NVIDIA", "Turing", (7, 5), bf16=False, fp8=False, aliases=("T4-16GB", "Tesla T4")),
-    GPU("V100-16GB", 16160 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-16GB",)),
-    GPU("V100-32GB", 32510 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-32GB",)),
-    GPU("A10G", 23028 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("A10G-24GB",)),
-    GPU("L4", 23034 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L4-24GB",)),
-    GPU("RTX3090", 24576 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("GeForce RTX 3090",)),
-    GPU("RTX4090", 24564 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("GeForce RTX 4090",)),
-    GPU("RTX5090", 32607 * MiB, "NVIDIA", "Blackwell", (12, 0), bf16=True, fp8=True, aliases=("GeForce RTX 5090",)),
-    GPU("A100-40GB", 40960 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-40GB",)),
-    GPU("A100-80GB", 81920 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-80GB",)),
-    GPU("L40S", 46068 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L40S-48GB",)),
+    GPU("T4", 15360 * MiB, "NVIDIA", "Turing", (7, 5), bf16=False, fp8=False, aliases=("T4-16GB", "Tesla T4"),
+        multiprocessors=40, max_threads_per_multiprocessor=1024),
+    GPU("V100-16GB", 16160 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-16GB",),
+        multiprocessors=80, max_threads_per_multiprocessor=2048),
+    GPU("V100-32GB", 32510 * MiB, "NVIDIA", "Volta", (7, 0), bf16=False, fp8=False, aliases=("V100-SXM2-32GB",),
+        multiprocessors=80, max_threads_per_multiprocessor=2048),
+    GPU("A10G", 23028 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("A10G-24GB",),
+        multiprocessors=80, max_threads_per_multiprocessor=1536),
+    GPU("L4", 23034 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L4-24GB",),
+        multiprocessors=58, max_threads_per_multiprocessor=1536),
+    GPU("RTX3090", 24576 * MiB, "NVIDIA", "Ampere", (8, 6), bf16=True, fp8=False, aliases=("GeForce RTX 3090",),
+        multiprocessors=82, max_threads_per_multiprocessor=1536),
+    GPU("RTX4090", 24564 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("GeForce RTX 4090",),
+        multiprocessors=128, max_threads_per_multiprocessor=1536),
+    GPU("RTX5090", 32607 * MiB, "NVIDIA", "Blackwell", (12, 0), bf16=True, fp8=True, aliases=("GeForce RTX 5090",),
+        multiprocessors=170, max_threads_per_multiprocessor=1536),
+    GPU("A100-40GB", 40960 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-40GB",),
+        multiprocessors=108, max_threads_per_multiprocessor=2048),
+    GPU("A100-80GB", 81920 * MiB, "NVIDIA", "Ampere", (8, 0), bf16=True, fp8=False, aliases=("A100-SXM4-80GB",),
+        multiprocessors=108, max_threads_per_multiprocessor=2048),
+    GPU("L40S", 46068 * MiB, "NVIDIA", "Ada", (8, 9), bf16=True, fp8=True, aliases=("L40S-48GB",),
+        multiprocessors=142, max_threads_per_multiprocessor=1536),
     GPU("H100", 81559 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True,
-        aliases=("H100-80GB", "H100 SXM", "H100-80GB-HBM3", "H100 PCIe")),
-    GPU("H200", 143771 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True, aliases=("H200-141GB",)),
-    GPU("B200", 183359 * MiB, "NVIDIA", "Blackwell", (10, 0), bf16=True, fp8=True, aliases=("B200-192GB",)),
+        aliases=("H100-80GB", "H100 SXM", "H100-80GB-HBM3"), multiprocessors=132, max_threads_per_multiprocessor=2048),
+    GPU("H100-PCIe", 81559 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True, aliases=("H100 PCIe",),
+        multiprocessors=114, max_threads_per_multiprocessor=2048),
+    GPU("H200", 143771 * MiB, "NVIDIA", "Hopper", (9, 0), bf16=True, fp8=True, aliases=("H200-141GB",),
+        multiprocessors=132, max_threads_per_multiprocessor=2048),
+    GPU("B200", 183359 * MiB, "NVIDIA", "Blackwell", (10, 0), bf16=True, fp8=True, aliases=("B200-192GB",),
+        multiprocessors=148, max_threads_per_multiprocessor=2048),
     GPU("MI300X", 196592 * MiB, "AMD", "CDNA3", None, bf16=True, fp8=True, aliases=("MI300X-192GB", "Instinct MI300X")),
     GPU("M3-Max-128GB", 96 * GiB, "Apple", "M3", None, bf16=True, fp8=False, approximate=True, aliases=("M3 Max",)),
     GPU("M2-Ultra-192GB", 144 * GiB, "Apple", "M2", None, bf16=True, fp8=False, approximate=True,

@@ -27,9 +27,10 @@ from typing import Any, Literal
 
 from memfit.categories import Phase
 from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.estimator import BatchPeak, MemoryEstimate
-from memfit.simulation.allocator import SMALL_BUFFER
-from memfit.units import format_bytes
+from memfit.simulation.allocator import SMALL_BUFFER, AllocatorConfig
+from memfit.units import format_bytes, format_margin
 
 __all__ = ["CHECKPOINTING_MIN_GAIN", "SMALL_MICRO_BATCH", "Plan", "plan"]
 
@@ -58,6 +59,8 @@ class Plan:
     predicted_allocated_bytes: int = 0
     predicted_reserved_bytes: int = 0
     reasons: tuple[str, ...] = field(default=())
+    alloc_retries: int = 0  # allocator retries (cache freed, device synchronized) a step needs at the budget
+    allocator_settings: str = ""  # the PYTORCH_ALLOC_CONF options planned for ("" for torch's defaults)
 
     @property
     def headroom_bytes(self) -> int:
@@ -78,6 +81,8 @@ class Plan:
             "largest_micro_batch": self.largest_micro_batch,
             "predicted_allocated_bytes": self.predicted_allocated_bytes,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "alloc_retries": self.alloc_retries,
+            "allocator_settings": self.allocator_settings,
             "reasons": list(self.reasons),
         }
 
@@ -129,7 +134,7 @@ def plan(
     estimate: MemoryEstimate,
     capacity_bytes: int,
     *,
-    margin: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     target_batch_size: int | Literal["max"] | None = None,
     world_size: int = 1,
     min_batch_size: int = 1,
@@ -138,6 +143,8 @@ def plan(
     checkpointed: EstimateSource = None,
     include_context: bool = True,
     confirm: Confirm | None = None,
+    allocator: AllocatorConfig | None = None,
+    at_limit: bool = True,
 ) -> Plan:
     """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
 
@@ -160,6 +167,11 @@ def plan(
             keeps gradients alive through later micro batches. Each configuration is traced once per call.
             Without it, a plan that accumulates from an estimate traced without accumulation keeps
             room for the gradients on top (an upper bound).
+        allocator: the caching allocator's options the run will have (default: this process's
+            ``PYTORCH_ALLOC_CONF``); a plan may choose them (``expandable_segments``).
+        at_limit: a micro batch fits when its step runs within the budget as the allocator behaves at its
+            limit (it frees its cached blocks and retries before it runs out of memory; ``least_device_bytes``),
+            not only when its peak with room to spare does. ``False`` plans on that peak, as before.
 
     The steps: the question (budget, bounds, target), the candidates (without checkpointing, and with
     it when it is needed or pays), the fit of the chosen one's split (with ``confirm``: a bracketing
@@ -172,12 +184,15 @@ def plan(
     question = _question(
         estimate, capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size, include_context
     )
+    config = allocator if allocator is not None else AllocatorConfig.from_environment()
+    question = dataclasses.replace(question, allocator=config if at_limit else None)
     with_checkpointing = functools.cache(lambda: _resolve(checkpointed) if allow_checkpointing else None)
     confirm = functools.cache(confirm) if confirm is not None else None  # the search and the split share traces
     candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
     if isinstance(candidates, _Miss):
         raise InsufficientMemoryError(candidates.message)
-    fit = _fit(question, candidates.chosen, confirm)
+    used = candidates.chosen
+    fit = _fit(question, used, confirm)
     reasons = [*candidates.reasons, *fit.reasons]
     if isinstance(fit.outcome, _Miss):
         fallback = _checkpointing_fallback(question, candidates, with_checkpointing)
@@ -187,11 +202,22 @@ def plan(
             f"micro batch {min_batch_size} does not fit once traced at its size; checkpointing brings it within "
             "(about 20-30 % slower per step)"
         )
-        fit = _fit(question, fallback, confirm)
+        used = fallback
+        fit = _fit(question, used, confirm)
         reasons.extend(fit.reasons)
         if isinstance(fit.outcome, _Miss):
             raise InsufficientMemoryError(fit.outcome.message)
-    return _chosen_plan(question, fit.outcome, [*reasons, *_explain(question, fit.outcome)])
+    split = fit.outcome
+    chosen = _chosen_plan(question, split, [*reasons, *_explain(question, split)])
+    if question.allocator is None:
+        return chosen
+    if confirm is not None:
+        source = confirm(split.micro, split.checkpointing, split.accumulation)
+    elif split.accumulation == 1 or used.source.accumulation_steps == split.accumulation:
+        source = used.source
+    else:  # the chosen loop keeps gradients the trace freed: its log is not at hand to replay
+        return chosen
+    return _at_the_limit(question, chosen, split, source)
 
 
 @dataclass(frozen=True)
@@ -207,23 +233,41 @@ class _Question:
     per_device_target: int | None  # None: "max", no accumulation
     target_batch_size: int | None  # the effective batch to keep; None: "max"
     include_context: bool
+    allocator: AllocatorConfig | None = None  # set: fit at the allocator's limit, under these options
 
     def largest(self, source: MemoryEstimate) -> int:
         """Largest micro batch within the budget by ``source``'s interpolation (0: none)."""
-        fit = source.max_batch_size(self.budget, include_context=self.include_context)
+        fit = source.max_batch_size(
+            self.budget, include_context=self.include_context, at_limit=self.allocator is not None,
+            allocator=self.allocator,
+        )  # fmt: skip
         return 0 if fit is None else min(fit, self.cap)
 
+    def at(self, estimate: MemoryEstimate, batch: int) -> BatchPeak:
+        """``estimate``'s peaks at ``batch``, with the least it runs in at the allocator's limit where planned so."""
+        peak = estimate.at(batch)
+        if self.allocator is None:
+            return peak
+        least = estimate.least_device_bytes(batch, allocator=self.allocator)
+        if least is None:
+            return peak
+        return dataclasses.replace(peak, least_reserved_bytes=least - (estimate.cuda_context_bytes or 0))
+
     def predicted(self, peak: BatchPeak) -> int:
-        """The figure compared with the budget: with the CUDA context unless it is outside the capacity."""
+        """The figure compared with the budget: what the step needs at the allocator's limit (or its peak, where
+        not planned so), with the CUDA context unless it is outside the capacity."""
+        if self.allocator is not None and peak.least_reserved_bytes is not None:
+            needed = peak.least_reserved_bytes
+            return needed + (peak.device_bytes - peak.reserved_bytes) if self.include_context else needed
         return peak.device_bytes if self.include_context else peak.reserved_bytes
 
     def peak(self, estimate: MemoryEstimate, batch: int) -> str:
-        return format_bytes(self.predicted(estimate.at(batch)))
+        return format_bytes(self.predicted(self.at(estimate, batch)))
 
     def against(self) -> str:
         return (
             f"a budget of {format_bytes(self.budget)} ({format_bytes(self.capacity_bytes)} capacity, "
-            f"{self.margin:.0%} margin)"
+            f"{format_margin(self.margin)} margin)"
         )
 
 
@@ -400,7 +444,10 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
     if accumulation > 1 and source.accumulation_steps == 1:
         kept = _kept_gradient_bytes(source)
         if kept:
-            refit = source.max_batch_size(question.budget - kept, include_context=question.include_context) or 0
+            refit = source.max_batch_size(
+                question.budget - kept, include_context=question.include_context,
+                at_limit=question.allocator is not None, allocator=question.allocator,
+            ) or 0  # fmt: skip
             if refit < question.min_batch_size:
                 return _Fit(_Miss(
                     f"micro batch {question.min_batch_size} does not fit with gradient accumulation, which keeps "
@@ -413,10 +460,11 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
                 "room is kept for them"
             )
             micro, accumulation = _split(question.per_device_target, largest)
-    peak = source.at(micro)
+    peak = question.at(source, micro)
+    least = peak.least_reserved_bytes + kept if peak.least_reserved_bytes is not None else None
     with_kept = BatchPeak(
         micro, peak.allocated_bytes + min(kept, source.gradient_bytes), peak.reserved_bytes + kept,
-        peak.device_bytes + kept,
+        peak.device_bytes + kept, least,
     )  # fmt: skip
     return _Fit(_Split(micro, accumulation, largest, with_kept, candidate.checkpointing), tuple(reasons))
 
@@ -568,13 +616,20 @@ class _Bracket:
             low, high = sorted(points)
             return (self.peaks[high] - self.peaks[low]) / (high - low)
         source, micro = self.candidate.source, self._order[-1]
-        predicted = self.question.predicted
-        return (predicted(source.at(2 * micro + 1)) - predicted(source.at(micro))) / (micro + 1)
+        question = self.question
+        larger, smaller = question.at(source, 2 * micro + 1), question.at(source, micro)
+        return (question.predicted(larger) - question.predicted(smaller)) / (micro + 1)
 
 
 def _traced(question: _Question, confirm: Confirm, micro: int, checkpointing: bool, accumulation: int) -> BatchPeak:
     exact = confirm(micro, checkpointing, accumulation)
-    return BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
+    peak = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
+    if question.allocator is None:
+        return peak
+    least = exact.least_device_bytes(micro, allocator=question.allocator)
+    if least is None:
+        return peak
+    return dataclasses.replace(peak, least_reserved_bytes=least - (exact.cuda_context_bytes or 0))
 
 
 def _explain(question: _Question, split: _Split) -> list[str]:
@@ -624,6 +679,51 @@ def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan
         largest_micro_batch=split.largest_micro,
         predicted_allocated_bytes=split.peak.allocated_bytes,
         predicted_reserved_bytes=split.peak.reserved_bytes,
+        reasons=tuple(reasons),
+    )
+
+
+def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: MemoryEstimate) -> Plan:
+    """What the allocator does at the device's limit with the chosen micro batch: whether it must free its cache
+    and retry (slower steps), what it reserves there (what the run measures), and what expandable segments would
+    change."""
+    config = question.allocator
+    assert config is not None
+    at_capacity = source.at_limit(
+        split.micro, question.capacity_bytes, include_context=question.include_context, allocator=config
+    )
+    if at_capacity is None:
+        return chosen
+    reasons = list(chosen.reasons)
+    settings = config.setting() or "torch's defaults"
+    needed = chosen.predicted_peak_bytes
+    with_room = split.peak.device_bytes if question.include_context else split.peak.reserved_bytes
+    if with_room > needed:
+        reasons.append(
+            f"the step needs {format_bytes(needed)} at the allocator's limit ({settings}): there the caching allocator "
+            f"frees its cached blocks and retries before it runs out of memory; with room to spare it would reserve "
+            f"{format_bytes(with_room)}"
+        )
+    if at_capacity.alloc_retries:
+        reasons.append(
+            f"on {format_bytes(question.capacity_bytes)} the allocator frees its cache and retries "
+            f"{at_capacity.alloc_retries} time(s) in two steps (each a device synchronization: slower steps; "
+            "torch.cuda.memory_stats()['num_alloc_retries'] counts them)"
+        )
+    if not config.expandable_segments:
+        expandable = dataclasses.replace(config, expandable_segments=True)
+        least = source.least_device_bytes(split.micro, allocator=expandable)
+        if least is not None and least < needed:
+            reasons.append(
+                f"with PYTORCH_ALLOC_CONF=expandable_segments:True the step would need {format_bytes(least)} "
+                f"({format_bytes(needed - least)} less: segments grow in place, with less fragmentation)"
+            )
+    least_reserved = split.peak.least_reserved_bytes
+    return dataclasses.replace(
+        chosen,
+        predicted_reserved_bytes=least_reserved if least_reserved is not None else chosen.predicted_reserved_bytes,
+        alloc_retries=at_capacity.alloc_retries,
+        allocator_settings=config.setting(),
         reasons=tuple(reasons),
     )
 

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan, plan
 from memfit.prediction.estimator import MemoryEstimate
+from memfit.simulation.allocator import AllocatorConfig
 
 __all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
 
@@ -39,7 +41,7 @@ class PlanRequest:
     """What the plan must satisfy, as the user configured it."""
 
     capacity_bytes: int
-    margin: float = 0.05
+    margin: float = DEFAULT_MARGIN
     target_batch_size: int | Literal["max"] | None = None  # None: the configured batch x world size
     world_size: int = 1
     min_batch_size: int = 1
@@ -47,6 +49,10 @@ class PlanRequest:
     allow_checkpointing: bool = True
     always_checkpoint: bool = False  # the user already turned checkpointing on: plan with it
     include_context: bool = True  # False when the capacity was measured with the CUDA context already in it
+    # the caching allocator's options (None: this process's PYTORCH_ALLOC_CONF); at_limit: fit where the allocator,
+    # freeing its cache and retrying, really runs out of memory (False: on the peak with room to spare)
+    allocator: AllocatorConfig | None = None
+    at_limit: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,8 @@ class PlanningSession:
             allow_checkpointing=request.allow_checkpointing and not always,
             checkpointed=lambda: self.search_at(self.batch_size, True, self.accumulation_steps),
             include_context=request.include_context,
+            allocator=request.allocator,
+            at_limit=request.at_limit,
             confirm=lambda micro, checkpointing, accumulation: self.trace_at(
                 micro, checkpointing or always, accumulation
             ),

@@ -35,6 +35,7 @@ from memfit.planning.gpu_report import (
     _tracer,
 )
 from memfit.planning.gpus import gpu_by_name
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate
@@ -197,7 +198,7 @@ def plan_sharded(
     optimizer: str = "adamw",
     checkpointing: str = "auto",
     target_batch_size: int | str = "max",
-    margin: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     exact: bool = False,
     zero_grad: ZeroGrad = "after_step",
     show_progress: bool = False,
@@ -229,7 +230,7 @@ def plan_sharded(
     parameters = sum(p.numel() for p in spec.model.parameters())
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
     units = model_units(spec.model)
-    runtime = CudaRuntime(compute_capability=(card.compute_capability if card else None) or (9, 0))
+    runtime = card.runtime if card else CudaRuntime()
 
     def build_at(depth: int) -> ModelSpec:
         with _progress(show_progress, f"building {spec.name} at {depth} blocks"):

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from memfit.categories import Category, Phase
 from memfit.planning.gpu_report import PlanReport
+from memfit.planning.planner import Plan
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.formula import FormulaEstimate
 from memfit.units import format_bytes
@@ -211,6 +212,8 @@ def plan_table(report: PlanReport) -> Table:
         table.add_row(*(cells[column] for column in columns))
     notes.extend(f"{row.gpu}: {'; '.join(filter(None, (row.note, row.error)))}" for row in report.rows
                  if row.error or row.note)  # fmt: skip
+    notes.extend(f"{row.gpu}: {_at_the_limit(row.plan)}" for row in report.rows
+                 if row.plan is not None and _at_the_limit(row.plan))  # fmt: skip
     if notes:
         table.caption = "\n".join(notes)
     return table
@@ -264,3 +267,9 @@ def _count(parameters: int) -> str:
         if parameters >= scale:
             return f"{parameters / scale:.3g}{suffix}"
     return str(parameters)
+
+
+def _at_the_limit(plan: Plan) -> str:
+    """What the plan's reasons say of the allocator at its limit (retries, expandable segments), in one line."""
+    keys = ("at the allocator's limit", "retries", "expandable_segments")
+    return "; ".join(reason for reason in plan.reasons if any(key in reason for key in keys))

@@ -50,6 +50,7 @@ from memfit.monitoring.recovery import (
 )
 from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import free_device_bytes
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -175,7 +176,7 @@ class MemoryPlannerCallback(TrainerCallback):
     def __init__(
         self,
         plan: Plan | None = None,
-        margin: float = 0.05,
+        margin: float = DEFAULT_MARGIN,
         on_oom: OnOOM = "replan",
         loss_reduction: LossReduction = "mean",
         allow_checkpointing: bool = True,

@@ -30,6 +30,7 @@ from memfit.integrations.huggingface.arguments import (
 from memfit.integrations.huggingface.evaluation import planned_evaluation
 from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.gpus import planning_target
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -60,7 +61,7 @@ def plan_training_arguments(
     data_collator: Any = None,
     processing_class: Any = None,
     budget: int | str | None = None,
-    margin: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     target_batch_size: int | Literal["max"] | None = None,
     allow_checkpointing: bool = True,
     min_batch_size: int = 1,

@@ -45,6 +45,7 @@ from memfit.monitoring.recovery import (
 from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.planning.unmodelled import not_modelled
@@ -57,7 +58,7 @@ from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
-from memfit.units import format_bytes
+from memfit.units import format_bytes, format_margin
 
 # The callback's docstring, shared by memfit.lightning and memfit.pytorch_lightning (neither imports the other)
 _DOC = """Plan micro batch, gradient accumulation and checkpointing before the first batch; log drift.
@@ -113,7 +114,7 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
             GPU ``budget`` names, so ``budget="h100"`` plans for an H100 even on a machine without one
             (the run itself trains where the trainer puts it). A device other than the run's needs a
             budget or a GPU name.
-        margin: fraction of the budget kept free (default 5 %).
+        margin: fraction of the budget kept free (default ``DEFAULT_MARGIN``, 2.5 %: the prediction's measured error).
         target_batch_size: effective batch to keep (micro x accumulation x devices). Default: the batch
             size configured x ``accumulate_grad_batches`` x world size. ``"max"``: the largest micro
             batch, no accumulation.
@@ -195,7 +196,7 @@ class MemoryPlannerBase:
     def __init__(
         self,
         budget: int | str | None = None,
-        margin: float = 0.05,
+        margin: float = DEFAULT_MARGIN,
         target_batch_size: int | Literal["max"] | None = None,
         batch_arg_name: str = "batch_size",
         allow_checkpointing: bool = True,
@@ -431,7 +432,8 @@ class MemoryPlannerBase:
         if needed > budget:
             self._warn("validation",
                 f"memfit: validation may run out of memory where training fits: {self.validation.summary()}, over "
-                f"the {format_bytes(budget)} budget ({format_bytes(capacity)} with a {self.margin:.0%} margin). "
+                f"the {format_bytes(budget)} budget ({format_bytes(capacity)} with a {format_margin(self.margin)} "
+                "margin). "
                 "Lower the validation batch size.")  # fmt: skip
 
     def _validation_sample(self, trainer: Any, pl_module: Any) -> Any:
