@@ -42,10 +42,11 @@ for step in "${steps[@]}"; do
       run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
       run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu ;;
     oom_recovery) run python benchmarks/oom_recovery_demo.py --out benchmarks/results/oom_recovery ;;
-    largest_batch)
+    largest_batch)  # whole card, then every trial held to CAP_GIB (default 12 GiB) as a smaller budget
       only=()
-      for family in ${FAMILIES:-}; do only+=(--only "$family"); done
-      run python -m integrations.accuracy.largest_batch ${only[@]+"${only[@]}"} ;;
+      for family in ${FAMILIES:-gpt2 resnet50 vit}; do only+=(--only "$family"); done
+      run python -m integrations.accuracy.largest_batch "${only[@]}"
+      run python -m integrations.accuracy.largest_batch "${only[@]}" --cap-gib "${CAP_GIB:-12}" ;;
     lora) run python benchmarks/lora_gpu.py ;;  # a 3B Llama: about 60 GB of GPU memory
     readme) run python -m integrations.accuracy.readme --write ;;
     *) echo "!! unknown step: $step"; status=1 ;;

@@ -40,6 +40,51 @@ class SmallResNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 block: 1x1 down, 3x3 (carrying the stride), 1x1 up by 4, batch norm after each."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        width, out = planes, planes * 4
+        self.conv1, self.bn1 = nn.Conv2d(inplanes, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != out:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.relu(self.bn3(self.conv3(out)) + identity)
+
+
+class ResNet50(nn.Module):
+    """torchvision's ``resnet50`` layer for layer (``width`` 64; a smaller width for CPU tests), without
+    torchvision: a 7x7 stem at stride 2, max pooling, stages of 3, 4, 6 and 3 bottlenecks, a 1000-way head."""
+
+    def __init__(self, width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1, self.relu, self.maxpool = nn.BatchNorm2d(width), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)
+        layers, inplanes = [], width
+        for index, blocks in enumerate((3, 4, 6, 3)):
+            planes = width * 2**index
+            stage = [Bottleneck(inplanes, planes, 1 if index == 0 else 2)]
+            inplanes = planes * 4
+            stage += [Bottleneck(inplanes, planes) for _ in range(blocks - 1)]
+            layers.append(nn.Sequential(*stage))
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.fc = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
 class LSTMClassifier(nn.Module):
     def __init__(self, vocab: int = 500, hidden: int = 64, layers: int = 2, classes: int = 5) -> None:
         super().__init__()

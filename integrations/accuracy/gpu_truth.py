@@ -29,6 +29,7 @@ __all__ = [
     "LOWEST_ERROR_PCT",
     "Prediction",
     "TruthRow",
+    "boundary",
     "predict",
     "rows",
     "sources",
@@ -108,6 +109,12 @@ class Prediction:
 def sources(path: Path = MEASURED) -> dict[str, dict[str, Any]]:
     """Where and with what each row was measured, by source id."""
     return json.loads(path.read_text())["sources"]
+
+
+def boundary(path: Path = MEASURED) -> dict[str, Any]:
+    """Where a real step ran out of memory under an allocator limit: batches that ran (with their allocator retries)
+    and the first that did not."""
+    return json.loads(path.read_text())["boundary"]
 
 
 def rows(path: Path = MEASURED) -> list[TruthRow]:

@@ -10,8 +10,11 @@ For each model family of the zoo (``size="gpu"``; bf16-mixed AdamW without check
   memory, found by bisection with one fresh process per probe. The search starts at memfit's
   prediction without margin, which changes the order of the probes, not the answer; it assumes
   that a batch that fits makes every smaller one fit. It stops at ``--max-batch`` (8192).
-* **memfit**: the micro batch ``memfit.plan`` picks at its default 5 % margin from the device's free
-  memory measured after CUDA starts (as the callbacks do), and the seconds the estimate and the plan take.
+* **memfit**: the micro batch ``memfit.plan`` picks at its default margin from the device's free memory measured
+  after CUDA starts (as the callbacks do), fitting each micro batch where the allocator, freeing its cache and
+  retrying, really runs out of memory, and the seconds the estimate and the plan take.
+* ``--cap-gib G`` holds every trial's caching allocator to G GiB (``set_per_process_memory_fraction``), a budget
+  smaller than the card; memfit plans for the same cap. Probes record ``num_alloc_retries``.
 * **Lightning** ``Tuner.scale_batch_size`` (the ``BatchSizeFinder`` callback's search) in ``binsearch``
   and ``power`` mode, 3 steps per trial from 2 up to ``--max-batch``; **HF** ``Trainer.train`` with
   ``auto_find_batch_size=True`` from ``per_device_train_batch_size=--hf-start``, 3 steps. Their seconds
@@ -50,7 +53,8 @@ from rich.table import Table
 
 from integrations.accuracy import reference
 from integrations.accuracy.run import RESULTS, _loss, _to, autocast_for, build, optimizer_spec, real_model
-from integrations.accuracy.zoo import FAMILIES, Config
+from integrations.accuracy.zoo import FAMILIES, RESNET50, Config
+from integrations.accuracy.zoo import family as zoo_family
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("memfit", "lightning_binsearch", "lightning_power", "hf_auto_find")
@@ -62,10 +66,11 @@ _HF_OPTIMIZER = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused"}
 
 
 def config_of(family: str, precision: str, optimizer: str) -> Config:
-    matches = [f for f in FAMILIES if f.name == family]
-    if not matches:
-        raise SystemExit(f"unknown family {family!r}; the zoo has {', '.join(f.name for f in FAMILIES)}")
-    return Config(matches[0], precision, optimizer, False, 1)
+    try:
+        return Config(zoo_family(family), precision, optimizer, False, 1)
+    except KeyError:
+        names = ", ".join(f.name for f in (*FAMILIES, RESNET50))
+        raise SystemExit(f"unknown family {family!r}; the zoo has {names}") from None
 
 
 def _simulate_ceiling(model: torch.nn.Module, max_batch: int | None) -> torch.nn.Module:
@@ -84,8 +89,18 @@ def _simulate_ceiling(model: torch.nn.Module, max_batch: int | None) -> torch.nn
     return model
 
 
+def cap_memory(cap_bytes: int | None) -> None:
+    """Hold this process's caching allocator to ``cap_bytes`` (``set_per_process_memory_fraction``), as a budget
+    smaller than the card does; the CUDA context stays outside it."""
+    if cap_bytes is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total, 0)
+
+
 def probe(config: Config, batch_size: int, steps: int, size: str, device: str, ceiling: int | None) -> dict[str, Any]:
-    """``steps`` real training steps at ``batch_size``: did they fit, and how high did memory go."""
+    """``steps`` real training steps at ``batch_size``: did they fit, how high did memory go, and how often did the
+    allocator free its cache and retry (``num_alloc_retries``)."""
     model = _simulate_ceiling(real_model(config, size, device), ceiling)
     cls, kwargs = optimizer_spec(config.optimizer)
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
@@ -100,16 +115,21 @@ def probe(config: Config, batch_size: int, steps: int, size: str, device: str, c
         torch.cuda.synchronize()
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     return out
 
 
-def memfit_plan(config: Config, size: str, device: str, budget: str | None, max_batch: int) -> dict[str, Any]:
-    """What the callbacks do at setup: estimate the real model, then plan for the memory free now."""
+def memfit_plan(
+    config: Config, size: str, device: str, budget: str | None, max_batch: int, cap_bytes: int | None = None
+) -> dict[str, Any]:
+    """What the callbacks do at setup: estimate the real model, then plan for the memory free now (or the cap)."""
     import memfit
     from memfit.planning.capacity import free_device_bytes, parse_budget
 
     model = build(config, size)
-    if device == "cuda":
+    if cap_bytes is not None:  # the allocator's own limit: the context is outside it
+        capacity, include_context = cap_bytes, False
+    elif device == "cuda":
         torch.zeros(1, device="cuda")  # start CUDA, as a training run has by then
         capacity, include_context = free_device_bytes(torch.device("cuda")), False
     else:
@@ -119,7 +139,7 @@ def memfit_plan(config: Config, size: str, device: str, budget: str | None, max_
     estimate = memfit.estimate(model, config.family.batch(size), batch_size=1, optimizer=cls, optimizer_kwargs=kwargs,
                                precision=config.precision, loss_fn=config.family.loss_fn,
                                forward_fn=config.family.forward_fn, device="cuda")  # fmt: skip
-    limit = estimate.max_batch_size(capacity, include_context=include_context)
+    limit = estimate.max_batch_size(capacity, include_context=include_context, at_limit=True)
     try:
         chosen = memfit.plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False,
                              include_context=include_context, max_batch_size=max_batch)  # fmt: skip
@@ -128,8 +148,8 @@ def memfit_plan(config: Config, size: str, device: str, budget: str | None, max_
                 "predicted_limit": limit, "error": str(error)}  # fmt: skip
     seconds = time.perf_counter() - started
     return {"batch_size": chosen.micro_batch_size, "seconds": round(seconds, 3), "capacity_bytes": capacity,
-            "predicted_limit": limit,
-            "predicted_peak_bytes": chosen.predicted_peak_bytes}  # fmt: skip
+            "predicted_limit": limit, "predicted_peak_bytes": chosen.predicted_peak_bytes,
+            "predicted_alloc_retries": chosen.alloc_retries, "margin": chosen.margin}  # fmt: skip
 
 
 class _SameBatch(torch.utils.data.IterableDataset):
@@ -238,10 +258,12 @@ def hf_auto_find(config: Config, start: int, size: str, device: str, ceiling: in
 def run_worker(job: dict[str, Any]) -> dict[str, Any]:
     config = config_of(job["family"], job["precision"], job["optimizer"])
     kind, size, device, ceiling = job["kind"], job["size"], job["device"], job.get("ceiling")
+    if device == "cuda":
+        cap_memory(job.get("cap_bytes"))
     if kind == "probe":
         return probe(config, job["batch_size"], job["steps"], size, device, ceiling)
     if kind == "memfit":
-        return memfit_plan(config, size, device, job.get("budget"), job["max_batch"])
+        return memfit_plan(config, size, device, job.get("budget"), job["max_batch"], job.get("cap_bytes"))
     if kind.startswith("lightning_"):
         return lightning_finder(config, kind.removeprefix("lightning_"), size, device, ceiling, job["max_batch"])
     if kind == "hf_auto_find":
@@ -301,9 +323,11 @@ def largest_that_fits(fits: Callable[[int], bool], seed: int, cap: int) -> tuple
 def compare_family(family: str, args: argparse.Namespace, run: Callable[[dict[str, Any]], dict[str, Any]]) -> dict:
     size = "cpu" if args.simulate_max_batch is not None else "gpu"
     device = "cpu" if size == "cpu" else "cuda"
+    cap = round(args.cap_gib * 2**30) if args.cap_gib else None
     base = {"family": family, "precision": args.precision, "optimizer": args.optimizer, "size": size,
-            "device": device, "ceiling": args.simulate_max_batch}  # fmt: skip
-    row: dict[str, Any] = {"family": family, "precision": args.precision, "optimizer": args.optimizer}
+            "device": device, "ceiling": args.simulate_max_batch, "cap_bytes": cap}  # fmt: skip
+    row: dict[str, Any] = {"family": family, "precision": args.precision, "optimizer": args.optimizer,
+                           "cap_bytes": cap}  # fmt: skip
     started = time.perf_counter()
     row["memfit"] = run({**base, "kind": "memfit", "budget": args.budget, "max_batch": args.max_batch})
     probes: list[dict[str, Any]] = []
@@ -392,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate-max-batch", type=int, metavar="N", help="CPU dry run: batches above N fail")
     parser.add_argument("--budget", default="2GiB", help="memfit's capacity in the CPU dry run")
     parser.add_argument("--in-process", action="store_true", help="run trials in this process (CPU dry run only)")
+    parser.add_argument("--cap-gib", type=float, metavar="GIB", help="hold every trial's allocator to this many GiB "
+                        "(set_per_process_memory_fraction), as a smaller budget: memfit plans for it too")  # fmt: skip
     parser.add_argument("--output", type=Path, help="where to write the JSON (default benchmarks/results/)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -411,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     device = f"CPU, simulated card of {args.simulate_max_batch} samples" if simulated else torch.cuda.get_device_name()
     path = args.output or RESULTS / f"largest_batch-{'simulated' if simulated else 'gpu'}.json"
     kept = []
-    if path.exists() and args.only:
-        kept = [r for r in json.loads(path.read_text())["rows"] if r["family"] not in families]
+    cap = round(args.cap_gib * 2**30) if args.cap_gib else None
+    if path.exists():  # rows of other families, or of another cap, are kept
+        kept = [r for r in json.loads(path.read_text())["rows"]
+                if r["family"] not in families or r.get("cap_bytes") != cap]  # fmt: skip
     meta = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
             "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
             "check_steps": args.check_steps, "max_batch": args.max_batch, "hf_start": args.hf_start}  # fmt: skip

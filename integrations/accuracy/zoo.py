@@ -212,6 +212,25 @@ FAMILIES = [
 ]
 
 
+RESNET50 = Family(
+    "resnet50",
+    lambda size: test_models.ResNet50(width=64 if size == "gpu" else 8, classes=1000 if size == "gpu" else 10),
+    lambda size: lambda b: _images(size, key_value=False)(b),
+    loss_fn=_xent,
+    forward_fn=_first,
+    gpu_batches=(64, 128),
+)
+"""torchvision's ResNet-50 at 224 px: the convnet of the out-of-memory boundary checks (not one of the zoo's eight)."""
+
+
+def family(name: str) -> Family:
+    """A zoo family, or ``resnet50``, by name."""
+    for candidate in (*FAMILIES, RESNET50):
+        if candidate.name == name:
+            return candidate
+    raise KeyError(name)
+
+
 def configs(size: str = "cpu") -> list[Config]:
     """Three configurations per family (24 in all), each at two batch sizes on GPU."""
     out = []
