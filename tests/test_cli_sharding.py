@@ -114,14 +114,16 @@ def test_gpus_auto_picks_the_smallest_count_its_own_answers_say_fits(
     assert considered[-1]["gpus"] == chosen and 1 < chosen <= 8
     for check in considered[:-1]:  # every smaller count: nothing fits, by the screen or by the rank's own estimate
         assert not check["fits"] and check["chosen"] is None
-        passed = {o["option"] for o in check["options"] if o["fits"] and o["choosable"]}
-        assert passed == set(check["not_confirmed"])
+        estimated = [o for o in check["options"] if o["estimated"]]
+        assert {o["option"] for o in estimated} == set(check["not_confirmed"])
+        assert not any(o["fits"] for o in estimated)
     # offload is weighed and shown at every count, but chosen only when asked for
     assert {"offload" in o["option"] for o in considered[0]["options"]} == {True, False}
     assert all(("offload" in o["option"]) is not o["choosable"] for o in considered[0]["options"])
     last = considered[-1]
     assert last["fits"] and last["chosen"] == auto["sharding"]["strategy"]
-    assert next(o for o in last["options"] if o["option"] == last["chosen"])["peak_bytes"] <= auto["budget_bytes"]
+    chosen_option = next(o for o in last["options"] if o["option"] == last["chosen"])
+    assert chosen_option["estimated"] and chosen_option["peak_bytes"] <= auto["budget_bytes"]
     row = auto["gpus"][0]
     assert row["fits"] and row["predicted_peak_bytes"] <= row["budget_bytes"] == auto["budget_bytes"]
     assert auto["auto"] is True and row["world_size"] == chosen
@@ -175,3 +177,23 @@ def test_lora_under_sharding_counts_states_for_the_adapters_only(
         states = lora["model_states_per_rank_bytes"]
         assert states["optimizer_state"] == pytest.approx(8 * trainable / 4, rel=0.1), strategy
         assert states["optimizer_state"] < full["model_states_per_rank_bytes"]["optimizer_state"] / 10
+
+
+def test_gpus_auto_screen_table_and_states_come_from_one_estimate(config: str) -> None:
+    """The chosen count's screen figure, the table's row and the model-state line are one per-rank estimate's."""
+    from memfit.planning.sharded_plan import AUTO_STRATEGIES, Option, plan_sharded
+
+    options = [Option(strategy) for strategy in AUTO_STRATEGIES]
+    common = {"hf_config": config, "model": None, "gpu": None, "seq_len": 32, "checkpointing": "off", "margin": 0.0}
+    one = plan_sharded(**common, budget="2GiB", options=[Option("ddp")], gpus=1, target_batch_size=1)
+    eight = plan_sharded(**common, budget="2GiB", options=[Option("fsdp")], gpus=8, target_batch_size=8)
+    budget = (one.row.plan.predicted_peak_bytes + eight.row.plan.predicted_peak_bytes) // 2  # one GPU cannot hold it
+    report = plan_sharded(**common, budget=f"{budget}B", options=options, gpus=None)
+    last = report.considered[-1]
+    _, figure, _, fits, _, estimated = next(p for p in last.peaks if p[0] == last.confirmed)
+    assert report.sharding is not None and report.sharding.world_size == last.gpus > 1 and fits and estimated
+    estimate = report.row.estimate
+    assert estimate is not None and estimate.sharding == report.sharding
+    assert figure == estimate.least_device_bytes(1)  # the table's estimate, at the screened micro batch
+    assert report.model_states_bytes == dict(estimate.rank_terms)
+    assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)

@@ -207,7 +207,6 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
 
 def _print(report: ShardedReport) -> None:
     from memfit.cli.console import stdout_console
-    from memfit.planning.sharded import describe
     from memfit.reporting.tables import plan_table
 
     console = stdout_console(width=None if sys.stdout.isatty() else 200)
@@ -215,9 +214,7 @@ def _print(report: ShardedReport) -> None:
         console.print(check.summary(report.budget_bytes), highlight=False)
     console.print(plan_table(report.report))
     if report.sharding is not None:
-        states = ", ".join(f"{name.replace('_', ' ')} {format_bytes(size)}"
-                           for name, size in report.model_states_bytes.items())  # fmt: skip
-        console.print(f"one rank of {describe(report.sharding)}: model states {states}", highlight=False)
+        console.print(rank_states_line(report), highlight=False)
         if report.host_offload_per_rank_bytes:
             console.print(
                 f"host RAM for offloaded states (pinned): {format_bytes(report.host_offload_per_rank_bytes)} a rank, "
@@ -232,3 +229,17 @@ def _print(report: ShardedReport) -> None:
         low, high = report.report.depth_extrapolated_from
         console.print(f"searched on traces at {low} and {high} blocks extrapolated in depth; the plan is confirmed "
                       "on the whole model (--exact: search on it too)")  # fmt: skip
+
+
+def rank_states_line(report: ShardedReport) -> str:
+    """What one rank keeps of the model between steps, from the estimate the table shows (the table's columns are
+    the moment of the peak, when a unit's gradients may still be whole or none be born yet)."""
+    from memfit.planning.sharded import describe
+
+    terms = dict(report.model_states_bytes)
+    gathered = terms.pop("gathered_parameters", None)
+    kept = ", ".join(f"{name.replace('_', ' ')} {format_bytes(size)}" for name, size in terms.items())
+    line = f"one rank of {describe(report.sharding)} keeps {kept}"
+    if gathered:
+        line += f"; it gathers up to {format_bytes(gathered)} of parameters while blocks run"
+    return line + " (the table: the moment of the peak)"

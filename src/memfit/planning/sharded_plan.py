@@ -4,20 +4,21 @@ A plan for a given GPU count and strategy comes from ``memfit.estimate``'s own p
 (``TrainingLoop(sharding=...)``), searched and confirmed as any ``memfit plan`` row is (``_plan_one``:
 depth-extrapolated traces for the search of a deep model, the whole model's trace for the answer).
 
-``--gpus auto`` first screens every candidate count and strategy on one trace of the step per
-checkpointing setting, read through ``memfit.planning.sharded.per_rank`` (model states scale as 1/N
-analytically), so looking at a hundred counts costs no more traces than looking at one; the smallest
-count the screen passes is then planned, and confirmed, by the per-rank estimate itself, and the search
-moves on where that says no.
+``--gpus auto`` first screens every candidate count and strategy with the per-rank estimate of that strategy at
+one reference count, read at the others by the same model (``memfit.planning.sharded.rescaled``), so looking at a
+hundred counts costs no more traces than looking at one; the smallest count the screen passes is then planned, and
+confirmed, by the per-rank estimate at that count, and the search moves on where that says no. The chosen count's
+screen figure is that estimate's own, so the screen line, the table and the breakdown agree.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.categories import Category
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.deep_models import DeepModel
@@ -40,6 +41,7 @@ from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.presets import ModelSpec, from_factory, from_hf_config
+from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.ddp import DDPConfig
@@ -47,13 +49,7 @@ from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ZeroGrad
 from memfit.units import format_bytes
 
-from .sharded import (
-    candidate_gpu_counts,
-    describe,
-    model_states_per_rank,
-    model_units,
-    per_rank,
-)
+from .sharded import candidate_gpu_counts, describe, rescaled
 
 __all__ = ["AUTO_STRATEGIES", "CountCheck", "Option", "ShardedReport", "plan_sharded"]
 
@@ -63,9 +59,10 @@ AUTO_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
 # what --gpus auto weighs but does not choose unless --offload asks for it: offload moves the states over
 # PCIe every step and needs host RAM, so it is a choice for the user (the answer says where it would fit)
 AUTO_OFFLOADS = ("optimizer", "all")
-# counts the screen passes but the per-rank estimate refuses before --gpus auto stops and says so: each costs
-# that estimate's traces, and two in a row mean the screen and the estimate disagree on this model
-AUTO_MAX_REFUSED = 2
+# counts the screen passes but the per-rank estimate refuses before --gpus auto stops and says so: the screen
+# passes a count on a lower bound (the tensors alone), so it may pass a few the estimate then refuses, each at the
+# cost of that estimate
+AUTO_MAX_REFUSED = 4
 
 
 @dataclass(frozen=True)
@@ -97,17 +94,22 @@ class Option:
 @dataclass(frozen=True)
 class CountCheck:
     """What one GPU count said in the ``--gpus auto`` search: each option's smallest per-rank peak at the
-    micro batch asked for (checkpointing on where it is allowed and needed), and whether it fits."""
+    micro batch asked for (checkpointing on where it is allowed and needed), and whether it fits.
+
+    A figure is the per-rank estimate's own (``estimated``: the option was planned at this count, the figure the
+    plan compares with the budget) or the screen's reading of the strategy's estimate at its reference count
+    (``memfit.planning.sharded.rescaled``, printed with ``~``)."""
 
     gpus: int
     nodes: int
-    peaks: tuple[tuple[str, int, bool, bool, bool], ...]  # (option, device bytes, checkpointing, fits, choosable)
+    # (option, device bytes, checkpointing, fits, choosable, estimated)
+    peaks: tuple[tuple[str, int, bool, bool, bool, bool], ...]
     confirmed: str | None = None  # the option the whole model's trace confirmed at this count
     rejected: tuple[str, ...] = ()  # options the whole model's trace did not confirm
 
     def summary(self, budget_bytes: int) -> str:
-        parts = [f"{label} {format_bytes(peak)}{' (ckpt)' if ckpt else ''}{'' if fits else ' x'}"
-                 for label, peak, ckpt, fits, _ in self.peaks]  # fmt: skip
+        parts = [f"{label} {'' if own else '~'}{format_bytes(peak)}{' (ckpt)' if ckpt else ''}{'' if fits else ' x'}"
+                 for label, peak, ckpt, fits, _, own in self.peaks]  # fmt: skip
         verdict = f"fits with {self.confirmed}" if self.confirmed else "does not fit"
         if self.rejected:
             verdict += f" ({', '.join(self.rejected)} not confirmed on the whole model)"
@@ -124,8 +126,15 @@ class CountCheck:
             "chosen": self.confirmed,
             "not_confirmed": list(self.rejected),
             "options": [
-                {"option": label, "peak_bytes": peak, "gradient_checkpointing": ckpt, "fits": fits, "choosable": chosen}
-                for label, peak, ckpt, fits, chosen in self.peaks
+                {
+                    "option": label,
+                    "peak_bytes": peak,
+                    "gradient_checkpointing": ckpt,
+                    "fits": fits,
+                    "choosable": chosen,
+                    "estimated": own,
+                }
+                for label, peak, ckpt, fits, chosen, own in self.peaks
             ],
         }
 
@@ -229,7 +238,6 @@ def plan_sharded(
         spec = apply_finetune(_spec(hf_config, model, seq_len, image_size, layers), finetune, default, inference=False)
     parameters = sum(p.numel() for p in spec.model.parameters())
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-    units = model_units(spec.model)
     runtime = card.runtime if card else CudaRuntime()
 
     def build_at(depth: int) -> ModelSpec:
@@ -254,10 +262,14 @@ def plan_sharded(
 
         return deep.tracers(tracer, checkpointing == "on")
 
-    def screen(option: Option, count: int, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
-        """The rank's search estimate under ``config`` read off the plain trace (DDP's own above one GPU)."""
-        search, _ = traces(option.strategy == "ddp" and count > 1)
-        return lambda b, c, a: per_rank(search(b, c, a)[0], config, units)
+    def screen(option: Option, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
+        """The rank's search estimate under ``config``: one GPU's own, or read off the strategy's per-rank
+        estimate at its reference count (``rescaled``)."""
+        if config.world_size == 1 and option.strategy == "ddp":
+            return ranked(config)[0]
+        reference = Option(option.strategy).config(*_reference_count(option, gpus_per_node), row_precision)
+        search = ranked(reference)[0]
+        return lambda b, c, a: rescaled(search(b, c, a), config)
 
     def ranked(config: ShardingConfig) -> tuple[Any, Any]:
         """``(search, whole)`` of one rank under ``config``, from ``memfit.estimate``'s per-rank estimate."""
@@ -301,8 +313,8 @@ def plan_sharded(
         if config is not None and estimate is not None and estimate.rank_terms:
             states = dict(estimate.rank_terms)
             host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
-        elif config is not None:  # DDP, or no plan: the states of the whole model, shared as the screen shares them
-            states = model_states_per_rank(traces(False)[0](micro_batch_size, False, 1)[0], config)
+        elif config is not None:  # one GPU, or no plan: the states of the whole model
+            states = _held_states(ranked(config)[0](micro_batch_size, False, 1))
         return ShardedReport(report, config, option, trainable, states, host, considered, budget_bytes,
                              auto=gpus is None)  # fmt: skip
 
@@ -314,22 +326,23 @@ def plan_sharded(
 
     considered: list[CountCheck] = []
     refused = 0  # counts the screen passed and the per-rank estimate did not
+    allocator = AllocatorConfig.from_environment()
     for count in candidate_gpu_counts(gpus_per_node, max_gpus):
         per_node = min(count, gpus_per_node)
-        peaks = []
+        screened = []  # (option, screen figure, checkpointing, could fit)
         for option in (*options, *hints):
             if option.strategy == "ddp" and count > 1:
                 continue  # DDP holds on each rank what one GPU holds, and its buckets besides
             if option.strategy == "fsdp-hybrid" and count <= gpus_per_node:
                 continue  # within one node hybrid sharding is fsdp
             config = option.config(count, per_node, row_precision)
-            search = screen(option, count, config)
-            peak, ckpt = _smallest_peak(search, micro_batch_size, allow, budget_bytes)
-            peaks.append((option, peak, ckpt, peak <= budget_bytes))
-        fitting = [option for option, _, _, fits in peaks if fits and option in options]
+            screened.append((option, *_screened(screen(option, config), micro_batch_size, allow, budget_bytes)))
+        peaks = {option: (figure, ckpt, figure <= budget_bytes, False) for option, figure, ckpt, _ in screened}
         rejected: list[str] = []
-        for option in fitting:  # in order of preference; the whole model's trace decides
+        for option in [o for o, _, _, could in screened if could and o in options]:  # in order of preference
             row, config = planned(option, count, per_node, candidate=True)
+            own = _needed(ranked(config)[0], micro_batch_size, allow, budget_bytes, allocator)
+            peaks[option] = (*own, own[0] <= budget_bytes, True)  # the figure the plan itself compares
             if row.plan is not None:
                 check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected))
                 return finish(row, config, option, (*considered, check))
@@ -338,10 +351,10 @@ def plan_sharded(
         refused += bool(rejected)
         if refused >= AUTO_MAX_REFUSED:
             raise InvalidInputError(
-                f"the screen says {spec.name} fits {micro_batch_size} sample(s) per rank from "
-                f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but memfit.estimate's per-rank estimate does not "
-                f"confirm it at {' or '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with "
-                "--gpus N --strategy S to see its figures. Per count: "
+                f"the screen's lower bound says {spec.name} may fit {micro_batch_size} sample(s) per rank from "
+                f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but the per-rank estimate refuses it at "
+                f"{' and '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with --gpus N "
+                "--strategy S to see its figures. Per count: "
                 + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
             )
     tried = ", ".join(o.label for o in options)
@@ -352,21 +365,62 @@ def plan_sharded(
     )
 
 
+def _reference_count(option: Option, gpus_per_node: int) -> tuple[int, int]:
+    """``(gpus, gpus per node)`` a strategy's per-rank estimate is made at for the screen: two GPUs (two nodes'
+    worth for hybrid sharding, which shards within a node and replicates across nodes)."""
+    if option.strategy == "fsdp-hybrid":
+        return 2 * gpus_per_node, gpus_per_node
+    return 2, min(2, gpus_per_node)
+
+
+def _held_states(estimate: MemoryEstimate) -> dict[str, int]:
+    """The model states a rank holding everything holds: each category at its largest over the step."""
+    states = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+    return {c.value: max((p.breakdown.get(c, 0) for p in estimate.phases), default=0) for c in states}
+
+
 def _said(
-    peaks: list[tuple[Option, int, bool, bool]], options: Sequence[Option]
-) -> tuple[tuple[str, int, bool, bool, bool], ...]:
-    return tuple((option.label, peak, ckpt, fits, option in options) for option, peak, ckpt, fits in peaks)
+    peaks: Mapping[Option, tuple[int, bool, bool, bool]], options: Sequence[Option]
+) -> tuple[tuple[str, int, bool, bool, bool, bool], ...]:
+    return tuple((option.label, peak, ckpt, fits, option in options, own)
+                 for option, (peak, ckpt, fits, own) in peaks.items())  # fmt: skip
 
 
-def _smallest_peak(
+def _checkpointing(allow: str) -> tuple[bool, ...]:
+    return {"off": (False,), "on": (True,), "auto": (False, True)}[allow]
+
+
+def _screened(
     search: Callable[[int, bool, int], MemoryEstimate], micro: int, allow: str, budget_bytes: int
-) -> tuple[int, bool]:
-    """The per-rank device peak at ``micro`` without checkpointing, or with it when that is allowed and
-    the peak without it is over ``budget_bytes`` (``"on"``: with it only); checkpointing is traced only
-    when it is needed."""
+) -> tuple[int, bool, bool]:
+    """The screen at ``micro``: its per-rank device peak, with checkpointing where allowed and needed, and whether
+    the step could fit. It could where its tensors alone (the phase fits, no allocator overhead) and the CUDA
+    context are within ``budget_bytes``: a bound the per-rank estimate cannot go below, so the search never
+    passes over a count that fits."""
     answers = []
-    for ckpt in {"off": (False,), "on": (True,), "auto": (False, True)}[allow]:
-        answers.append((search(micro, ckpt, 1).at(micro).device_bytes, ckpt))
+    for ckpt in _checkpointing(allow):
+        screen = search(micro, ckpt, 1)
+        tensors = max(model.at(micro) for model in screen.phase_models) + (screen.cuda_context_bytes or 0)
+        answers.append((screen.at(micro).device_bytes, ckpt, tensors <= budget_bytes))
+        if answers[-1][2]:
+            break
+    return min(answers, key=lambda answer: (not answer[2], answer[0]))
+
+
+def _needed(
+    search: Callable[[int, bool, int], MemoryEstimate],
+    micro: int,
+    allow: str,
+    budget_bytes: int,
+    allocator: AllocatorConfig,
+) -> tuple[int, bool]:
+    """The per-rank estimate's own figure at ``micro``, the one a plan compares with the budget (what the step
+    needs at the allocator's limit, where the log can be replayed), with checkpointing where allowed and needed."""
+    answers = []
+    for ckpt in _checkpointing(allow):
+        estimate = search(micro, ckpt, 1)
+        least = estimate.least_device_bytes(micro, allocator=allocator)
+        answers.append((least if least is not None else estimate.at(micro).device_bytes, ckpt))
         if answers[-1][0] <= budget_bytes:
             break
     return min(answers)

@@ -25,6 +25,7 @@ from memfit.errors import EstimationError, InvalidInputError, MemfitError, Value
 from memfit.precision import Precision
 from memfit.prediction.exact import exact_estimates
 from memfit.prediction.sharded import (
+    RankModel,
     model_facts,
     rank_notes,
     rank_plan,
@@ -144,6 +145,7 @@ class MemoryEstimate:
     inference: bool = False
     sharding: ShardingConfig | None = None
     rank_terms: Mapping[str, int] = field(default_factory=dict)  # one rank's model-state terms (sharded runs)
+    rank_model: RankModel | None = field(default=None, repr=False)  # what the terms were made from (sharded runs)
     host_bytes_per_node: int | None = None  # offloaded states and pinned buffers of a node's ranks
     seq_len: int | None = None  # the sample's sequence length, where it has one (its token ids' dimension 1)
     # (batch, seq_len) -> phase peaks replayed from a symbolic trace (memfit.prediction.exact); None: the fit
@@ -264,7 +266,8 @@ class MemoryEstimate:
             raise InvalidInputError("seq_len: this estimate cannot be rebuilt at another sequence length")
         other: MemoryEstimate = source(self.batch_size, seq_len)
         return dataclasses.replace(
-            other, sharding=self.sharding, rank_terms=self.rank_terms, host_bytes_per_node=self.host_bytes_per_node,
+            other, sharding=self.sharding, rank_terms=self.rank_terms, rank_model=self.rank_model,
+            host_bytes_per_node=self.host_bytes_per_node,
             trace_seconds=self.trace_seconds, notes=tuple(dict.fromkeys([*self.notes, *other.notes])),
         )  # fmt: skip
 
@@ -548,16 +551,19 @@ class _RankRewrite:
     def __init__(self, sharding: ShardingConfig, facts: Any) -> None:
         self._sharding, self._facts = sharding, facts
         self.plan: Any = None
+        self.model: RankModel | None = None
 
     def __call__(self, trace: StepTrace) -> StepTrace:
         if self.plan is None:
-            self.plan = rank_plan(self._sharding, self._facts, traced_bytes(trace))
+            self.model = RankModel(self._facts, traced_bytes(trace))
+            self.plan = rank_plan(self._sharding, self.model.facts, self.model.traced)
         return shard_trace(trace, self.plan)
 
     def annotate(self, estimate: MemoryEstimate) -> MemoryEstimate:
         sharding, plan = self._sharding, self.plan
         return dataclasses.replace(
             estimate.with_notes(*rank_notes(sharding, plan)), sharding=sharding, rank_terms=dict(plan.terms),
+            rank_model=self.model,
             host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
         )  # fmt: skip
 
@@ -575,7 +581,8 @@ def _one_rank(
     traced_fsdp2: Callable[[], int | None],
 ) -> list[MemoryEstimate]:
     """Estimates of one rank of ``sharding``'s run (``memfit.prediction.sharded``)."""
-    plan = rank_plan(sharding, model_facts(model, settings, step.checkpoint_modules), traced_bytes(primary))
+    model_of_rank = RankModel(model_facts(model, settings, step.checkpoint_modules), traced_bytes(primary))
+    plan = rank_plan(sharding, model_of_rank.facts, model_of_rank.traced)
     primary = shard_trace(primary, plan)
     secondary = shard_trace(secondary, plan) if secondary is not None else None
     estimates = []
@@ -589,6 +596,7 @@ def _one_rank(
         estimates.append(
             dataclasses.replace(
                 built.with_notes(*rank_notes(sharding, plan)), sharding=sharding, rank_terms=dict(plan.terms),
+                rank_model=model_of_rank,
                 host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
             )
         )  # fmt: skip
@@ -871,6 +879,7 @@ def extrapolate_depth(
         activation_bytes=line(shallow.activation_bytes, deeper.activation_bytes),
         # a rank's shards grow with the blocks as the states they are cut from do
         rank_terms={k: line(shallow.rank_terms.get(k, 0), v) for k, v in deeper.rank_terms.items()},
+        rank_model=deeper.rank_model,  # its terms' ratios between world sizes are the deep model's
         host_bytes_per_node=None if deeper.host_bytes_per_node is None else line(
             shallow.host_bytes_per_node or 0, deeper.host_bytes_per_node),
         timeline=extrapolate_timeline(shallow.timeline, deeper.timeline, t),

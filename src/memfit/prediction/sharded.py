@@ -34,6 +34,7 @@ from memfit.tracing.zero import zero_rank_plan
 
 __all__ = [
     "ANALYTIC_PATH",
+    "RankModel",
     "fsdp_compute_dtype",
     "model_facts",
     "rank_plan",
@@ -125,6 +126,19 @@ def traced_bytes(trace: StepTrace) -> dict[Category, int]:
     for (category, _), size in per_step.items():
         out[category] = max(out.get(category, 0), size)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RankModel:
+    """What a per-rank estimate was made from: the model's facts and the traced step's model states. With them
+    the same documented strategy model answers for another world size or offload (``terms``)."""
+
+    facts: ModelFacts
+    traced: Mapping[Category, int]
+
+    def terms(self, sharding: ShardingConfig) -> dict[str, int]:
+        """One rank's model-state terms under ``sharding`` (``RankPlan.terms``)."""
+        return dict(rank_plan(sharding, self.facts, self.traced).terms)
 
 
 def rank_plan(sharding: ShardingConfig, facts: ModelFacts, traced: Mapping[Category, int]) -> RankPlan:
