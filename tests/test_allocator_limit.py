@@ -124,7 +124,8 @@ def test_garbage_collection_frees_cached_segments_above_its_threshold() -> None:
         ("expandable_segments:True", AllocatorConfig(expandable_segments=True)),
         ("max_split_size_mb:128,garbage_collection_threshold:0.6",
          AllocatorConfig(max_split_size=128 * MiB, garbage_collection_threshold=0.6)),
-        ("backend:native, expandable_segments:False,roundup_power2_divisions:4", AllocatorConfig()),
+        ("backend:native, expandable_segments:False,roundup_power2_divisions:4",
+         AllocatorConfig(unmodelled=("roundup_power2_divisions:4",))),
     ],
 )  # fmt: skip
 def test_the_options_are_read_as_torch_spells_them(text: str, config: AllocatorConfig) -> None:

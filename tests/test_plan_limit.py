@@ -38,7 +38,7 @@ def test_resnet50_under_an_allocator_limit_runs_out_where_it_did_on_an_h100() ->
     first_out = min(run["batch_size"] for run in truth["runs"] if not run["ran"])
     estimate = resnet50()
     at_limit = estimate.max_batch_size(limit, include_context=False, at_limit=True, allocator=AllocatorConfig())
-    with_room = estimate.max_batch_size(limit, include_context=False)
+    with_room = estimate.max_batch_size(limit, include_context=False, at_limit=False)
     assert at_limit is not None and with_room is not None
     assert abs(at_limit - largest_ran) <= 0.01 * largest_ran
     assert with_room < 0.95 * largest_ran
@@ -53,8 +53,14 @@ def test_the_plan_for_that_budget_takes_at_least_95_percent_of_the_real_maximum_
     chosen = plan(resnet50(), truth["allocator_limit_bytes"], target_batch_size="max", allow_checkpointing=False,
                   include_context=False, allocator=AllocatorConfig())  # fmt: skip
     assert 0.95 * largest_ran <= chosen.micro_batch_size <= largest_ran
-    assert chosen.margin == DEFAULT_MARGIN and chosen.predicted_peak_bytes <= chosen.budget_bytes
-    assert any("at the allocator's limit" in reason for reason in chosen.reasons)
+    assert chosen.margin == DEFAULT_MARGIN and chosen.needed_bytes <= chosen.budget_bytes
+    assert any("fits only with the allocator at its limit" in reason for reason in chosen.reasons)
+    # what the run measures on that limit: capped there, above what the step needs, with the retries
+    limit = truth["allocator_limit_bytes"]
+    at_limit = resnet50().at_limit(chosen.micro_batch_size, limit, include_context=False, allocator=AllocatorConfig())
+    assert chosen.predicted_reserved_bytes == at_limit.peak_reserved_bytes <= limit
+    assert chosen.needed_bytes < chosen.predicted_peak_bytes and chosen.alloc_retries == at_limit.alloc_retries > 0
+    assert "needs" in chosen.summary() and "at the allocator's limit" in chosen.summary()
     before = plan(resnet50(), truth["allocator_limit_bytes"], target_batch_size="max", allow_checkpointing=False,
                   include_context=False, margin=0.05, at_limit=False)  # fmt: skip
     assert before.micro_batch_size < chosen.micro_batch_size  # what planning on the peak left unused
@@ -108,3 +114,36 @@ def test_the_command_line_takes_the_allocators_options_and_refuses_bad_ones(caps
 
 def test_the_resnet50_is_torchvisions_layer_for_layer() -> None:
     assert sum(p.numel() for p in RESNET50.build("gpu").parameters()) == 25_557_032  # torchvision's resnet50
+
+
+def test_with_room_to_spare_the_plan_quotes_what_the_run_reserves_and_says_nothing_of_the_limit() -> None:
+    estimate = resnet50()
+    roomy = plan(estimate, 80 * GiB, target_batch_size=32, allocator=AllocatorConfig())
+    peak = estimate.at(roomy.micro_batch_size)
+    assert roomy.alloc_retries == 0 and roomy.predicted_reserved_bytes == peak.reserved_bytes
+    assert roomy.predicted_peak_bytes == peak.device_bytes  # what the run reaches: no allocator retries there
+    assert roomy.needed_bytes <= roomy.predicted_peak_bytes
+    assert not any("allocator" in reason for reason in roomy.reasons)
+    assert "needs" not in roomy.summary() or roomy.needed_bytes < roomy.predicted_peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("expandable_segment:True", "did you mean expandable_segments"),
+        ("expandable_segments:Yes", "takes True or False"),
+        ("garbage", "unknown allocator option 'garbage'"),
+    ],
+)
+def test_an_allocator_option_torch_would_refuse_is_refused(options: str, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        AllocatorConfig.parse(options)
+
+
+def test_an_option_that_is_not_modelled_is_named_in_the_plan() -> None:
+    config = AllocatorConfig.parse("roundup_power2_divisions:[64:8,256:4,>:1],pinned_use_background_threads:True")
+    assert config.unmodelled == ("roundup_power2_divisions:[64:8,256:4,>:1]",)
+    truth = gpu_truth.boundary()
+    chosen = plan(resnet50(), truth["allocator_limit_bytes"], target_batch_size="max", allow_checkpointing=False,
+                  include_context=False, allocator=config)  # fmt: skip
+    assert any("not modelled" in reason and "roundup_power2_divisions" in reason for reason in chosen.reasons)

@@ -84,14 +84,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def current_rss_bytes() -> int:
-    if _STATUS.exists():
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return peak_rss_bytes()
-
-
 def nvml_device_used_bytes(index: int) -> int | None:
     """Used memory of GPU ``index`` from NVML, or ``None`` without ``nvidia-ml-py`` or a driver."""
     try:

@@ -39,6 +39,7 @@ __all__ = ["CHECKPOINTING_MIN_GAIN", "SMALL_MICRO_BATCH", "Plan", "plan"]
 SMALL_MICRO_BATCH = 4
 CHECKPOINTING_MIN_GAIN = 4.0
 _UNBOUNDED = 1 << 31
+_UNBOUNDED_BYTES = 1 << 62  # a capacity no step reaches: the allocator replayed with room to spare
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,20 @@ class Plan:
     predicted_allocated_bytes: int = 0
     predicted_reserved_bytes: int = 0
     reasons: tuple[str, ...] = field(default=())
-    alloc_retries: int = 0  # allocator retries (cache freed, device synchronized) a step needs at the budget
+    alloc_retries: int = 0  # allocator retries (cache freed, device synchronized) a step needs on the capacity
     allocator_settings: str = ""  # the PYTORCH_ALLOC_CONF options planned for ("" for torch's defaults)
+    # the least memory the step runs in, the allocator freeing its cache and retrying at its limit: the figure
+    # compared with the budget (0: ``predicted_peak_bytes``, planned without the allocator's limit)
+    needed_bytes: int = 0
+
+    @property
+    def fit_bytes(self) -> int:
+        """The figure the plan compares with the budget."""
+        return self.needed_bytes or self.predicted_peak_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return self.budget_bytes - self.predicted_peak_bytes
+        return self.budget_bytes - self.fit_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +92,7 @@ class Plan:
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "alloc_retries": self.alloc_retries,
             "allocator_settings": self.allocator_settings,
+            "needed_bytes": self.needed_bytes,
             "reasons": list(self.reasons),
         }
 
@@ -103,9 +113,10 @@ class Plan:
     def summary(self) -> str:
         """One line for logs: ``micro 12 x accumulation 3 x 1 device = 36 (target 36), peak ...``.
 
-        The peak is ``predicted_peak_bytes``, the figure compared with the budget; where it includes
-        the CUDA context, its reserved part (what ``max_memory_reserved`` measures, and what the run's
-        drift is measured against) is named beside it.
+        The peak is ``predicted_peak_bytes``, what the run reaches on its capacity; where it includes the CUDA
+        context, its reserved part (what ``max_memory_reserved`` measures, and what the run's drift is measured
+        against) is named beside it. Where the step needs less at the allocator's limit (``needed_bytes``, the
+        figure compared with the budget), that is named too.
         """
         target = ""
         if self.target_batch_size and self.target_batch_size != self.effective_batch_size:
@@ -119,10 +130,15 @@ class Plan:
             if self.predicted_reserved_bytes and context > 0
             else ""
         )
+        needs = (
+            f"; needs {format_bytes(self.fit_bytes)} at the allocator's limit,"
+            if self.fit_bytes < self.predicted_peak_bytes
+            else ""
+        )
         return (
             f"micro batch {self.micro_batch_size} x accumulation {self.accumulate_grad_batches} x "
             f"{self.world_size} device(s) = {self.effective_batch_size}{target}{ckpt}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)}{parts} of {format_bytes(self.budget_bytes)} budget"
+            f"{format_bytes(self.predicted_peak_bytes)}{parts}{needs} of {format_bytes(self.budget_bytes)} budget"
         )
 
 
@@ -673,6 +689,7 @@ def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan
         effective_batch_size=split.micro * split.accumulation * question.world_size,
         target_batch_size=question.target_batch_size,
         predicted_peak_bytes=question.predicted(split.peak),
+        needed_bytes=question.predicted(split.peak),
         capacity_bytes=question.capacity_bytes,
         budget_bytes=question.budget,
         margin=question.margin,
@@ -684,25 +701,29 @@ def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan
 
 
 def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: MemoryEstimate) -> Plan:
-    """What the allocator does at the device's limit with the chosen micro batch: whether it must free its cache
-    and retry (slower steps), what it reserves there (what the run measures), and what expandable segments would
-    change."""
+    """What the allocator does on the device with the chosen micro batch: the peak the run reaches there (what it
+    measures), whether it must free its cache and retry (slower steps), and, where the step fits only at the
+    allocator's limit, what it needs there and what expandable segments would change."""
     config = question.allocator
     assert config is not None
+    context = (source.cuda_context_bytes or 0) if question.include_context else 0
     at_capacity = source.at_limit(
         split.micro, question.capacity_bytes, include_context=question.include_context, allocator=config
     )
-    if at_capacity is None:
+    free_running = source.at_limit(split.micro, _UNBOUNDED_BYTES, include_context=False, allocator=config)
+    if at_capacity is None or free_running is None:
         return chosen
     reasons = list(chosen.reasons)
     settings = config.setting() or "torch's defaults"
     needed = chosen.predicted_peak_bytes
-    with_room = split.peak.device_bytes if question.include_context else split.peak.reserved_bytes
-    if with_room > needed:
+    with_room = free_running.peak_reserved_bytes + context
+    tight = with_room > question.budget or at_capacity.alloc_retries > 0
+    if with_room > question.budget:
         reasons.append(
-            f"the step needs {format_bytes(needed)} at the allocator's limit ({settings}): there the caching allocator "
-            f"frees its cached blocks and retries before it runs out of memory; with room to spare it would reserve "
-            f"{format_bytes(with_room)}"
+            f"it fits only with the allocator at its limit ({settings}): with room to spare the step would reserve "
+            f"{format_bytes(with_room)}, over the {format_bytes(question.budget)} budget; it needs "
+            f"{format_bytes(needed)}, where the caching allocator frees its cached blocks and retries instead of "
+            "running out of memory"
         )
     if at_capacity.alloc_retries:
         reasons.append(
@@ -710,7 +731,7 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
             f"{at_capacity.alloc_retries} time(s) in two steps (each a device synchronization: slower steps; "
             "torch.cuda.memory_stats()['num_alloc_retries'] counts them)"
         )
-    if not config.expandable_segments:
+    if tight and not config.expandable_segments:
         expandable = dataclasses.replace(config, expandable_segments=True)
         least = source.least_device_bytes(split.micro, allocator=expandable)
         if least is not None and least < needed:
@@ -718,10 +739,13 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
                 f"with PYTORCH_ALLOC_CONF=expandable_segments:True the step would need {format_bytes(least)} "
                 f"({format_bytes(needed - least)} less: segments grow in place, with less fragmentation)"
             )
-    least_reserved = split.peak.least_reserved_bytes
+    if config.unmodelled:
+        reasons.append(f"allocator options not modelled, planned as torch's defaults: {', '.join(config.unmodelled)}")
     return dataclasses.replace(
         chosen,
-        predicted_reserved_bytes=least_reserved if least_reserved is not None else chosen.predicted_reserved_bytes,
+        predicted_peak_bytes=at_capacity.peak_reserved_bytes + context,
+        predicted_reserved_bytes=at_capacity.peak_reserved_bytes,
+        needed_bytes=needed,
         alloc_retries=at_capacity.alloc_retries,
         allocator_settings=config.setting(),
         reasons=tuple(reasons),

@@ -277,19 +277,20 @@ class MemoryEstimate:
         *,
         include_context: bool = True,
         seq_len: int | None = None,
-        at_limit: bool = False,
+        at_limit: bool = True,
         allocator: AllocatorConfig | None = None,
     ) -> int | None:
-        """Largest batch whose predicted peak fits in ``capacity_bytes`` (``None``: not even 1).
+        """Largest batch that runs in ``capacity_bytes`` (``None``: not even 1).
 
         ``include_context=False`` when the capacity was measured after CUDA started in this
         process (``torch.cuda.mem_get_info`` then already excludes the context).
 
         ``seq_len``: at that many tokens a sample (default: the traced sample's).
 
-        ``at_limit=True`` asks where the step really runs out of memory: the allocator frees its cache and
-        retries at its limit (``least_device_bytes``, under ``allocator``'s options), rather than where its peak
-        with room to spare reaches the capacity.
+        By default (``at_limit=True``, as ``memfit.plan``) it asks where the step really runs out of memory: the
+        allocator frees its cache and retries at its limit (``least_device_bytes``, under ``allocator``'s options,
+        default this process's ``PYTORCH_ALLOC_CONF``). ``at_limit=False``: where its peak with room to spare
+        reaches the capacity (also where the log cannot be replayed: a CPU target, the concrete path).
 
         This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
         sizes traced, which can be off by a few samples either way (the allocator's rounding and the

@@ -29,6 +29,7 @@ memory outside the allocator (CUDA context) and the driver's own fragmentation o
 
 from __future__ import annotations
 
+import difflib
 import os
 from bisect import bisect_left, insort
 from collections.abc import Mapping
@@ -103,6 +104,46 @@ def segment_size(rounded: int, large_segment: int = LARGE_BUFFER) -> int:
     return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
+# PYTORCH_ALLOC_CONF keys torch 2.13 accepts (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.h)
+_MODELLED_KEYS = {
+    "expandable_segments",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+}
+# keys that change what the device allocator reserves, not modelled: another rounding of requests, another size of
+# the shared large segments, CUDA's own asynchronous allocator, a per-process cap (give it as the capacity instead)
+_UNMODELLED_KEYS = {"roundup_power2_divisions", "large_segment_size_mb", "backend", "per_process_memory_fraction"}
+# keys of the host (pinned) allocator, of locking and of graph capture: what the device reserves does not change
+_OTHER_KEYS = {
+    "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
+    "pinned_max_round_threshold", "pinned_max_cached_size", "pinned_reserve_segment_size_mb",
+    "pinned_free_catch_all", "graph_capture_record_stream_reuse", "throw_on_cudamalloc_oom",
+}  # fmt: skip
+_KNOWN_KEYS = _MODELLED_KEYS | _UNMODELLED_KEYS | _OTHER_KEYS
+
+
+def _items(text: str) -> list[str]:
+    """``key:value`` items of an options string; a bracketed value (``roundup_power2_divisions:[64:8,>:1]``) keeps
+    its commas."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _switch(key: str, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise InvalidInputError(f"allocator option {key} takes True or False, got {value!r} (torch refuses it too)")
+    return value.lower() == "true"
+
+
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The caching allocator's options that change how much it reserves (``PYTORCH_ALLOC_CONF``).
@@ -118,6 +159,7 @@ class AllocatorConfig:
     max_split_size: int | None = None
     max_non_split_rounding: int = LARGE_BUFFER
     garbage_collection_threshold: float = 0.0
+    unmodelled: tuple[str, ...] = ()  # options given that change what is reserved but are not modelled
 
     def __post_init__(self) -> None:
         if self.max_split_size is not None and self.max_split_size < LARGE_BUFFER:
@@ -132,26 +174,36 @@ class AllocatorConfig:
 
     @classmethod
     def parse(cls, text: str | None) -> AllocatorConfig:
-        """The options of a ``PYTORCH_ALLOC_CONF`` string (``"expandable_segments:True,max_split_size_mb:128"``);
-        options that do not change what is reserved are ignored."""
+        """The options of a ``PYTORCH_ALLOC_CONF`` string (``"expandable_segments:True,max_split_size_mb:128"``).
+
+        Keys torch does not know are refused, as torch refuses them (``c10/core/AllocatorConfig.cpp``,
+        ``c10/cuda/CUDAAllocatorConfig.h``); so are switches other than True/False. Keys that change what is
+        reserved but are not modelled are kept in ``unmodelled`` (a plan names them); keys of the host (pinned)
+        allocator and of locking change nothing here."""
         options: dict[str, object] = {}
-        for item in (text or "").split(","):
-            if not item.strip():
-                continue
+        unmodelled: list[str] = []
+        for item in _items(text or ""):
             key, _, value = item.partition(":")
             key, value = key.strip(), value.strip()
+            if key not in _KNOWN_KEYS:
+                close = difflib.get_close_matches(key, sorted(_KNOWN_KEYS), n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; torch knows {', '.join(sorted(_KNOWN_KEYS))}"
+                raise InvalidInputError(f"unknown allocator option {key!r} (torch refuses it too){hint}")
+            if key == "expandable_segments":
+                options["expandable_segments"] = _switch(key, value)
+                continue
             try:
-                if key == "expandable_segments":
-                    options["expandable_segments"] = value.lower() in ("true", "1")
-                elif key == "max_split_size_mb":
+                if key == "max_split_size_mb":
                     options["max_split_size"] = int(float(value)) * _MiB
                 elif key == "max_non_split_rounding_mb":
                     options["max_non_split_rounding"] = int(float(value)) * _MiB
                 elif key == "garbage_collection_threshold":
                     options["garbage_collection_threshold"] = float(value)
+                elif key in _UNMODELLED_KEYS and f"{key}:{value}" != "backend:native":  # native: this allocator
+                    unmodelled.append(f"{key}:{value}")
             except ValueError:
                 raise InvalidInputError(f"allocator option {key}:{value} is not a number") from None
-        return cls(**options)  # type: ignore[arg-type]
+        return cls(**options, unmodelled=tuple(unmodelled))  # type: ignore[arg-type]
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
@@ -170,6 +222,7 @@ class AllocatorConfig:
             parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding // _MiB}")
         if self.garbage_collection_threshold:
             parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        parts.extend(self.unmodelled)
         return ",".join(parts)
 
 

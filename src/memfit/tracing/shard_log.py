@@ -132,9 +132,6 @@ class RankPlan:
     trainable_parameter_sizes: Mapping[int, int] = field(default_factory=dict)
     resize_trainable_parameters: Resize | None = None
 
-    def buffer_bytes(self, what: str) -> int:
-        return sum(b.size_bytes for b in self.buffers if b.what == what)
-
 
 def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorder:
     """A new log: ``recorder``'s with every storage resized by ``plan``, FSDP's units scheduled (``plan.units``)
@@ -409,10 +406,6 @@ class ModelFacts:
     # bytes of a trainable parameter's element in the trace (FSDP's ``param_dtype`` where it casts them, else their
     # own dtype); 0: ``element_bytes``
     trainable_element_bytes: int = 0
-
-    @property
-    def frozen_numel(self) -> int:
-        return self.numel - self.trainable_numel
 
     @property
     def stored_bytes(self) -> int:
