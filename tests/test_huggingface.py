@@ -6,12 +6,13 @@ import dataclasses
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 import memfit
 from memfit.huggingface import PLAN_FILE, MemoryPlannerCallback, attach, plan_training_arguments
@@ -335,6 +336,43 @@ def test_a_streaming_dataset_is_planned_on_its_first_examples(tmp_path: Path) ->
     assert planned.estimate.batch_size == 4
 
 
+class ShortFirstStream(torch.utils.data.IterableDataset):
+    """A stream whose first examples are short and whose later ones reach the model's positions."""
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        for index in range(64):
+            ids = torch.randint(0, VOCAB, (4 if index < 16 else SEQ,), generator=generator)
+            yield {"input_ids": ids, "labels": ids}
+
+
+def pad_to_longest(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.stack([torch.nn.functional.pad(e["input_ids"], (0, length - len(e["input_ids"]))) for e in examples])
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_a_stream_is_planned_at_the_longest_batch_it_can_produce_and_says_from_what(tmp_path: Path) -> None:
+    """A stream's lengths cannot be read ahead: its first examples (4 tokens here) are planned stretched to the
+    model's positions (32), the peak of a batch that long, and the plan says so where the user reads it."""
+    model = tiny_gpt2()
+    args = training_args(tmp_path, per_device_train_batch_size=4, max_steps=3)
+    streamed = plan_training_arguments(model, args, ShortFirstStream(), data_collator=pad_to_longest, budget="1GiB")
+    longest = plan_training_arguments(model, args, Tokens(), budget="1GiB")  # every example 32 tokens long
+    assert streamed.estimate.peak_allocated_bytes == longest.estimate.peak_allocated_bytes
+    (note,) = [r for r in streamed.plan.reasons if "stream" in r]
+    assert "first examples (4 tokens)" in note and "stretched to 32 tokens, the model's n_positions" in note
+    bounded = plan_training_arguments(model, args, ShortFirstStream(), data_collator=pad_to_longest, budget="1GiB",
+                                      max_length=16)  # fmt: skip
+    assert "stretched to 16 tokens, max_length=16" in " ".join(bounded.plan.reasons)
+    assert bounded.estimate.peak_allocated_bytes < streamed.estimate.peak_allocated_bytes
+
+    callback = MemoryPlannerCallback(verbose=False)
+    Trainer(model=model, args=args, train_dataset=ShortFirstStream(), data_collator=pad_to_longest,
+            callbacks=[callback]).train()  # fmt: skip
+    assert callback.estimate.peak_allocated_bytes == longest.estimate.peak_allocated_bytes
+
+
 def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_path: Path) -> None:
     """The common path: ``datasets.Dataset.map(tokenizer)`` (text column kept, a length column) and the
     language-modeling collator, which pads to the longest in the batch."""
@@ -370,12 +408,13 @@ def test_a_tokenized_datasets_dataset_is_planned_as_the_trainer_batches_it(tmp_p
 
 
 def test_attach_puts_the_trainers_callback_first_and_holds_the_trainer(tmp_path: Path) -> None:
-    """``attach`` is the public way to reach the Trainer: no callback can see it on its own."""
+    """Passed in ``callbacks=[...]``, the callback attaches itself when the Trainer is built: first, before the
+    ``report_to`` trackers HF puts ahead of user callbacks, and holding the Trainer; ``attach`` then uses it."""
     model, data = tiny_gpt2(), Tokens()
     callback = MemoryPlannerCallback(verbose=False)
     trainer = Trainer(model=model, args=training_args(tmp_path, report_to=["tensorboard"]), train_dataset=data,
                       callbacks=[callback])  # fmt: skip
-    assert trainer.callback_handler.callbacks[0] is not callback  # HF puts report_to trackers first
+    assert trainer.callback_handler.callbacks[0] is callback and callback._trainer is trainer
     assert attach(trainer) is callback
     assert trainer.callback_handler.callbacks[0] is callback
     assert sum(isinstance(c, MemoryPlannerCallback) for c in trainer.callback_handler.callbacks) == 1
@@ -388,15 +427,80 @@ def test_attach_puts_the_trainers_callback_first_and_holds_the_trainer(tmp_path:
     assert "training_step" not in vars(trainer)  # the wrapped step is undone when training ends
 
 
-def test_a_callback_that_is_not_attached_measures_but_says_what_it_cannot_do(tmp_path: Path) -> None:
+def test_a_callback_in_the_trainers_list_alone_reaches_the_trackers_and_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``attach``, ``Trainer(callbacks=[MemoryPlannerCallback()])`` (or ``add_callback``) works the same:
+    the memfit keys reach TensorBoard and out-of-memory recovery is on, with no warning about attaching."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     model, data = tiny_gpt2(), Tokens()
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # transformers 5; 4.x: logging_dir
+    older = {"logging_dir": str(tmp_path / "tb")} if "logging_dir" in TrainingArguments.__dataclass_fields__ else {}
+    args = training_args(tmp_path, max_steps=2, report_to=["tensorboard"], **older)
     callback = MemoryPlannerCallback(verbose=False)
-    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=data, callbacks=[callback])
-    with pytest.warns(UserWarning, match="not attached.*attach\\(trainer") as caught:
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.train()
+    assert not [w for w in caught if "attach" in str(w.message)]
+    assert callback.recovery is not None and [d.step for d in callback.monitor.history] == [2]
+    (event_file,) = (tmp_path / "tb").rglob("events.out.tfevents.*")
+    events = EventAccumulator(str(event_file.parent))
+    events.Reload()
+    assert {f"train/{key}" for key in DRIFT_KEYS} <= set(events.Tags()["scalars"])
+
+    added = MemoryPlannerCallback(verbose=False)
+    later = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=data)
+    later.add_callback(added)
+    later.train()
+    assert later.callback_handler.callbacks[0] is added and added.recovery is not None
+
+
+def test_a_callback_called_outside_a_trainer_measures_but_says_what_it_cannot_do(tmp_path: Path) -> None:
+    """Events that do not come from a Trainer (a loop of one's own calling the callback) leave it unattached: it
+    predicts and measures, and warns once that recovery and the trackers need ``attach``."""
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path, max_steps=2)
+    callback = MemoryPlannerCallback(verbose=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=12, collate_fn=_model_inputs)
+    state, control = TrainerState(), TrainerControl()
+    with pytest.warns(UserWarning, match="not attached.*attach\\(trainer") as caught:
+        callback.on_train_begin(args, state, control, model=model, train_dataloader=loader)
     assert sum("not attached" in str(w.message) for w in caught) == 1
-    assert callback.estimate is not None and [d.step for d in callback.monitor.history] == [2]
-    assert callback.recovery is None and "training_step" not in vars(trainer)
+    assert callback.estimate is not None and callback.recovery is None
+
+
+def _model_inputs(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([e[key] for e in examples]) for key in ("input_ids", "labels")}
+
+
+def test_attach_plans_a_built_trainer_in_one_line(tmp_path: Path) -> None:
+    """``attach(trainer, budget=...)`` plans on what the Trainer was built with and applies it to the built
+    Trainer: its dataloader, accumulation and logs run the plan; the arguments it was built with are untouched."""
+    model, data = tiny_gpt2(), Tokens()
+    args = training_args(tmp_path)
+    budget = budget_between(accumulating_estimate(model, args, data), 3)  # the plan will be 3 x 4
+    sizes = BatchSizes(model)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    callback = attach(trainer, budget=budget, margin=MARGIN)
+    assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches) == (3, 4)
+    assert args.per_device_train_batch_size == 12 and trainer.args.per_device_train_batch_size == 3
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+    assert trainer.state.train_batch_size == 3 and trainer.state.global_step == 6
+    assert set(sizes.seen) == {3} and len(sizes.seen) == 24  # 6 steps x 4 micro batches: the effective batch kept
+    first = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert (first["memfit/micro_batch_size"], first["memfit/accumulate_grad_batches"]) == (3, 4)
+
+    with pytest.raises(memfit.InvalidInputError, match=r"either plan= .* or budget="):
+        attach(Trainer(model=model, args=args, train_dataset=data), plan=callback.plan, budget="1GiB")
+    with pytest.raises(memfit.InvalidInputError, match="no train_dataset"):
+        attach(Trainer(model=model, args=args), budget="1GiB")
+    finder = training_args(tmp_path, auto_find_batch_size=True)
+    with pytest.raises(memfit.InvalidInputError, match="auto_find_batch_size"):
+        attach(Trainer(model=model, args=finder, train_dataset=data), budget="1GiB")
 
 
 def test_the_plan_and_the_callback_quote_one_peak_and_cpu_logs_no_drift(tmp_path: Path) -> None:

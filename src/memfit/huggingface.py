@@ -1,10 +1,9 @@
 """The Hugging Face ``Trainer`` integration, at its public import path.
 
-    from memfit.huggingface import attach, plan_training_arguments
+    from memfit.huggingface import attach
 
-    planned = plan_training_arguments(model, args, train_dataset, budget="h100")
-    trainer = Trainer(model=model, args=planned.args, train_dataset=train_dataset)
-    attach(trainer, plan=planned.plan)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+    attach(trainer, budget="h100")  # plans, applies the plan to the built Trainer, attaches
     trainer.train()
 
 The implementation lives in :mod:`memfit.integrations.huggingface`.

@@ -238,6 +238,33 @@ def batch_examples(
     return [examples[i % len(examples)] for i in range(count)]
 
 
+def is_stream(dataset: Any) -> bool:
+    """A dataset read only in order (an ``IterableDataset``, a generator-backed one): its lengths cannot be read
+    ahead, so its longest batch is not among the first examples."""
+    return not _readable_by_index(dataset)
+
+
+def stretched(batch: Any, length: int) -> Any:
+    """``batch`` (a mapping with ``input_ids``) with every ``[batch, seq, ...]`` tensor of its sequence length
+    made ``length`` long by repeating its last position: the ids, masks and labels stay valid values, and the
+    step sees the longest batch a stream can produce. ``None`` when the batch has no token sequence to stretch
+    or is already that long."""
+    if not isinstance(batch, Mapping):
+        return None
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] >= length:
+        return None
+    current = ids.shape[1]
+
+    def grow(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != current:
+            return value
+        tail = value[:, -1:].expand(value.shape[0], length - current, *value.shape[2:])
+        return torch.cat([value, tail], dim=1)
+
+    return {key: grow(value) for key, value in batch.items()}
+
+
 def _readable_by_index(dataset: Any) -> bool:
     if isinstance(dataset, IterableDataset):  # it inherits a __getitem__ that raises
         return False

@@ -20,7 +20,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import COMPILED_NOTE
-from memfit.tracing.batch import batch_examples
+from memfit.tracing.batch import batch_examples, is_stream, stretched
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
 
@@ -121,10 +121,12 @@ def collated_sample(
     processing_class: Any = None,
     *,
     notes: list[str] | None = None,
+    max_length: int | None = None,
 ) -> Any:
     """One batch as the Trainer would build it (unused columns dropped, the Trainer's default collator),
     of the longest examples: a collator that pads to the longest in the batch makes its peak there.
-    ``notes`` gets a sentence when no length could be found to choose the examples by."""
+    ``notes`` gets a sentence when no length could be found to choose the examples by. A stream's batch is
+    stretched to the longest sequence its batches can have (``sequence_limit``), and ``notes`` says from what."""
     if train_dataset is None:
         raise InvalidInputError("train_dataset is None: memfit needs one batch of it to plan")
     if data_collator is None:
@@ -132,8 +134,9 @@ def collated_sample(
 
         use_padding = isinstance(processing_class, PreTrainedTokenizerBase)
         data_collator = DataCollatorWithPadding(processing_class) if use_padding else default_data_collator
+    found: list[str] = []
     with preserved_rng_state():  # random transforms and collators (MLM masking) must not shift the run
-        examples = batch_examples(train_dataset, batch_size, args.length_column_name, notes=notes)
+        examples = batch_examples(train_dataset, batch_size, args.length_column_name, notes=found)
         if args.remove_unused_columns:  # before collating, as the Trainer does: text columns would not collate
             kept = _signature_columns(model, args)
             examples = [{k: v for k, v in e.items() if k in kept} if isinstance(e, dict) else e for e in examples]
@@ -145,7 +148,50 @@ def collated_sample(
                 f"{error}); the Trainer would fail the same way. Check the dataset's columns against the collator"
                 + ("" if args.remove_unused_columns else ", or leave remove_unused_columns=True")
             ) from error
+    if is_stream(train_dataset):
+        batch, found = longest_of_a_stream(batch, model, data_collator, processing_class, max_length, found)
+    if notes is not None:
+        notes.extend(found)
     return dict(batch) if isinstance(batch, Mapping) else batch
+
+
+def sequence_limit(
+    model: torch.nn.Module, data_collator: Any, processing_class: Any, max_length: int | None
+) -> tuple[int, str] | None:
+    """The longest sequence a batch can have, and where that bound comes from: ``max_length`` as given, the
+    collator's ``max_length``, the tokenizer's ``model_max_length`` (when it is a real bound, not the
+    tokenizer's "unset"), the model's positions."""
+    if max_length is not None:
+        return int(max_length), f"max_length={max_length}"
+    if isinstance(bound := getattr(data_collator, "max_length", None), int) and bound > 0:
+        return bound, "the collator's max_length"
+    tokenizer = processing_class if processing_class is not None else getattr(data_collator, "tokenizer", None)
+    if isinstance(bound := getattr(tokenizer, "model_max_length", None), int) and 0 < bound < 1_000_000:
+        return bound, "the tokenizer's model_max_length"
+    config = getattr(_base_model(model), "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        if isinstance(bound := getattr(config, name, None), int) and bound > 0:
+            return bound, f"the model's {name}"
+    return None
+
+
+def longest_of_a_stream(
+    batch: Any, model: torch.nn.Module, data_collator: Any, processing_class: Any, max_length: int | None,
+    notes: list[str],
+) -> tuple[Any, list[str]]:  # fmt: skip
+    """A stream's first examples stretched to the longest sequence its batches can have (``sequence_limit``),
+    with a note that says so in place of the first-examples one; as it was when no bound is known."""
+    limit = sequence_limit(model, data_collator, processing_class, max_length)
+    longer = stretched(batch, limit[0]) if limit is not None else None
+    if limit is None or longer is None:
+        return batch, notes
+    first = batch["input_ids"].shape[1]
+    kept = [note for note in notes if not note.startswith("the dataset is a stream")]
+    return longer, [*kept, (
+        f"the dataset is a stream, whose lengths cannot be read ahead: its first examples ({first} tokens) are "
+        f"planned stretched to {limit[0]} tokens, {limit[1]}, the longest batch it can produce"
+        + ("" if max_length is not None else " (max_length= plans for another longest batch)")
+    )]  # fmt: skip
 
 
 def _signature_columns(model: torch.nn.Module, args: TrainingArguments) -> set[str]:

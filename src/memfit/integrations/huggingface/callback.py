@@ -1,11 +1,12 @@
 """``attach`` and ``MemoryPlannerCallback``: measure the run against its prediction, recover from OOM.
 
 Callbacks are never handed the ``Trainer``, and HF calls its ``report_to`` trackers before user
-callbacks, so a callback alone can neither reach the trackers with its metrics nor wrap the
-training step. ``attach(trainer, plan=...)`` is the explicit entry that may: it puts the callback
-first in ``trainer.callback_handler.callbacks`` and hands it the Trainer. This module only
-translates: the prediction comes from ``memfit.estimate``, the measuring from ``RunMonitor``, the
-chunked step from ``OOMRecovery``.
+callbacks, so a callback must hold the Trainer and run first to reach the trackers with its metrics and to
+wrap the training step. ``attach(trainer, budget=...)`` plans the built Trainer's batch and does both; a
+callback passed in ``Trainer(callbacks=[...])`` finds its Trainer and does the same. This module only
+translates: the plan comes from ``plan_training_arguments``, the prediction from ``memfit.estimate``, the
+measuring from ``RunMonitor``, the chunked step from ``OOMRecovery``; the Trainer's privates are in
+``internals``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -26,16 +27,18 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from memfit.diagnostics import degrade, info, warn_once
 from memfit.errors import InvalidInputError, MemfitError, ShardingNotModelledError
+from memfit.integrations.huggingface import internals
 from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     ddp_config,
     held_batches,
+    longest_of_a_stream,
     run_notes,
     run_precision,
     running_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
-from memfit.integrations.huggingface.planning import PLAN_FILE
+from memfit.integrations.huggingface.planning import PLAN_FILE, PlannedArguments, plan_training_arguments
 from memfit.integrations.huggingface.sharding import RunLayout, run_layout
 from memfit.monitoring.ranks import per_rank_metrics
 from memfit.monitoring.recovery import (
@@ -56,7 +59,7 @@ from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import drawn, log_figure, matplotlib_available
-from memfit.tracing.batch import batch_examples
+from memfit.tracing.batch import batch_examples, is_stream
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.model_state import preserved_rng_state
@@ -65,60 +68,126 @@ from memfit.units import format_bytes
 __all__ = ["MemoryPlannerCallback", "attach"]
 
 NOT_ATTACHED = (
-    "MemoryPlannerCallback was passed to the Trainer but not attached: its metrics reach only the callbacks after it "
-    "(not the report_to trackers), and out-of-memory recovery and the evaluation check are off. Use "
-    "memfit.huggingface.attach(trainer, plan=...) before train()."
+    "MemoryPlannerCallback is not attached (its events do not come from a transformers.Trainer): its metrics reach "
+    "only the callbacks after it (not the report_to trackers), and out-of-memory recovery and the evaluation check "
+    "are off. Use memfit.huggingface.attach(trainer) before train()."
 )
 
+_UNSET: Any = object()
+_PLANNING = ("budget", "target", "target_batch_size")
 
-def attach(trainer: Trainer, callback: MemoryPlannerCallback | None = None, **options: Any) -> MemoryPlannerCallback:
-    """Attach memfit to a ``Trainer``: its callback runs first and may wrap the training step.
 
-        planned = plan_training_arguments(model, args, train_dataset, budget="h100")
-        trainer = Trainer(model=model, args=planned.args, train_dataset=train_dataset)
-        attach(trainer, plan=planned.plan)
+def attach(
+    trainer: Trainer,
+    callback: MemoryPlannerCallback | None = None,
+    *,
+    budget: int | str | None = _UNSET,
+    target: str | None = None,
+    target_batch_size: int | Literal["max"] | None = None,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    resume_from_checkpoint: str | bool | None = None,
+    max_length: int | None = None,
+    **options: Any,
+) -> MemoryPlannerCallback:
+    """Plan a built ``Trainer``'s batch and attach memfit to it: one line before ``train()``.
+
+        trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+        attach(trainer, budget="h100")  # or budget=None: the free memory of the device the run uses
         trainer.train()
 
-    First in the callback list, the callback adds its ``memfit/*`` keys to the training logs before
-    the ``report_to`` trackers read them; holding the Trainer, it recovers from out-of-memory
-    errors in a step (``on_oom="replan"``) and checks the evaluation pass. A
-    ``MemoryPlannerCallback`` the Trainer already has is used (and moved first) when no
-    ``callback`` is given.
+    With ``budget``, ``target`` or ``target_batch_size`` it plans what ``plan_training_arguments`` plans, on the
+    Trainer's own model, arguments, datasets, collator and processing class, and applies it to the built
+    Trainer: the largest micro batch that fits, the accumulation that keeps the effective batch
+    (``per_device_train_batch_size x gradient_accumulation_steps x world size``, or ``target_batch_size``),
+    gradient checkpointing only when needed, and ``eval_accumulation_steps`` when the evaluation's outputs
+    would not fit. ``trainer.args`` becomes the planned copy (the arguments you built it with are not
+    changed). Without them it attaches only, with the ``plan`` you give (from ``plan_training_arguments``) or
+    none.
+
+    Attached, the callback runs first, so its ``memfit/*`` keys reach every ``report_to`` tracker; holding the
+    Trainer, it recovers from out-of-memory errors in a step (``on_oom="replan"``) and checks the evaluation
+    pass. A ``MemoryPlannerCallback`` passed in ``Trainer(callbacks=[...])`` attaches itself the same way when
+    the Trainer is built; ``attach`` then uses (and plans for) that one when no ``callback`` is given.
 
     Args:
         trainer: the ``transformers.Trainer`` about to train.
         callback: the callback to attach; default: the one the Trainer has, else a new one.
-        options: ``MemoryPlannerCallback`` arguments (``plan``, ``margin``, ``on_oom``, ...) for a new one.
+        budget, target, target_batch_size, min_batch_size, max_batch_size, resume_from_checkpoint, max_length:
+            as for ``plan_training_arguments`` (``resume_from_checkpoint``: the one you will pass to ``train``, so a
+            resumed run keeps the plan saved in its checkpoint).
+        options: ``MemoryPlannerCallback`` arguments (``margin``, ``on_oom``, ``allow_checkpointing``, ...) for a
+            new one; ``margin`` and ``allow_checkpointing`` also apply to the plan.
 
     Returns:
-        The attached callback (its ``estimate``, ``monitor`` and ``recovery`` are filled in by ``train()``).
+        The attached callback (``callback.plan`` is the plan applied; its ``estimate``, ``monitor`` and
+        ``recovery`` are filled in by ``train()``).
     """
     if not isinstance(trainer, Trainer):
         raise InvalidInputError(f"attach() takes a transformers.Trainer, got {type(trainer).__name__}")
-    callbacks = trainer.callback_handler.callbacks
-    present = [c for c in callbacks if isinstance(c, MemoryPlannerCallback)]
+    planning = budget is not _UNSET or target is not None or target_batch_size is not None
+    if planning and options.get("plan") is not None:
+        raise InvalidInputError("give attach() either plan= (a plan you made) or budget=/target= to plan, not both")
+    present = [c for c in trainer.callback_handler.callbacks if isinstance(c, MemoryPlannerCallback)]
     if callback is None and present:
-        if options:
+        if set(options) - {"plan"} or (options.get("plan") is not None and present[0].plan is not None):
             raise InvalidInputError(
                 f"the Trainer already has a MemoryPlannerCallback; give it {sorted(options)} where you built it, "
                 "or do not pass it to the Trainer"
             )
         callback = present[0]
+        if options.get("plan") is not None:
+            callback.plan = options["plan"]
     elif callback is None:
         callback = MemoryPlannerCallback(**options)
     elif options:
         raise InvalidInputError(f"pass {sorted(options)} to the MemoryPlannerCallback, not to attach()")
-    for other in present:
-        callbacks.remove(other)
-    callbacks.insert(0, callback)
-    callback._trainer = trainer
+    if planning:
+        planned = _plan_built_trainer(
+            trainer, callback, budget=None if budget is _UNSET else budget, target=target,
+            target_batch_size=target_batch_size, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            resume_from_checkpoint=resume_from_checkpoint, max_length=max_length,
+        )  # fmt: skip
+        fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "eval_accumulation_steps",
+                  checkpointing_switch(trainer.args))  # fmt: skip
+        internals.apply_arguments(trainer, {name: getattr(planned.args, name) for name in fields})
+        callback.plan = planned.plan
+        if callback.verbose:
+            info("memfit plan: " + planned.plan.summary() + "".join(f"\n  - {r}" for r in planned.plan.reasons))
+    _put_first(trainer, callback)
     return callback
+
+
+def _plan_built_trainer(trainer: Trainer, callback: MemoryPlannerCallback, **planning: Any) -> PlannedArguments:
+    """``plan_training_arguments`` on what the Trainer was built with."""
+    if trainer.train_dataset is None:
+        raise InvalidInputError("the Trainer has no train_dataset to plan on: build it with train_dataset=...")
+    if trainer.args.auto_find_batch_size:
+        raise InvalidInputError(
+            "the Trainer has auto_find_batch_size=True, which would replace memfit's batch: turn one of them off"
+        )
+    return plan_training_arguments(
+        trainer.model, trainer.args, trainer.train_dataset, data_collator=trainer.data_collator,
+        processing_class=trainer.processing_class, margin=callback.margin,
+        allow_checkpointing=callback.allow_checkpointing, eval_dataset=trainer.eval_dataset,
+        compute_metrics=trainer.compute_metrics, preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
+        **planning,
+    )  # fmt: skip
+
+
+def _put_first(trainer: Trainer, callback: MemoryPlannerCallback) -> None:
+    """Make ``callback`` the Trainer's first (and only) memfit callback and hand it the Trainer. The list is
+    replaced, not changed in place, so an event being dispatched over the old one goes on undisturbed."""
+    handler = trainer.callback_handler
+    others = [c for c in handler.callbacks if not isinstance(c, MemoryPlannerCallback)]
+    handler.callbacks = [callback, *others]
+    callback._trainer = trainer
 
 
 class MemoryPlannerCallback(TrainerCallback):
     """Measure peak memory while the Trainer trains and log it against memfit's prediction.
 
-    Attach it with ``memfit.huggingface.attach(trainer, plan=...)``. At ``on_train_begin`` it traces
+    Attach it with ``memfit.huggingface.attach(trainer, budget=...)``. At ``on_train_begin`` it traces
     the model with the batch size, accumulation, precision, optimizer and checkpointing that are
     about to run (one batch built from the train dataloader's dataset and collator), in the
     Trainer's loop: gradients freed after the optimizer step, kept through an accumulation window,
@@ -129,9 +198,10 @@ class MemoryPlannerCallback(TrainerCallback):
     ``plan_training_arguments`` is saved into each checkpoint (``memfit_plan.json``) so a resumed
     run keeps it.
 
-    Passed only in ``Trainer(callbacks=[...])``, without ``attach``, it still predicts and measures,
-    but its metrics reach only callbacks that run after it, there is no out-of-memory recovery and
-    no evaluation check; it warns once saying so.
+    Passed in ``Trainer(callbacks=[...])`` (or ``trainer.add_callback``) it attaches itself when the Trainer is
+    built (or starts training), as ``attach`` does: it finds the Trainer calling it. Only a callback whose
+    events do not come from a Trainer stays unattached: its metrics then reach only callbacks that run after
+    it, without out-of-memory recovery or the evaluation check, and it warns once saying so.
 
     Logged keys (only those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
     ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,
@@ -197,7 +267,7 @@ class MemoryPlannerCallback(TrainerCallback):
         self.monitor: RunMonitor | None = None
         self.recovery: OOMRecovery | None = None
         self._trainer: Trainer | None = None  # set by attach()
-        self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held before; _UNSET: nothing)
+        self._restore: list[internals.Replaced] = []
         self._pending: dict[str, float] = {}
         self._first_log = True
         self._layout: RunLayout | None = None
@@ -206,6 +276,8 @@ class MemoryPlannerCallback(TrainerCallback):
 
     # ---------------------------------------------------------------- events
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
+            _put_first(trainer, self)  # passed in Trainer(callbacks=[...]): attached as attach() would
         if self.plan is not None and args.per_device_train_batch_size != self.plan.micro_batch_size:
             runs, planned = args.per_device_train_batch_size, self.plan.micro_batch_size
             self._warn("mismatch", f"the Trainer runs per_device_train_batch_size={runs}, not the planned {planned}: "
@@ -213,6 +285,8 @@ class MemoryPlannerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
+        if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
+            _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
             self._warn("not-attached", NOT_ATTACHED)
         try:
@@ -303,8 +377,15 @@ class MemoryPlannerCallback(TrainerCallback):
         if self._measure_sharded(args, model, device, micro):
             return
         notes = run_notes(args) + list(self._layout.notes)
+        found: list[str] = []
         with preserved_rng_state():
-            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=notes))
+            sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=found))
+        if is_stream(loader.dataset):  # planned, as plan_training_arguments does, at the longest it can produce
+            sample, found = longest_of_a_stream(sample, model, loader.collate_fn, None, None, found)
+        notes += found
+        if self.verbose and self.plan is None:
+            for note in found:
+                self._info(f"memfit: {note}")
         accumulation = args.gradient_accumulation_steps
         loop = TrainingLoop(accumulation_steps=accumulation, extra_batches=held_batches(accumulation, device),
                             ddp=ddp_config(args, model))  # fmt: skip
@@ -464,16 +545,10 @@ class MemoryPlannerCallback(TrainerCallback):
         self.recovery = recovery
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._restore.append((owner, name, vars(owner).get(name, _UNSET)))
-        setattr(owner, name, value)
+        internals.replace_attribute(owner, name, value, self._restore)
 
     def _uninstall_recovery(self) -> None:
-        for owner, name, before in reversed(self._restore):
-            if before is _UNSET:
-                vars(owner).pop(name, None)  # the class's own method shows through again
-            else:
-                setattr(owner, name, before)
-        self._restore = []
+        internals.restore_attributes(self._restore)
 
     def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
         message = record.warning(
@@ -504,9 +579,6 @@ class MemoryPlannerCallback(TrainerCallback):
 
     def _info(self, message: str) -> None:
         info(message)
-
-
-_UNSET = object()
 
 
 def _world_size() -> int:

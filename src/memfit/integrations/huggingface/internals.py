@@ -1,4 +1,13 @@
-"""What the Trainer and accelerate decide about sharding, read where they keep it.
+"""Every private of the Trainer and accelerate memfit reads or replaces, in one place.
+
+The Trainer's own state: it copies the batch size out of its arguments in ``__init__``
+(``self._train_batch_size = args.train_batch_size``) and reads the rest of them from ``self.args`` in
+``train()``, so a plan applies to a built Trainer by giving it new arguments and that copy
+(:func:`apply_arguments`). Callbacks are never handed the Trainer, so a callback finds the one calling it on
+the stack (:func:`calling_trainer`). OOM recovery replaces ``training_step``, ``compute_loss`` and the
+optimizer's ``step`` on the instances (:func:`replace_attribute`, undone by :func:`restore_attributes`).
+
+What the Trainer and accelerate decide about sharding, read where they keep it.
 
 transformers has no public answer to "will this run be sharded, and how": ``TrainingArguments``
 keeps the FSDP options it hands accelerate (``fsdp_plugin_args``, transformers 5) and the DeepSpeed
@@ -13,7 +22,9 @@ versions they are tested on (transformers 5.23, accelerate 1.x; 4.x arguments fa
 
 from __future__ import annotations
 
+import copy
 import os
+import sys
 from typing import Any
 
 import torch
@@ -21,18 +32,78 @@ import torch
 from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
+    "apply_arguments",
+    "calling_trainer",
+    "changed_arguments",
     "deepspeed_auto_values",
     "deepspeed_config",
     "distributed_type",
     "fsdp_options",
     "fsdp_requested",
     "local_world_size",
+    "replace_attribute",
+    "restore_attributes",
     "world_size",
 ]
 
 _TRUE = ("1", "true", "yes", "on")
 # accelerate.utils.constants.FSDP_SHARDING_STRATEGY: FSDP_SHARDING_STRATEGY=<index + 1> means that name
 _ACCELERATE_SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+
+
+_UNSET = object()
+Replaced = tuple[Any, str, Any]  # (owner, attribute, what it held before; _UNSET: nothing of its own)
+
+
+def changed_arguments(args: Any, changes: dict[str, Any]) -> Any:
+    """A shallow copy of ``TrainingArguments`` with ``changes`` (a plan's batch, accumulation, checkpointing).
+
+    Not ``dataclasses.replace``: that runs ``__post_init__``, whose first ``.device`` on the new instance resets
+    accelerate's shared state (``TrainingArguments._setup_devices`` calls ``AcceleratorState._reset_state``) under
+    any Accelerator already built, a Trainer's included. A copy keeps the device set-up (a cached property) and
+    leaves the arguments the user holds as they were."""
+    copied = copy.copy(args)
+    for name, value in changes.items():
+        setattr(copied, name, value)
+    return copied
+
+
+def apply_arguments(trainer: Any, changes: dict[str, Any]) -> None:
+    """Set a plan's arguments on a built Trainer. ``Trainer.__init__`` copied ``args.train_batch_size`` into
+    ``_train_batch_size``, which its train dataloader and ``auto_find_batch_size`` use; accumulation and
+    checkpointing it reads from ``self.args`` when ``train()`` runs (transformers 4.57 to 5.x)."""
+    trainer.args = changed_arguments(trainer.args, changes)
+    trainer._train_batch_size = trainer.args.train_batch_size
+
+
+def calling_trainer(kind: type) -> Any:
+    """The ``kind`` (``transformers.Trainer``) instance whose method is calling the current callback event,
+    found on the stack (``CallbackHandler`` hands callbacks the model and loaders, never the Trainer); ``None``
+    when the event does not come from one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, kind):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def replace_attribute(owner: Any, name: str, value: Any, replaced: list[Replaced]) -> None:
+    """Set ``owner.name`` (an instance's method: the Trainer's ``training_step``), remembering what to restore."""
+    replaced.append((owner, name, vars(owner).get(name, _UNSET)))
+    setattr(owner, name, value)
+
+
+def restore_attributes(replaced: list[Replaced]) -> None:
+    """Undo :func:`replace_attribute` calls, newest first; an instance that had no attribute of its own shows its
+    class's method again."""
+    for owner, name, before in reversed(replaced):
+        if before is _UNSET:
+            vars(owner).pop(name, None)
+        else:
+            setattr(owner, name, before)
+    replaced.clear()
 
 
 def _env_flag(name: str) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -28,6 +27,7 @@ from memfit.integrations.huggingface.arguments import (
     trainer_optimizer,
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
+from memfit.integrations.huggingface.internals import changed_arguments
 from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.gpus import planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
@@ -71,6 +71,7 @@ def plan_training_arguments(
     compute_metrics: Any = None,
     preprocess_logits_for_metrics: Any = None,
     target: str | None = None,
+    max_length: int | None = None,
 ) -> PlannedArguments:
     """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
 
@@ -98,6 +99,9 @@ def plan_training_arguments(
         margin: fraction of the budget kept free.
         target_batch_size: effective batch to keep; default ``per_device_train_batch_size x
             gradient_accumulation_steps x world_size``; ``"max"`` for the largest micro batch.
+        max_length: the longest sequence a streamed dataset's batches have (default: the collator's
+            ``max_length``, the tokenizer's ``model_max_length``, else the model's positions): a stream's first
+            examples are planned stretched to it, as its lengths cannot be read ahead.
         resume_from_checkpoint: as for ``Trainer.train``: when the checkpoint holds a memfit plan,
             that plan is returned unchanged so a resumed run keeps its batch.
 
@@ -126,7 +130,7 @@ def plan_training_arguments(
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
-                             notes=sample_notes)  # fmt: skip
+                             notes=sample_notes, max_length=max_length)  # fmt: skip
     optimizer = trainer_optimizer(args, model)
     ddp = ddp_config(args, model, sharded=layout.sharding is not None)
 
@@ -160,6 +164,8 @@ def plan_training_arguments(
             include_context=include_context,
         ))  # fmt: skip
         chosen, planned = decision.plan, decision.estimate
+    for note in sample_notes:  # what the plan rests on that the user should read: it can change the answer
+        chosen = chosen.with_reason(note)
     switch = checkpointing_switch(args)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": chosen.micro_batch_size,
@@ -178,7 +184,7 @@ def plan_training_arguments(
             changes["eval_accumulation_steps"] = flush_every
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
-    return PlannedArguments(dataclasses.replace(args, **changes), chosen, planned, evaluation, layout.sharding)
+    return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, layout.sharding)
 
 
 def _smallest_of_all_ranks(capacity: int, args: TrainingArguments) -> int:
