@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
-from memfit.categories import Phase
+from memfit.categories import Category, Phase
 from memfit.errors import InsufficientMemoryError, InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.estimator import BatchPeak, MemoryEstimate
@@ -138,7 +138,8 @@ class Plan:
         return (
             f"micro batch {self.micro_batch_size} x accumulation {self.accumulate_grad_batches} x "
             f"{self.world_size} device(s) = {self.effective_batch_size}{target}{ckpt}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)}{parts}{needs} of {format_bytes(self.budget_bytes)} budget"
+            f"{format_bytes(self.predicted_peak_bytes)}{parts}{needs} of "
+            f"{budget_phrase(self.capacity_bytes, self.margin, self.budget_bytes)}"
         )
 
 
@@ -281,10 +282,7 @@ class _Question:
         return format_bytes(self.predicted(self.at(estimate, batch)))
 
     def against(self) -> str:
-        return (
-            f"a budget of {format_bytes(self.budget)} ({format_bytes(self.capacity_bytes)} capacity, "
-            f"{format_margin(self.margin)} margin)"
-        )
+        return f"a {budget_phrase(self.capacity_bytes, self.margin, self.budget)}"
 
 
 @dataclass(frozen=True)
@@ -386,8 +384,8 @@ def _candidates(
         micro_ckpt = checkpointed.largest_micro if checkpointed is not None else 0
         if checkpointed is not None and micro < minimum <= micro_ckpt:
             reasons.append(
-                f"micro batch {minimum} needs {question.peak(estimate, minimum)} without checkpointing, over the "
-                f"{format_bytes(question.budget)} budget; checkpointing brings it within (about 20-30 % slower per "
+                f"micro batch {minimum} needs {question.peak(estimate, minimum)} without checkpointing, over "
+                f"{question.against()}; checkpointing brings it within (about 20-30 % slower per "
                 "step)"
             )
             chosen = checkpointed
@@ -405,10 +403,14 @@ def _candidates(
     tried = " even with checkpointing" if checkpointed is not None else ""
     if hopeless and allow_checkpointing:
         tried = " and checkpointing cannot help"
-        peaks += f"; the optimizer step alone holds {format_bytes(floor)} (parameters, gradients, optimizer state)"
-    return _Miss(
-        f"micro batch {minimum} does not fit{tried}: {peaks} against {question.against()}. {_advice(estimate)}"
-    )
+        peaks += f"; the optimizer step alone holds {format_bytes(floor)} ({_floor_parts(estimate, floor, context)})"
+    advice = _advice(estimate)
+    if context >= question.budget:
+        advice = (
+            f"The CUDA context alone takes {format_bytes(context)} in every GPU process: "
+            "no step fits a budget below that; plan for a GPU or a larger budget."
+        )
+    return _Miss(f"micro batch {minimum} does not fit{tried}: {peaks} against {question.against()}. {advice}")
 
 
 def _advice(estimate: MemoryEstimate) -> str:
@@ -468,7 +470,7 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
                 return _Fit(_Miss(
                     f"micro batch {question.min_batch_size} does not fit with gradient accumulation, which keeps "
                     f"the gradients ({format_bytes(kept)}) alive through every micro batch; "
-                    f"budget {format_bytes(question.budget)}. Plan with confirm= for an exact answer."
+                    f"{question.against()}. Plan with confirm= for an exact answer."
                 ))  # fmt: skip
             largest = min(refit, question.cap)
             reasons.append(
@@ -721,7 +723,7 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
     if with_room > question.budget:
         reasons.append(
             f"it fits only with the allocator at its limit ({settings}): with room to spare the step would reserve "
-            f"{format_bytes(with_room)}, over the {format_bytes(question.budget)} budget; it needs "
+            f"{format_bytes(with_room)}, over {question.against()}; it needs "
             f"{format_bytes(needed)}, where the caching allocator frees its cached blocks and retries instead of "
             "running out of memory"
         )
@@ -803,6 +805,41 @@ def _optimizer_step_floor(estimate: MemoryEstimate, batch_size: int) -> int:
     if fitted:
         return max(fitted)
     return max((p.allocated_bytes for p in estimate.phases if p.phase is Phase.OPTIMIZER), default=0)
+
+
+_MODEL_STATES = (
+    Category.PARAMETERS,
+    Category.BUFFERS,
+    Category.GRADIENTS,
+    Category.OPTIMIZER_STATE,
+    Category.SHARDING_BUFFERS,
+    Category.GRADIENT_BUCKETS,
+)
+
+
+def _floor_parts(estimate: MemoryEstimate, floor: int, context: int) -> str:
+    """What the optimizer step's ``floor`` is made of, largest first: the model's states, the CUDA context (a
+    small model's floor is mostly the context and cuBLAS's workspace), and the rest of the step."""
+    steps = [p for p in estimate.phases if p.phase is Phase.OPTIMIZER] or list(estimate.phases)
+    top = max(steps, key=lambda p: p.allocated_bytes, default=None)
+    states = sum(top.breakdown.get(c, 0) for c in _MODEL_STATES) if top is not None else 0
+    states = min(states, floor - context)
+    parts = [
+        (states, "parameters, gradients and optimizer state"),
+        (context, "the CUDA context"),
+        (floor - context - states, "workspace, inputs and temporaries"),
+    ]
+    return ", ".join(f"{what} {format_bytes(size)}" for size, what in sorted(parts, reverse=True) if size > 0)
+
+
+def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
+    """The budget as it was given, the margin kept free of it beside: ``40.00 MiB budget (39.00 MiB after its
+    2.5% margin)``."""
+    if not margin or budget_bytes >= capacity_bytes:
+        return f"{format_bytes(capacity_bytes)} budget"
+    return (
+        f"{format_bytes(capacity_bytes)} budget ({format_bytes(budget_bytes)} after its {format_margin(margin)} margin)"
+    )
 
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:
