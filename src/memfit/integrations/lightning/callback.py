@@ -278,10 +278,12 @@ class MemoryPlannerBase:
         self.teardown(trainer, pl_module, "fit")  # Lightning skips callbacks' teardown after an exception
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.recovery is not None and trainer.global_step != self._steps_seen:  # an optimizer step ended a window
+        stepped = trainer.global_step != self._steps_seen  # an optimizer step ended a window
+        if self.recovery is not None and stepped:
             self.recovery.end_window()
         self._steps_seen = trainer.global_step
-        self._maybe_log_drift(trainer)
+        if stepped:
+            self._maybe_log_drift(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._log_final_drift(trainer)
@@ -361,6 +363,9 @@ class MemoryPlannerBase:
             if capacity > 0:
                 self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
             peak = self.estimate.at(configured)
+            if self.verbose:  # what the prediction rests on that can change it
+                for note in self._sample_notes:
+                    self._info(f"memfit: {note}")
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
         if capacity <= 0:
             raise InvalidInputError(
@@ -374,6 +379,8 @@ class MemoryPlannerBase:
             allow_checkpointing=self.allow_checkpointing, always_checkpoint=always, include_context=include_context,
         ))  # fmt: skip
         self.plan, self.estimate = decision.plan, decision.estimate
+        for note in self._sample_notes:  # printed with the plan: what it rests on can change the answer
+            self.plan = self.plan.with_reason(note)
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
         return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
 
@@ -486,6 +493,7 @@ class MemoryPlannerBase:
                     key="apply", seen=self._warned)  # fmt: skip
             return
         self._internals.forget_train_loader(trainer)
+        self._internals.record_initial_hparam(trainer, pl_module, self.batch_arg_name, micro)
         if self.verbose:
             plan = Plan.from_dict(plan_dict)
             self._info("memfit plan: " + plan.summary() + "".join(f"\n  - {r}" for r in plan.reasons))
@@ -648,9 +656,12 @@ class MemoryPlannerBase:
                             seen=self._warned)  # fmt: skip
 
     def _maybe_log_drift(self, trainer: Any) -> None:
+        """After an optimizer step, on the steps Lightning logs the module's metrics at: it logs when the batches
+        that stepped, this one included, are a multiple of ``log_every_n_steps``."""
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
-        if not self._measuring or step == self._last_logged_step or step == 0 or step % every:
+        stepped_batches = self._internals.logging_step(trainer) + 1
+        if not self._measuring or step == self._last_logged_step or step == 0 or stepped_batches % every:
             return
         self._last_logged_step = step
         self._log_window(trainer, step)
@@ -684,7 +695,7 @@ class MemoryPlannerBase:
             return
         for logger in trainer.loggers:
             try:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=self._internals.logging_step(trainer))
             except Exception as error:
                 name = type(logger).__name__
                 degrade(f"memfit could not log to {name} ({error})", error, key=f"logger-{name}", seen=self._warned)
@@ -697,7 +708,7 @@ class MemoryPlannerBase:
         loggers = self._pl.loggers
         for logger in trainer.loggers:
             if isinstance(logger, loggers.TensorBoardLogger):
-                log_figure(figure, name, tensorboard=logger.experiment, step=trainer.global_step)
+                log_figure(figure, name, tensorboard=logger.experiment, step=self._internals.logging_step(trainer))
             elif isinstance(logger, loggers.MLFlowLogger):
                 log_figure(figure, name, mlflow_client=logger.experiment, mlflow_run_id=logger.run_id)
             elif getattr(logger, "log_dir", None):

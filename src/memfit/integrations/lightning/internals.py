@@ -82,6 +82,25 @@ class LightningInternals:
         classes = getattr(policy, "_module_classes", None)  # a {classes} set becomes a ModuleWrapPolicy
         return tuple(classes) if classes else None
 
+    def logging_step(self, trainer: Any) -> int:
+        """The step Lightning logs the module's own metrics at during fit (its logger connector uses the
+        epoch loop's ``_batches_that_stepped``, one behind ``global_step`` in ``on_train_batch_end``), so
+        memfit's keys sit on the same steps as the user's ``train_loss``."""
+        stepped = getattr(
+            getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None
+        )
+        return int(stepped) if isinstance(stepped, int) else int(trainer.global_step)
+
+    def record_initial_hparam(self, trainer: Any, pl_module: Any, name: str, value: Any) -> None:
+        """Make the hyperparameters Lightning logs (``hparams_initial``: a copy taken by
+        ``save_hyperparameters``, written to ``hparams.yaml`` and the loggers after ``setup``) show ``value`` for
+        ``name`` where they hold it, as the module's ``hparams`` already do."""
+        datamodule = getattr(trainer, "datamodule", None)
+        for holder in (pl_module, datamodule):
+            initial = getattr(holder, "_hparams_initial", None)
+            if initial is not None and name in initial:
+                initial[name] = value
+
     def optimizers(self, pl_module: Any) -> list[torch.optim.Optimizer]:
         """The torch optimizers ``configure_optimizers`` returns, in whatever form it returns them."""
         optimizers, _schedulers = self.pl.core.optimizer._init_optimizers_and_lr_schedulers(pl_module)
