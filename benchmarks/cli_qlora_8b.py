@@ -43,7 +43,7 @@ def memfit(*argv: str) -> tuple[dict, float]:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "memfit", *argv], capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
-    if done.returncode not in (0, 2) or not done.stdout.strip():
+    if done.returncode not in (0, 1) or not done.stdout.strip():  # 1: nothing fits, still a JSON answer
         raise SystemExit(f"memfit {' '.join(argv)} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout), seconds
 
@@ -74,9 +74,18 @@ def main() -> None:
             flush=True,
         )
     out = Path(__file__).parent / "results" / "cli_qlora_8b.json"
-    out.write_text(
-        json.dumps({"machine": platform.processor() or platform.machine(), "runs": results}, indent=2) + "\n"
-    )
+    import datetime
+    import os
+
+    import torch
+
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    out.write_text(json.dumps({**meta, "runs": results}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -670,6 +670,43 @@ BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "depth-extrapolation": depth_extrapolation,
     "published": published,
 }
+_FINETUNES = {
+    "qlora-nf4": "QLoRA nf4, r=16 all-linear, paged AdamW 8-bit",
+    "lora-bf16": "LoRA r=16 all-linear, bf16 base, AdamW",
+    "full": "full fine-tuning, AdamW",
+}
+
+
+def cli_finetune(results: Path) -> list[str]:
+    """docs/cli.md's Llama-3-8B fine-tuning table and its timings, from ``benchmarks/cli_qlora_8b.py``."""
+    data = _load("cli_qlora_8b.json", results)
+    if data is None:
+        return ["**Not measured yet.** `python benchmarks/cli_qlora_8b.py`."]
+    rows = []
+    for name, label in _FINETUNES.items():
+        run = data["runs"][name]
+        plan = run["rtx4090"]
+        if plan["fits"]:
+            ckpt = ", checkpointing" if plan["gradient_checkpointing"] else ""
+            cell = f"fits: micro batch {plan['micro_batch_size']}{ckpt}, {format_bytes(plan['predicted_peak_bytes'])}"
+        else:
+            cell = "does not fit: " + (plan["error"] or "").split(" against ")[0].split(": ", 1)[-1]
+        rows.append([label, cell, format_bytes(run["batch1_checkpointing_peak_bytes"])])
+    timed = (("qlora-nf4", "the QLoRA plan"), ("lora-bf16", "LoRA in bf16"), ("full", "full fine-tuning"))
+    seconds = ", ".join(f"{data['runs'][name]['rtx4090_seconds']:.0f} s for {what}" for name, what in timed)
+    where = data["machine"]
+    if "torch" in data:
+        where = f"{data.get('cpu_count', 2)}-core CPU, torch {data['torch']}, {data['date']}"
+    return [
+        *_table(["Llama-3-8B, seq 2048, bf16-mixed", "RTX 4090 plan", "peak at micro batch 1, checkpointing"], rows),
+        "",
+        f"Wall time of the whole command (`python benchmarks/cli_qlora_8b.py`, `benchmarks/results/cli_qlora_8b.json`; "
+        f"{where}), imports and building the model on `meta` included: {seconds}.",
+    ]
+
+
+DOCS_CLI = ROOT / "docs" / "cli.md"
+CLI_BLOCKS: dict[str, Callable[[Path], list[str]]] = {"finetune-8b": cli_finetune}
 README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {
     "status": status,
     "published-status": published_status,
@@ -679,7 +716,7 @@ README_BLOCKS: dict[str, Callable[[Path], list[str]]] = {
 
 def targets() -> dict[Path, dict[str, Callable[[Path], list[str]]]]:
     """Each file with the blocks it must hold (read at call time, so tests may point DOC and README elsewhere)."""
-    return {DOC: BLOCKS, README: README_BLOCKS}
+    return {DOC: BLOCKS, README: README_BLOCKS, DOCS_CLI: CLI_BLOCKS}
 
 
 def render(text: str, results: Path = RESULTS, blocks: dict[str, Callable[[Path], list[str]]] | None = None) -> str:
