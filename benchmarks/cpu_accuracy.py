@@ -22,10 +22,10 @@ from rich.table import Table
 
 import memfit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test models
 import zoo
-from integrations.accuracy import reference
+from harness.accuracy import reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

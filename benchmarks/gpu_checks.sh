@@ -36,8 +36,8 @@ for step in "${steps[@]}"; do
     accuracy)  # in parts that each fit a time limit: FAMILIES="gpt2 llama" replaces those families' rows
       families=()
       for family in ${FAMILIES:-}; do families+=(--family "$family"); done
-      run python -m integrations.accuracy.run --gpu ${families[@]+"${families[@]}"} ;;
-    loops) run python -m integrations.accuracy.loops --gpu ;;
+      run python -m harness.accuracy.run --gpu ${families[@]+"${families[@]}"} ;;
+    loops) run python -m harness.accuracy.loops --gpu ;;
     quickstarts)
       run python examples/lightning_quickstart.py --budget "" --accelerator gpu --steps 50 --out benchmarks/results/lightning_gpu
       run python examples/hf_trainer_quickstart.py --budget "" --steps 50 --out benchmarks/results/hf_gpu ;;
@@ -45,10 +45,10 @@ for step in "${steps[@]}"; do
     largest_batch)  # whole card, then every trial held to CAP_GIB (default 12 GiB) as a smaller budget
       only=()
       for family in ${FAMILIES:-gpt2 resnet50 vit}; do only+=(--only "$family"); done
-      run python -m integrations.accuracy.largest_batch "${only[@]}"
-      run python -m integrations.accuracy.largest_batch "${only[@]}" --cap-gib "${CAP_GIB:-12}" ;;
+      run python -m harness.accuracy.largest_batch "${only[@]}"
+      run python -m harness.accuracy.largest_batch "${only[@]}" --cap-gib "${CAP_GIB:-12}" ;;
     lora) run python benchmarks/lora_gpu.py ;;  # a 3B Llama: about 60 GB of GPU memory
-    readme) run python -m integrations.accuracy.readme --write ;;
+    readme) run python -m harness.accuracy.readme --write ;;
     *) echo "!! unknown step: $step"; status=1 ;;
   esac
 done

@@ -23,9 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
 import memfit
-from integrations.accuracy import gpu_truth
+from harness.accuracy import gpu_truth
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -94,7 +94,7 @@ def show(rows: list[dict[str, Any]], totals: dict[str, Any]) -> None:
         )
     console = Console(width=160)
     console.print(table)
-    console.print("* a known gap (integrations/accuracy/gpu_truth.py KNOWN_GAPS)")
+    console.print("* a known gap (harness/accuracy/gpu_truth.py KNOWN_GAPS)")
     console.print(json.dumps(totals, indent=1))
 
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
 import memfit
-from integrations.accuracy import run as accuracy
-from integrations.accuracy.zoo import configs
+from harness.accuracy import run as accuracy
+from harness.accuracy.zoo import configs
 from memfit.simulation.allocator import AllocatorConfig, CachingAllocatorSimulator
 from memfit.units import GiB, MiB
 

@@ -24,10 +24,10 @@ import torch
 
 import memfit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
-from integrations.accuracy import reference
-from integrations.accuracy.lora_llama import BATCH, CONFIGS, SEQUENCE, batch, build
-from integrations.accuracy.run import child_answer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
+from harness.accuracy import reference
+from harness.accuracy.lora_llama import BATCH, CONFIGS, SEQUENCE, batch, build
+from harness.accuracy.run import child_answer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

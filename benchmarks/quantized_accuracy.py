@@ -9,7 +9,7 @@ int8), with and without ``peft.prepare_model_for_kbit_training`` (fp32 norms and
 gradients), and a peft LoRA of rank 8 on q, v and up. memfit traces two training steps with
 ``torch.optim.AdamW`` on the adapters for ``memfit.Target("cpu")``; the same two steps then run for
 real on the CPU (bitsandbytes' CPU kernels), and the CPU allocator's own reports to
-``torch.profiler`` give the measured peak (``integrations.accuracy.reference.profiled_cpu_peak``,
+``torch.profiler`` give the measured peak (``harness.accuracy.reference.profiled_cpu_peak``,
 the yardstick of tests/test_quantized.py).
 
 The model exists before the measurement, so the measured peak is what the step adds on top of the
@@ -34,7 +34,7 @@ import torch
 import memfit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # integrations/
+sys.path.insert(0, str(ROOT))  # harness/
 sys.path.insert(0, str(ROOT / "tests"))  # the one builder of quantized test models
 from quantized_models import (  # noqa: E402
     llama_config,

@@ -32,11 +32,11 @@ import memfit
 from memfit.monitoring.measure import nvml_device_used_bytes
 from memfit.tracing.checkpointing import enable_checkpointing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: integrations/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import zoo
-from integrations.accuracy import reference
-from integrations.accuracy.run import child_answer
+from harness.accuracy import reference
+from harness.accuracy.run import child_answer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

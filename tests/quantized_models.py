@@ -109,7 +109,7 @@ def adapter_bytes(model: torch.nn.Module) -> int:
 def step_peaks(model: torch.nn.Module, estimate: Any, batch: Any) -> tuple[int, int]:
     """``(predicted, measured)`` peak bytes of two real AdamW steps of ``model``'s adapters on the CPU, beyond the
     weights and buffers (the model exists before the measurement, so its weights are not in the measured peak)."""
-    from integrations.accuracy.reference import profiled_cpu_peak
+    from harness.accuracy.reference import profiled_cpu_peak
     from memfit import Category
 
     at_peak = next(p for p in estimate.phases if p.allocated_bytes == estimate.peak_allocated_bytes)

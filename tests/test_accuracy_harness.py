@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from integrations.accuracy.run import run_cpu, summarize
-from integrations.accuracy.zoo import configs
+from harness.accuracy.run import run_cpu, summarize
+from harness.accuracy.zoo import configs
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_a_run_of_some_families_replaces_their_rows_and_keeps_the_others(tmp_pat
     import json
     import shutil
 
-    from integrations.accuracy import run
+    from harness.accuracy import run
 
     shutil.copy(run.RESULTS / "accuracy-cpu.json", tmp_path / "accuracy-cpu.json")
     before = json.loads((tmp_path / "accuracy-cpu.json").read_text())
@@ -66,7 +66,7 @@ def test_a_run_of_some_families_replaces_their_rows_and_keeps_the_others(tmp_pat
 def test_a_child_that_fails_or_says_nothing_is_one_error_row() -> None:
     import sys
 
-    from integrations.accuracy.run import child_answer
+    from harness.accuracy.run import child_answer
 
     assert child_answer([sys.executable, "-c", "print('log line'); print('{\"peak\": 7}')"]) == {"peak": 7}
     assert "no answer" in child_answer([sys.executable, "-c", "pass"])["error"]

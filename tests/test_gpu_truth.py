@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from integrations.accuracy import gpu_truth
+from harness.accuracy import gpu_truth
 
 ROWS = gpu_truth.rows()
 GROUPS = dict(gpu_truth.groups(ROWS))

@@ -18,8 +18,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import memfit
 import memfit.huggingface as hf
-from integrations.accuracy.loops import EVAL_BATCH, WIDTH, _Classifier, hf_predict, hf_train_with_evaluation
-from integrations.accuracy.reference import profiled_cpu_peak
+from harness.accuracy.loops import EVAL_BATCH, WIDTH, _Classifier, hf_predict, hf_train_with_evaluation
+from harness.accuracy.reference import profiled_cpu_peak
 from memfit import InvalidInputError
 from memfit.prediction.evaluation import CollectedOutputs, evaluation_peak, largest_flush_every
 

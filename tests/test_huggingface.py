@@ -257,8 +257,8 @@ def test_ddp_options_are_the_ones_the_trainer_passes_to_accelerate() -> None:
 
 def test_variable_lengths_are_planned_at_the_longest_batch(tmp_path: Path) -> None:
     """With dynamic padding the longest batch makes the peak, wherever it falls in the epoch."""
-    from integrations.accuracy.loops import hf_train_variable_lengths, pad_to_longest
-    from integrations.accuracy.reference import profiled_cpu_peak
+    from harness.accuracy.loops import hf_train_variable_lengths, pad_to_longest
+    from harness.accuracy.reference import profiled_cpu_peak
 
     train, callback, first_batch = hf_train_variable_lengths(tmp_path)
     measured = profiled_cpu_peak(train)

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import memfit
-from integrations.accuracy import readme
-from integrations.accuracy.largest_batch import in_fresh_process, largest_that_fits, main
-from integrations.accuracy.run import optimizer_spec
-from integrations.accuracy.zoo import FAMILIES
+from harness.accuracy import readme
+from harness.accuracy.largest_batch import in_fresh_process, largest_that_fits, main
+from harness.accuracy.run import optimizer_spec
+from harness.accuracy.zoo import FAMILIES
 
 
 @given(limit=st.integers(0, 300), seed=st.integers(1, 400), cap=st.integers(1, 256))

@@ -24,7 +24,7 @@ from transformers.optimization import Adafactor as HFAdafactor
 from transformers.training_args import OptimizerNames
 
 import memfit
-from integrations.accuracy.reference import profiled_cpu_peak
+from harness.accuracy.reference import profiled_cpu_peak
 from memfit import Category, InvalidInputError, Phase
 from memfit.huggingface import plan_training_arguments
 from memfit.tracing.optimizers import OPTIMIZERS, optimizer_info

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import memfit
-from integrations.accuracy import gpu_truth
-from integrations.accuracy.zoo import RESNET50
+from harness.accuracy import gpu_truth
+from harness.accuracy.zoo import RESNET50
 from memfit.cli.main import main
 from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from integrations.accuracy import loops, readme
-from integrations.accuracy.reference import profiled_cpu_peak
-from integrations.published import hf_bert, run
-from integrations.published.rows import QUANTITIES, SECTIONS, all_rows
+from harness.accuracy import loops, readme
+from harness.accuracy.reference import profiled_cpu_peak
+from harness.published import hf_bert, run
+from harness.published.rows import QUANTITIES, SECTIONS, all_rows
 
 pytest.importorskip("transformers")
 
@@ -95,7 +95,7 @@ def test_zero_grad_in_place_is_a_real_loop_that_never_frees_gradients() -> None:
 
 
 def test_a_shortened_litgpt_row_traces_litgpt_s_own_model(tmp_path: Path) -> None:
-    """Runs where litgpt is installed (its own environment, see integrations/published/README.md)."""
+    """Runs where litgpt is installed (its own environment, see harness/published/README.md)."""
     pytest.importorskip("litgpt")
     from litgpt import Config
 
@@ -116,7 +116,7 @@ def test_the_2023_matmul_4bit_keeps_its_input_only_inside_the_patch() -> None:
     import torch
     from bitsandbytes.autograd import _functions as bnb_functions
 
-    from integrations.published.litgpt_lora import _matmul_4bit_keeping_its_input
+    from harness.published.litgpt_lora import _matmul_4bit_keeping_its_input
 
     installed = bnb_functions.MatMul4Bit.forward
 

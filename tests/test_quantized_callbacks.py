@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import memfit
-from integrations.accuracy.reference import profiled_cpu_peak
+from harness.accuracy.reference import profiled_cpu_peak
 from memfit import Category, Phase
 from memfit.huggingface import attach, plan_training_arguments
 from memfit.lightning import MemoryPlanner

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.accuracy import readme
+from harness.accuracy import readme
 
 
 def _results_copy(tmp_path: Path) -> Path:

@@ -7,7 +7,7 @@ import torch
 
 import memfit
 import zoo
-from integrations.accuracy import reference
+from harness.accuracy import reference
 
 
 def _cpu_estimate(case: zoo.Case) -> memfit.MemoryEstimate:

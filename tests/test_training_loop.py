@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memfit
-from integrations.accuracy.loops import (
+from harness.accuracy.loops import (
     BATCH,
     WIDTH,
     hand_loop,
@@ -27,7 +27,7 @@ from integrations.accuracy.loops import (
     predicted,
     wrap_in_ddp,
 )
-from integrations.accuracy.reference import profiled_cpu_peak
+from harness.accuracy.reference import profiled_cpu_peak
 from memfit import Category, DDPConfig, InvalidInputError
 from memfit.tracing.ddp import bucket_bytes
 

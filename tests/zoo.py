@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from integrations.accuracy import reference
+from harness.accuracy import reference
 
 
 class BasicBlock(nn.Module):

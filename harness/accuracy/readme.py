@@ -1,8 +1,8 @@
 """The accuracy figures of the docs, rendered from the committed result files and nothing else.
 
-    python -m integrations.accuracy.readme            # print the generated blocks
-    python -m integrations.accuracy.readme --write    # rewrite them in docs/accuracy.md and README.md
-    python -m integrations.accuracy.readme --check    # exit 1 if either differs (the test suite runs it)
+    python -m harness.accuracy.readme            # print the generated blocks
+    python -m harness.accuracy.readme --write    # rewrite them in docs/accuracy.md and README.md
+    python -m harness.accuracy.readme --check    # exit 1 if either differs (the test suite runs it)
 
 Each block stands between ``<!-- results: NAME -->`` and ``<!-- end results: NAME -->`` and is replaced
 whole: the result tables in docs/accuracy.md, and the two-line accuracy status in README.md. A
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from integrations.accuracy.largest_batch import chosen_cell, true_max_cell
-from integrations.accuracy.run import process_nvml_bytes
+from harness.accuracy.largest_batch import chosen_cell, true_max_cell
+from harness.accuracy.run import process_nvml_bytes
 from memfit import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def gpu_accuracy(results: Path) -> list[str]:
     if data is None:
         return [
             "**GPU: still to be measured.** `bash benchmarks/gpu_checks.sh accuracy` (that is, "
-            "`python -m integrations.accuracy.run --gpu`) runs the zoo below on a CUDA GPU: predicted vs "
+            "`python -m harness.accuracy.run --gpu`) runs the zoo below on a CUDA GPU: predicted vs "
             "measured `max_memory_allocated` / `max_memory_reserved` and NVML's used memory, in a fresh "
             "process per configuration. No GPU figure is published before its result file is committed."
         ]
@@ -95,7 +95,7 @@ def gpu_accuracy(results: Path) -> list[str]:
         table.append([name, f"{len(measured)}" + (f" ({failed} not measured)" if failed else ""), *cells])
     header = ["family", "runs", "allocated: median", "max", "reserved: median", "max", "NVML: median", "max"]
     return [
-        f"**GPU** (`python -m integrations.accuracy.run --gpu`, {_source('accuracy-gpu.json', data['meta'])}): "
+        f"**GPU** (`python -m harness.accuracy.run --gpu`, {_source('accuracy-gpu.json', data['meta'])}): "
         "absolute error of the predicted peak against the measured one, per model family, each "
         "configuration in a fresh process (three real steps); NVML compares the predicted total "
         "(reserved, CUDA context and workspaces) with the device's used memory"
@@ -154,13 +154,13 @@ def trace_zoo_gpu(results: Path) -> list[str]:
 def cpu_accuracy(results: Path) -> list[str]:
     data = _load("accuracy-cpu.json", results)
     if data is None:
-        return ["**CPU: not measured yet.** `python -m integrations.accuracy.run`."]
+        return ["**CPU: not measured yet.** `python -m harness.accuracy.run`."]
     summary = data["summary"]
     activations, peaks = summary["activation_error_pct"], summary["peak_error_pct"]
     ratio = summary["estimate_to_step_time_ratio"]
     configs = len({row["config"] for row in data["rows"]})  # a configuration's name holds its first batch size
     return [
-        f"**CPU** (`python -m integrations.accuracy.run`, {_source('accuracy-cpu.json', data['meta'])}): "
+        f"**CPU** (`python -m harness.accuracy.run`, {_source('accuracy-cpu.json', data['meta'])}): "
         f"{configs} configurations, each at two batch sizes, traced for a CPU target and compared with "
         "independent counts on real CPU tensors:",
         "",
@@ -242,7 +242,7 @@ def training_loops(results: Path, device: str) -> list[str]:
     if data is None:
         return [
             f"**Training loops, {device.upper()}: still to be measured.** `bash benchmarks/gpu_checks.sh loops` "
-            "(that is, `python -m integrations.accuracy.loops --gpu`)."
+            "(that is, `python -m harness.accuracy.loops --gpu`)."
         ]
     within = max(abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) for row in data["rows"])
     table = [
@@ -256,7 +256,7 @@ def training_loops(results: Path, device: str) -> list[str]:
     ]
     meta = {"device": data.get("device"), "torch": data.get("torch"), "date": data.get("date")}
     return [
-        f"**Training loops, {device.upper()}** (`python -m integrations.accuracy.loops"
+        f"**Training loops, {device.upper()}** (`python -m harness.accuracy.loops"
         f"{' --gpu' if device == 'gpu' else ''}`, {_source(name, meta)}; peaks measured by "
         f"{data['measured_with']}): {len(data['rows'])} loops, memfit within {within} bytes of every measured peak.",
         "",
@@ -272,12 +272,12 @@ def largest_batch(results: Path) -> list[str]:
     if data is None:
         return [
             '**Largest batch: still to be measured (GPU).** `FAMILIES="gpt2 llama" bash benchmarks/gpu_checks.sh '
-            "largest_batch` (that is, `python -m integrations.accuracy.largest_batch --only gpt2 --only llama`) "
+            "largest_batch` (that is, `python -m harness.accuracy.largest_batch --only gpt2 --only llama`) "
             "finds, per model family, the true largest micro batch on the card by bisection with real steps "
             "in fresh processes, and compares it with memfit's plan (goal: at least 95 % of it, never above), "
             "with Lightning's `BatchSizeFinder` (`binsearch` and `power`) and with HF's `auto_find_batch_size`: "
             "the batch each picks, the seconds each takes to decide, and whether the batch then survives 50 "
-            "steps (details in `integrations/accuracy/README.md`). Without a GPU, `--simulate-max-batch N` "
+            "steps (details in `harness/accuracy/README.md`). Without a GPU, `--simulate-max-batch N` "
             "checks the harness itself on CPU against a card that fails above N samples; the test suite runs that."
         ]
     meta = data["meta"]
@@ -288,7 +288,7 @@ def largest_batch(results: Path) -> list[str]:
     ]
     summary = [_method_summary(method, figures) for method, figures in data["summary"].items()]
     return [
-        f"**Largest batch** (`python -m integrations.accuracy.largest_batch`, "
+        f"**Largest batch** (`python -m harness.accuracy.largest_batch`, "
         f"{_source('largest_batch-gpu.json', meta)}; {_training(data['rows'])}): the batch each method picks "
         f"(its share of the true maximum, found by bisection with {meta['steps']} real steps per probe in fresh "
         f"processes), the seconds it takes to decide, and **OOM** where that batch then fails a "
@@ -454,10 +454,7 @@ def status(results: Path) -> list[str]:
     """Two lines for the README: what is measured on CPU, and what on a GPU (or that it is still to be)."""
     cpu, loops = _load("accuracy-cpu.json", results), _load("training_loop-cpu.json", results)
     if cpu is None or loops is None:
-        first = (
-            "**CPU:** not measured yet (`python -m integrations.accuracy.run` and "
-            "`python -m integrations.accuracy.loops`)."
-        )
+        first = "**CPU:** not measured yet (`python -m harness.accuracy.run` and `python -m harness.accuracy.loops`)."
     else:
         peaks = cpu["summary"]["peak_error_pct"]
         within = max(abs(row["predicted_peak_bytes"] - row["measured_peak_bytes"]) for row in loops["rows"])
@@ -502,7 +499,7 @@ def gpu_truth(results: Path) -> list[str]:
         f"{where['torch']}, transformers {where['transformers']}, {where['date']}), CUDA's kernels substituted. *On "
         f"the GPU machine*: memfit's prediction made there when the run was measured (native fake CUDA tensors, the "
         f"code of that day). Error = (predicted - measured) / measured; a row marked * misses the goal (-2 % .. +5 %) "
-        f"for a reason `integrations/accuracy/gpu_truth.py` names (KNOWN_GAPS).",
+        f"for a reason `harness/accuracy/gpu_truth.py` names (KNOWN_GAPS).",
         "",
     ]
     table = []
@@ -573,7 +570,7 @@ LORA_HEADER = [
 
 # --------------------------------------------------------------------------- the published record
 
-_PUBLISHED_COMMAND = "python -m integrations.published.run"
+_PUBLISHED_COMMAND = "python -m harness.published.run"
 _QUANTITY_SHORT = {
     "nvml_used": "NVML used",
     "max_memory_allocated": "`max_memory_allocated`",
@@ -758,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     if stale:
         print(
             f"the result blocks of {', '.join(stale)} differ from benchmarks/results/: run "
-            "`python -m integrations.accuracy.readme --write` and commit",
+            "`python -m harness.accuracy.readme --write` and commit",
             file=sys.stderr,
         )
         return 1

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from integrations.published.rows import MB, Prediction, Row, estimate_details
+from harness.published.rows import MB, Prediction, Row, estimate_details
 
 SOURCE = (
     'huggingface/transformers docs/source/zh/perf_train_gpu_one.md ("Efficient Training on a Single GPU", '

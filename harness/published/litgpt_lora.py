@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from integrations.published.rows import GB, Prediction, Row, estimate_details
+from harness.published.rows import GB, Prediction, Row, estimate_details
 
 SOURCE = 'Lightning-AI/litgpt tutorials/resource-tables.md ("Finetuning with LoRA on 1 GPU", 10/20/2023)'
 SOFTWARE = "lit-gpt 8641822, torch 2.1.0+cu121, bitsandbytes 0.41.1, A100-SXM4-40GB"

@@ -1,8 +1,8 @@
 """Largest micro batch on this card: the truth, memfit's plan, Lightning's BatchSizeFinder, HF's auto_find_batch_size.
 
-    python -m integrations.accuracy.largest_batch                 # GPU: every family (about 4 min each)
-    python -m integrations.accuracy.largest_batch --only gpt2     # one family; its rows replace the old ones
-    python -m integrations.accuracy.largest_batch --simulate-max-batch 6 --only gpt2 --in-process   # CPU dry run
+    python -m harness.accuracy.largest_batch                 # GPU: every family (about 4 min each)
+    python -m harness.accuracy.largest_batch --only gpt2     # one family; its rows replace the old ones
+    python -m harness.accuracy.largest_batch --simulate-max-batch 6 --only gpt2 --in-process   # CPU dry run
 
 For each model family of the zoo (``size="gpu"``; bf16-mixed AdamW without checkpointing by default):
 
@@ -51,10 +51,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from integrations.accuracy import reference
-from integrations.accuracy.run import RESULTS, _loss, _to, autocast_for, build, optimizer_spec, real_model
-from integrations.accuracy.zoo import FAMILIES, RESNET50, Config
-from integrations.accuracy.zoo import family as zoo_family
+from harness.accuracy import reference
+from harness.accuracy.run import RESULTS, _loss, _to, autocast_for, build, optimizer_spec, real_model
+from harness.accuracy.zoo import FAMILIES, RESNET50, Config
+from harness.accuracy.zoo import family as zoo_family
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("memfit", "lightning_binsearch", "lightning_power", "hf_auto_find")
@@ -273,7 +273,7 @@ def run_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
     """Run one trial in a new Python process; its last stdout line is the JSON answer."""
-    out = subprocess.run([sys.executable, "-m", "integrations.accuracy.largest_batch", "--worker", json.dumps(job)],
+    out = subprocess.run([sys.executable, "-m", "harness.accuracy.largest_batch", "--worker", json.dumps(job)],
                          capture_output=True, text=True, check=False, cwd=ROOT)  # fmt: skip
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:

@@ -15,8 +15,8 @@ for ``predict`` the pass without the outputs it keeps. Two more run a small GPT-
 varying length (HF Trainer.train, Lightning Trainer.fit), padded to the longest in each batch; their
 loop-blind column is the first batch's trace.
 
-    python -m integrations.accuracy.loops        # CPU, ~45 s: benchmarks/results/training_loop-cpu.json
-    python -m integrations.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
+    python -m harness.accuracy.loops        # CPU, ~45 s: benchmarks/results/training_loop-cpu.json
+    python -m harness.accuracy.loops --gpu  # the same loops on the visible CUDA GPU, measured with
                                                  # torch.cuda.max_memory_allocated/reserved: training_loop-gpu.json
 """
 
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import memfit
-from integrations.accuracy.reference import profiled_cpu_peak
+from harness.accuracy.reference import profiled_cpu_peak
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.tracing.ddp import DDPConfig
 
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     Console(width=150).print(table)
     measured_with = (
         "torch.cuda.max_memory_allocated/reserved from an emptied allocator" if args.gpu
-        else "torch.profiler CPU allocator reports (integrations.accuracy.reference.profiled_cpu_peak)"
+        else "torch.profiler CPU allocator reports (harness.accuracy.reference.profiled_cpu_peak)"
     )  # fmt: skip
     path = RESULTS / f"training_loop-{'gpu' if args.gpu else 'cpu'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

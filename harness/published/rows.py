@@ -81,8 +81,8 @@ def estimate_details(estimate: Any) -> dict[str, Any]:
 
 def all_rows() -> list[Row]:
     """Every row, in the order of the published tables."""
-    from integrations.published.hf_bert import ROWS as BERT_ROWS
-    from integrations.published.litgpt_lora import ROWS as LITGPT_ROWS
+    from harness.published.hf_bert import ROWS as BERT_ROWS
+    from harness.published.litgpt_lora import ROWS as LITGPT_ROWS
 
     return [*BERT_ROWS, *LITGPT_ROWS]
 

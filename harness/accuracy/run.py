@@ -1,8 +1,8 @@
 """memfit's accuracy harness: predicted vs independently measured memory over the zoo.
 
-    python -m integrations.accuracy.run             # CPU mode (any machine)
-    python -m integrations.accuracy.run --gpu       # GPU mode (needs CUDA)
-    python -m integrations.accuracy.run --gpu --family gpt2 --family llama   # a part; its rows replace the same rows
+    python -m harness.accuracy.run             # CPU mode (any machine)
+    python -m harness.accuracy.run --gpu       # GPU mode (needs CUDA)
+    python -m harness.accuracy.run --gpu --family gpt2 --family llama   # a part; its rows replace the same rows
 
 CPU mode traces each configuration for a CPU target and compares, on real CPU tensors,
 (a) the activations the trace keeps from forward to backward with the bytes autograd saves
@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
-from integrations.accuracy import reference
-from integrations.accuracy.zoo import FAMILIES, Config, configs
+from harness.accuracy import reference
+from harness.accuracy.zoo import FAMILIES, Config, configs
 from memfit.tracing.checkpointing import enable_checkpointing
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -205,7 +205,7 @@ def run_gpu(selected: list[Config]) -> list[dict[str, Any]]:
                                      f"card's {memfit.format_bytes(total)}"}  # fmt: skip
             else:
                 measured = child_answer(
-                    [sys.executable, "-m", "integrations.accuracy.run", "--measure-one", config.name, str(batch)]
+                    [sys.executable, "-m", "harness.accuracy.run", "--measure-one", config.name, str(batch)]
                 )
             rows.append(
                 {

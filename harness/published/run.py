@@ -1,8 +1,8 @@
 """Predict every published measurement from its configuration and write the comparison.
 
-    python -m integrations.published.run                  # every row; writes benchmarks/results/published.json
-    python -m integrations.published.run --only bert      # rows whose id contains "bert"
-    python -m integrations.published.run --layers 2 --output /tmp/p.json   # the machinery on shortened models
+    python -m harness.published.run                  # every row; writes benchmarks/results/published.json
+    python -m harness.published.run --only bert      # rows whose id contains "bert"
+    python -m harness.published.run --layers 2 --output /tmp/p.json   # the machinery on shortened models
 
 A row whose model code is not installed (litgpt, which must live in its own environment: it pins an
 older huggingface-hub than the dev extras) is not predicted; when the output file already holds that
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from integrations.published.rows import QUANTITIES, SECTIONS, Row, all_rows
+from harness.published.rows import QUANTITIES, SECTIONS, Row, all_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "benchmarks" / "results" / "published.json"
@@ -118,7 +118,7 @@ def run(only: list[str], layers: int | None, output: Path | None) -> dict[str, A
                 print(f"{row.id}: {row.requires} is not installed here; kept the row traced with {kept}")
                 rows.append(previous[row.id])
             else:
-                print(f"{row.id}: skipped, {row.requires} is not installed here (see integrations/published/README.md)")
+                print(f"{row.id}: skipped, {row.requires} is not installed here (see harness/published/README.md)")
             continue
         result = predict_row(row, layers)
         error = "-" if result["error_pct"] is None else f"{result['error_pct']:+.2f} %"
@@ -132,7 +132,7 @@ def run(only: list[str], layers: int | None, output: Path | None) -> dict[str, A
             "date": date.today().isoformat(),
             "quantities": QUANTITIES,
             "sections": SECTIONS,
-            "command": "python -m integrations.published.run",
+            "command": "python -m harness.published.run",
         },
         "summary": summary(rows),
         "rows": rows,

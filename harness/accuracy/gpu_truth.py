@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import memfit
-from integrations.accuracy import lora_llama
-from integrations.accuracy.run import predict as predict_zoo
-from integrations.accuracy.zoo import Config, configs
+from harness.accuracy import lora_llama
+from harness.accuracy.run import predict as predict_zoo
+from harness.accuracy.zoo import Config, configs
 
 __all__ = [
     "FIXTURES",
@@ -67,7 +67,7 @@ KNOWN_GAPS: dict[tuple[str, int], str] = {
 class TruthRow:
     """One measured training step and memfit's prediction of it on the machine that measured it."""
 
-    kind: str  # "zoo" (integrations.accuracy.zoo) or "lora" (integrations.accuracy.lora_llama)
+    kind: str  # "zoo" (harness.accuracy.zoo) or "lora" (harness.accuracy.lora_llama)
     source: str
     config: str
     batch_size: int
