@@ -32,6 +32,23 @@ if TYPE_CHECKING:  # annotations only: the planner is imported when `memfit plan
 __all__ = ["main"]
 
 _EXIT_USAGE = 2
+EXIT_NOTHING_FITS = 1  # the answer is "no": on no GPU asked about, or no count of GPUs, does the step fit
+EXIT_CODES = (
+    "exit status: 0 when the step fits (on at least one GPU asked about), 1 when it fits nowhere (the answer is "
+    "still printed, --json included), 2 for bad input, 141 when the reader of the output closed it"
+)
+
+# Optional dependencies by the extra that installs them (pyproject.toml's [project.optional-dependencies]).
+_EXTRAS = {
+    "bitsandbytes": "quant",
+    "peft": "quant",
+    "deepspeed": "sharding",
+    "matplotlib": "plot",
+    "transformers": "hf",
+    "accelerate": "hf",
+    "pynvml": "nvml",
+    "lightning": "lightning",
+}
 
 _COUNT_SUFFIXES: dict[str, int] = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -113,8 +130,47 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpus(args: argparse.Namespace) -> int:
+    """List the GPU catalog."""
+    from memfit.planning.gpus import known_gpus
+
+    cards = [
+        {
+            "name": gpu.name,
+            "memory_bytes": gpu.memory_bytes,
+            "bf16": gpu.bf16,
+            "compute_capability": ".".join(map(str, gpu.compute_capability)) if gpu.compute_capability else None,
+            "multiprocessors": gpu.multiprocessors,
+            "vendor": gpu.vendor,
+            "architecture": gpu.architecture,
+            "aliases": list(gpu.aliases),
+        }
+        for gpu in known_gpus()
+    ]
+    if args.json:
+        print(json.dumps(cards, indent=2))
+        return 0
+    from rich.table import Table
+
+    from memfit.cli.console import stdout_console
+    from memfit.units import format_bytes
+
+    table = Table(title="GPUs memfit knows (--gpu NAME)")
+    for column, justify in (("name", "left"), ("memory", "right"), ("bf16", "center"), ("compute capability",
+                            "right"), ("SMs", "right"), ("architecture", "left"), ("also called", "left")):  # fmt: skip
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for card in cards:
+        table.add_row(card["name"], format_bytes(card["memory_bytes"]), "yes" if card["bf16"] else "no",
+                      card["compute_capability"] or "-", str(card["multiprocessors"] or "-"), card["architecture"],
+                      ", ".join(card["aliases"]))  # fmt: skip
+    stdout_console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
+    if args.gpu and any(name.strip().lower() == "list" for name in args.gpu):  # the catalog, as `memfit gpus`
+        return _cmd_gpus(argparse.Namespace(json=args.json))
     from memfit.cli.finetune_options import estimate_command, plan_finetune
     from memfit.planning.finetune import ForeignQuantizationError
 
@@ -160,7 +216,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if report.rows and all(row.refused for row in report.rows):  # nothing asked for could be planned
         print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
         return _EXIT_USAGE
-    return 0
+    return 0 if any(row.fits for row in report.rows) else EXIT_NOTHING_FITS
 
 
 def _as_flag(error: InvalidInputError) -> InvalidInputError:
@@ -278,6 +334,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="memfit",
         description="Predict the peak GPU memory of a PyTorch training step before it runs.",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -315,11 +372,21 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     estimate.set_defaults(handler=_cmd_estimate)
 
+    gpus = subparsers.add_parser(
+        "gpus",
+        help="list the GPUs memfit knows by name (for --gpu)",
+        description="The GPU catalog: each card's name, memory, bf16 support, compute capability and "
+        "multiprocessors. --gpu takes any of these names, forgivingly (h100, 'rtx 4090', A100-80GB).",
+    )
+    gpus.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    gpus.set_defaults(handler=_cmd_gpus)
+
     plan = subparsers.add_parser(
         "plan",
         help="will it fit? trace a model and plan its batch for one or more GPUs",
         description="Trace two training steps of a model on fake tensors (no weights are materialised or "
         "downloaded) and plan the largest micro batch, the accumulation and checkpointing for each GPU.",
+        epilog=EXIT_CODES,
     )
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-config", metavar="NAME_OR_PATH", help="a preset (gpt2, bert-base, t5-base, llama-3-8b, "
@@ -327,7 +394,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "config.json")  # fmt: skip
     source.add_argument("--model", metavar="MODULE:FACTORY", help="your own code: factory() returns a module or "
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
-    plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100")
+    plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100; "
+                      "--gpu list (or memfit gpus) lists them")  # fmt: skip
     plan.add_argument("--budget", metavar="SIZE", help="plan for this much memory instead, e.g. 20GiB")
     plan.add_argument("--seq-len", type=_lengths, default=(1024,), metavar="N[,N...]",
                       help="tokens per sample (default 1024); several, e.g. 512,1024,4096, plan each from the same "
@@ -401,6 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return _reader_gone()
+    except ModuleNotFoundError as error:
+        extra = _EXTRAS.get((error.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"memfit: error: this needs {error.name}, which is not installed: pip install \"memfit[{extra}]\"",
+              file=sys.stderr)  # fmt: skip
+        return _EXIT_USAGE
     except (MemfitError, ValueError) as exc:
         message = " ".join(str(exc).split())
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):

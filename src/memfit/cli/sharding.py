@@ -22,6 +22,7 @@ __all__ = ["CLI_STRATEGIES", "OFFLOADS", "add_sharding_arguments", "is_sharded",
 CLI_STRATEGIES = ("ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "params", "all")
 _EXIT_USAGE = 2
+_EXIT_NOTHING_FITS = 1  # as memfit.cli.main.EXIT_NOTHING_FITS
 
 
 def _gpus(text: str) -> int | str:
@@ -199,9 +200,9 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
         print(json.dumps(report.to_dict(), indent=2))
     else:
         _print(report)
-    if report.row.plan is None:
+    if report.row.plan is None:  # the answer is "no", said on stderr too
         print(f"memfit: error: {report.row.error}", file=sys.stderr)
-        return _EXIT_USAGE
+        return _EXIT_NOTHING_FITS
     return 0
 
 

@@ -30,6 +30,7 @@ from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import ZeroGrad
 
@@ -206,6 +207,7 @@ def plan_for_gpus(
         spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
             from_factory(model, seq_len=seq_len)
         )  # fmt: skip
+    check_sequence_length(spec.model, max((seq_len, *more_seq_lens)), fix="use --seq-len {positions} or less")
     parameters = sum(p.numel() for p in spec.model.parameters())
     finetune = from_config_quantization(spec, finetune or FinetuneSpec())
     spec = apply_finetune(spec, finetune, default, inference=inference)

@@ -45,6 +45,7 @@ from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ZeroGrad
 from memfit.units import format_bytes
@@ -428,6 +429,10 @@ def _needed(
 
 def _spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None,
           layers: int | None) -> ModelSpec:  # fmt: skip
-    if hf_config:
-        return from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers)
-    return from_factory(model or "", seq_len=seq_len)
+    spec = (
+        from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers)
+        if hf_config
+        else from_factory(model or "", seq_len=seq_len)
+    )
+    check_sequence_length(spec.model, seq_len, fix="use --seq-len {positions} or less")
+    return spec

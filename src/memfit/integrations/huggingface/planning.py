@@ -36,6 +36,7 @@ from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.tracing.config import TrainingLoop
+from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
@@ -131,6 +132,10 @@ def plan_training_arguments(
     sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
                              notes=sample_notes, max_length=max_length)  # fmt: skip
+    ids = sample.get("input_ids") if isinstance(sample, dict) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        check_sequence_length(model, ids.shape[1], fix="truncate them (the tokenizer's or collator's max_length="
+                              "{positions}), or pass max_length= for a stream")  # fmt: skip
     optimizer = trainer_optimizer(args, model)
     ddp = ddp_config(args, model, sharded=layout.sharding is not None)
 
