@@ -25,7 +25,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
-from memfit.diagnostics import degrade, info, warn_once
+from memfit.diagnostics import degrade, info, is_rank_zero
 from memfit.errors import InvalidInputError, MemfitError, ShardingNotModelledError
 from memfit.integrations.huggingface import internals
 from memfit.integrations.huggingface.arguments import (
@@ -40,16 +40,14 @@ from memfit.integrations.huggingface.arguments import (
 from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
 from memfit.integrations.huggingface.planning import PLAN_FILE, PlannedArguments, plan_training_arguments
 from memfit.integrations.huggingface.sharding import RunLayout, run_layout
-from memfit.monitoring.ranks import per_rank_metrics
+from memfit.monitoring.controller import RunController
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
     OOMRecovery,
-    Recovery,
     check_loss_reduction,
     check_on_oom,
-    is_out_of_memory,
 )
 from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import free_device_bytes
@@ -58,7 +56,7 @@ from memfit.planning.planner import Plan
 from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
-from memfit.reporting.figures import drawn, log_figure, matplotlib_available
+from memfit.reporting.figures import log_figure
 from memfit.tracing.batch import batch_examples, is_stream
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
@@ -264,15 +262,25 @@ class MemoryPlannerCallback(TrainerCallback):
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
         self.evaluation: EvaluationPeak | None = None
-        self.monitor: RunMonitor | None = None
-        self.recovery: OOMRecovery | None = None
+        self.controller = RunController(_TrainerPort(self), margin=self.margin, on_oom=self.on_oom,
+                                        loss_reduction=self.loss_reduction, verbose=verbose)  # fmt: skip
+        self._args: TrainingArguments | None = None  # the arguments of the run under way
         self._trainer: Trainer | None = None  # set by attach()
         self._restore: list[internals.Replaced] = []
         self._pending: dict[str, float] = {}
         self._first_log = True
         self._layout: RunLayout | None = None
         self._timeline_logged = False
-        self._warned: set[str] = set()
+
+    @property
+    def monitor(self) -> RunMonitor | None:
+        """What the run measured, window by window (``None`` before it trains)."""
+        return self.controller.monitor
+
+    @property
+    def recovery(self) -> OOMRecovery | None:
+        """The out-of-memory recovery of the run (``None`` when it is off)."""
+        return self.controller.recovery
 
     # ---------------------------------------------------------------- events
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -285,6 +293,8 @@ class MemoryPlannerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
+        self._args = args
+        self.controller.monitor = self.controller.recovery = None
         if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
             _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
@@ -294,7 +304,7 @@ class MemoryPlannerCallback(TrainerCallback):
         except Exception as error:  # never let memfit end the run
             reason = str(error) if isinstance(error, MemfitError) else f"{type(error).__name__}: {error}"
             degrade(f"memfit could not predict this run ({reason}); no drift is logged", error, key="predict",
-                    seen=self._warned)  # fmt: skip
+                    seen=self.controller.warned)  # fmt: skip
         if self._trainer is None:
             return
         if self.estimate is not None:
@@ -302,7 +312,7 @@ class MemoryPlannerCallback(TrainerCallback):
                 self._check_evaluation(args, model)
             except Exception as error:  # never let memfit end the run
                 degrade(f"memfit could not check evaluation ({type(error).__name__}: {error})", error,
-                        key="evaluation", seen=self._warned)  # fmt: skip
+                        key="evaluation", seen=self.controller.warned)  # fmt: skip
         if self.on_oom == "replan" and self._layout is not None and self._layout.sharding is not None:
             self._warn("recovery", f"memfit's out-of-memory recovery runs chunks beside the {self._layout.name} "
                        "wrapper, which a sharded model cannot do: it stays off in this run")  # fmt: skip
@@ -313,19 +323,14 @@ class MemoryPlannerCallback(TrainerCallback):
                 self._uninstall_recovery()
                 why = f"{type(error).__name__}: {error}"
                 degrade(f"memfit cannot recover from out-of-memory errors in this run ({why}); an out-of-memory "
-                        "error will end it as usual", error, key="recovery", seen=self._warned)  # fmt: skip
+                        "error will end it as usual", error, key="recovery", seen=self.controller.warned)  # fmt: skip
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.recovery is not None:
-            self.recovery.end_window()  # after the optimizer step: the window's batches are done with
-            if args.world_size > 1 and (chunk := self.recovery.agree_across_ranks()):
-                self._info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
+        self.controller.end_accumulation_window()  # after the optimizer step
+        self.controller.agree_across_ranks()
         every = max(1, int(state.logging_steps or args.logging_steps))
         if self.monitor is not None and state.global_step and not state.global_step % every:
-            metrics = self.monitor.observe(state.global_step) or {}
-            if _world_size() > 1:  # every rank reaches this step: gather each one's peaks to rank 0
-                metrics.update(per_rank_metrics(metrics, _all_gather, device=args.device))
-            self._pending.update(metrics)
+            self.controller.end_window(state.global_step)  # every rank reaches this step: the gather is collective
 
     def on_log(
         self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
@@ -335,7 +340,7 @@ class MemoryPlannerCallback(TrainerCallback):
         added = dict(self._pending)
         if not self._timeline_logged and self.estimate is not None and state.is_world_process_zero:
             self._timeline_logged = True  # the trackers are set up by now (their on_train_begin ran after ours)
-            self._figure(args, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate), state.global_step)
+            self.controller.figure("memfit/timeline", lambda: _plot("plot_timeline", self.estimate), state.global_step)
         if self._first_log and self.plan is not None:
             for key in ("micro_batch_size", "accumulate_grad_batches", "effective_batch_size"):
                 added[f"memfit/{key}"] = getattr(self.plan, key)
@@ -359,14 +364,8 @@ class MemoryPlannerCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self._uninstall_recovery()
-        if self.monitor is None or not state.is_world_process_zero:
-            return
-        series = self.monitor.drift_series()
-        if series is not None:
-            self._figure(args, "memfit/drift", lambda: _plot("plot_drift", *series), state.global_step)
-        line = self.monitor.final_line()
-        if line is not None and self.verbose:
-            self._info(line)
+        if state.is_world_process_zero:
+            self.controller.finish(state.global_step)
 
     # --------------------------------------------------------------- helpers
     def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
@@ -400,14 +399,8 @@ class MemoryPlannerCallback(TrainerCallback):
         )
         self.estimate = traced = traced.with_notes(*notes)
         peak = traced.at(micro)  # the figure a plan quotes for this micro batch, so the two agree
-        self.monitor = RunMonitor.start(
-            device,
-            predicted_allocated_bytes=peak.allocated_bytes,
-            predicted_reserved_bytes=peak.reserved_bytes,
-            estimate=traced,
-            margin=self.margin,
-            warn=self._warn,
-        )
+        self.controller.start_measuring(predicted_allocated_bytes=peak.allocated_bytes,
+                                        predicted_reserved_bytes=peak.reserved_bytes, estimate=traced)  # fmt: skip
         if self.verbose:
             figure = (
                 f"reserved {format_bytes(peak.reserved_bytes)} (allocated {format_bytes(peak.allocated_bytes)})"
@@ -437,8 +430,8 @@ class MemoryPlannerCallback(TrainerCallback):
                            "measured peaks only.")  # fmt: skip
         allocated = predicted.predicted_allocated_bytes if predicted is not None else None
         reserved = predicted.predicted_reserved_bytes if predicted is not None else None
-        self.monitor = RunMonitor.start(device, predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
-                                        estimate=None, margin=self.margin, warn=self._warn)  # fmt: skip
+        self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
+                                        estimate=None)  # fmt: skip
         if self.verbose and predicted is not None:
             self._info(f"memfit: measuring each rank of this {self._layout.name} run against the plan's per-rank "
                        f"prediction: {predicted.summary()}")  # fmt: skip
@@ -467,117 +460,81 @@ class MemoryPlannerCallback(TrainerCallback):
             self._warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
 
     def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
-        """Wrap the Trainer's ``training_step`` (run the batch in chunks through ``OOMRecovery``) and its
-        ``compute_loss`` (weight each chunk's loss; mark where the backward begins)."""
+        """Run each batch of the Trainer's step in chunks through the controller's ``OOMRecovery``."""
         self._uninstall_recovery()  # a run that ended in an error left its wrappers: never wrap them twice
         trainer = self._trainer
         if model is None:
             raise InvalidInputError("the Trainer passed no model")
-        original_step, original_loss = trainer.training_step, trainer.compute_loss
         inner = trainer.accelerator.unwrap_model(model)
-        recovery = OOMRecovery(
-            reset_gradients=lambda: model.zero_grad(set_to_none=True),
+        recovery = self.controller.install_recovery(
             estimate=self.estimate,
-            margin=self.margin,
+            reset_gradients=lambda: model.zero_grad(set_to_none=True),
             enable_checkpointing=functools.partial(enable_checkpointing, inner) if self.allow_checkpointing else None,
             checkpointing_on=bool(getattr(args, checkpointing_switch(args), False)),
-            loss_reduction=self.loss_reduction,
-            distributed=args.world_size > 1,
-            on_recovery=functools.partial(self._on_recovery, args),
         )
-        chunk_state = {"weight": 1.0, "in_step": False, "window_done": True}
 
-        def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
-            output = original_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-            if not chunk_state["in_step"]:
-                return output  # evaluation
-            recovery.backward_started()
-            weight = chunk_state["weight"]
-            if weight == 1.0:
-                return output
-            return (output[0] * weight, *output[1:]) if return_outputs else output * weight
+        def optimizer_oom() -> None:  # the Trainer has no exception hook: say why memfit cannot help
+            self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
 
-        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-            if chunk_state["window_done"]:
-                recovery.start_window()
-            sync = bool(trainer.accelerator.gradient_state.sync_gradients)
-            # a loss divided by the window's item count already adds up over chunks
-            additive = (num_items_in_batch is not None and trainer.model_accepts_loss_kwargs) or (
-                trainer.compute_loss_func is not None
-            )
-            through_wrapper = False
-
-            def run_chunk(chunk: Any, weight: float, last: bool) -> torch.Tensor:
-                nonlocal through_wrapper
-                chunk_state["weight"], chunk_state["in_step"] = (1.0 if additive else weight), True
-                try:
-                    if last:  # through the DDP wrapper, once per batch on every rank
-                        if through_wrapper and hasattr(model, "require_forward_param_sync"):
-                            model.require_forward_param_sync = False  # the failed attempt broadcast buffers
-                        through_wrapper = True
-                        return original_step(model, chunk, num_items_in_batch)
-                    return original_step(inner, chunk, num_items_in_batch)  # bare module: no collective
-                finally:
-                    chunk_state["in_step"] = False
-
-            losses = recovery.run_batch(inputs, run_chunk, step=trainer.state.global_step, sync=sync)
-            chunk_state["window_done"] = sync
-            return sum(losses[1:], losses[0])
-
-        optimizer = trainer.optimizer
-        original_optimizer_step = getattr(optimizer, "step", None)
-
-        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original_optimizer_step(*args, **kwargs)
-            except Exception as error:  # the Trainer has no exception hook: say why memfit cannot help, re-raise
-                if is_out_of_memory(error):
-                    self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
-                raise
-
-        self._patch(trainer, "training_step", training_step)
-        self._patch(trainer, "compute_loss", compute_loss)
-        if original_optimizer_step is not None:
-            if hasattr(original_optimizer_step, "_wrapped_by_lr_sched"):
-                # torch's LR scheduler marks the step it wraps; the mark keeps it from warning that step was replaced
-                optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-            self._patch(optimizer, "step", optimizer_step)
-        self.recovery = recovery
-
-    def _patch(self, owner: Any, name: str, value: Any) -> None:
-        internals.replace_attribute(owner, name, value, self._restore)
+        internals.install_chunked_step(trainer, model, inner, recovery, optimizer_oom, self._restore)
 
     def _uninstall_recovery(self) -> None:
         internals.restore_attributes(self._restore)
 
-    def _on_recovery(self, args: TrainingArguments, record: Recovery) -> None:
-        message = record.warning(
-            accumulation=args.gradient_accumulation_steps, world_size=args.world_size, rank=args.process_index
-        )
-        warnings.warn(message, UserWarning, stacklevel=2)
-        if self.monitor is not None:
-            self._pending.update(self.monitor.recovered(record, self.recovery))
+    def _warn(self, key: str, message: str) -> None:
+        self.controller.warn(key, message)
 
-    def _figure(self, args: TrainingArguments, name: str, make: Any, step: int) -> None:
-        """Draw and send to the TensorBoard writer of HF's TensorBoard callback, the active MLflow run and
-        ``output_dir``; skipped without matplotlib."""
-        if not matplotlib_available():
-            return
-        figure = drawn(make, name, seen=self._warned)
-        if figure is None:
-            return
-        callbacks = self._trainer.callback_handler.callbacks if self._trainer is not None else []
+    def _info(self, message: str) -> None:
+        info(message)
+
+
+class _TrainerPort:
+    """The Trainer's side of the run for ``RunController``: its arguments, process group and trackers. The
+    Trainer's trackers read the training logs, so scalars wait for the next ``on_log`` to join them."""
+
+    def __init__(self, callback: MemoryPlannerCallback) -> None:
+        self.callback = callback
+
+    def _args(self) -> TrainingArguments:
+        args = self.callback._args
+        if args is None:
+            raise RuntimeError("the Trainer has not started training")
+        return args
+
+    def device(self) -> torch.device:
+        return self._args().device
+
+    def world_size(self) -> int:
+        return _world_size()
+
+    def rank(self) -> int:
+        return self._args().process_index
+
+    def accumulation(self) -> int:
+        return self._args().gradient_accumulation_steps
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _all_gather(tensor)
+
+    def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
+        self.callback._pending.update(metrics)
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        """To the TensorBoard writer of HF's TensorBoard callback, the active MLflow run and ``output_dir``."""
+        trainer = self.callback._trainer
+        callbacks = trainer.callback_handler.callbacks if trainer is not None else []
         writer = next((getattr(cb, "tb_writer", None) for cb in callbacks if hasattr(cb, "tb_writer")), None)
         mlflow_module = None
         if any(type(cb).__name__ == "MLflowCallback" for cb in callbacks):
             import mlflow as mlflow_module
-        log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=args.output_dir, step=step)
+        log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=self._args().output_dir,
+                   step=step)  # fmt: skip
 
-    def _warn(self, key: str, message: str) -> None:
-        """One warning per kind of event and callback, on rank zero."""
-        warn_once(key, message, seen=self._warned, stacklevel=3)
+    def warn(self, message: str) -> None:
+        if is_rank_zero():  # the controller says each kind once
+            warnings.warn(message, UserWarning, stacklevel=4)
 
-    def _info(self, message: str) -> None:
+    def info(self, message: str) -> None:
         info(message)
 
 

@@ -25,10 +25,13 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from memfit.monitoring.controller import RunController
+from memfit.monitoring.recovery import OOMRecovery, is_out_of_memory
 from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "distributed_type",
     "fsdp_options",
     "fsdp_requested",
+    "install_chunked_step",
     "local_world_size",
     "replace_attribute",
     "restore_attributes",
@@ -93,6 +97,79 @@ def replace_attribute(owner: Any, name: str, value: Any, replaced: list[Replaced
     """Set ``owner.name`` (an instance's method: the Trainer's ``training_step``), remembering what to restore."""
     replaced.append((owner, name, vars(owner).get(name, _UNSET)))
     setattr(owner, name, value)
+
+
+def install_chunked_step(
+    trainer: Any,
+    model: Any,
+    inner: Any,
+    recovery: OOMRecovery,
+    optimizer_oom: Callable[[], None],
+    replaced: list[Replaced],
+) -> None:
+    """Replace the Trainer's ``training_step`` (the batch in chunks through ``recovery``: the last chunk
+    through the wrapped ``model``, the others through the ``inner`` module), its ``compute_loss`` (each
+    chunk's loss weighted by its share; where the backward begins) and its optimizer's ``step`` (an
+    out-of-memory error there calls ``optimizer_oom`` before it propagates), on the instances.
+
+    Reads what the Trainer decides per step: ``accelerator.gradient_state.sync_gradients`` (the window's
+    last micro batch), and whether the loss it computes is already divided by the window's item count
+    (``model_accepts_loss_kwargs`` with ``num_items_in_batch``, or a ``compute_loss_func``): such losses
+    add up over chunks unweighted (transformers 4.57 to 5.x)."""
+    original_step, original_loss = trainer.training_step, trainer.compute_loss
+    chunk_state = {"weight": 1.0, "in_step": False, "window_done": True}
+
+    def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        output = original_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if not chunk_state["in_step"]:
+            return output  # evaluation
+        recovery.backward_started()
+        weight = chunk_state["weight"]
+        if weight == 1.0:
+            return output
+        return (output[0] * weight, *output[1:]) if return_outputs else output * weight
+
+    def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if chunk_state["window_done"]:
+            recovery.start_window()
+        sync = bool(trainer.accelerator.gradient_state.sync_gradients)
+        additive = (num_items_in_batch is not None and trainer.model_accepts_loss_kwargs) or (
+            trainer.compute_loss_func is not None
+        )
+
+        def step_of(module: Any) -> Callable[[Any, float], torch.Tensor]:
+            def run(chunk: Any, weight: float) -> torch.Tensor:
+                chunk_state["weight"], chunk_state["in_step"] = (1.0 if additive else weight), True
+                try:
+                    return original_step(module, chunk, num_items_in_batch)
+                finally:
+                    chunk_state["in_step"] = False
+
+            return run
+
+        run_chunk = RunController.chunk_runner(model, through_wrapper=step_of(model), bare=step_of(inner))
+        losses = recovery.run_batch(inputs, run_chunk, step=trainer.state.global_step, sync=sync)
+        chunk_state["window_done"] = sync
+        return sum(losses[1:], losses[0])
+
+    optimizer = trainer.optimizer
+    original_optimizer_step = getattr(optimizer, "step", None)
+
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_optimizer_step(*args, **kwargs)
+        except Exception as error:
+            if is_out_of_memory(error):
+                optimizer_oom()
+            raise
+
+    replace_attribute(trainer, "training_step", training_step, replaced)
+    replace_attribute(trainer, "compute_loss", compute_loss, replaced)
+    if original_optimizer_step is not None:
+        if hasattr(original_optimizer_step, "_wrapped_by_lr_sched"):
+            # torch's LR scheduler marks the step it wraps; the mark keeps it from warning that step was replaced
+            optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        replace_attribute(optimizer, "step", optimizer_step, replaced)
 
 
 def restore_attributes(replaced: list[Replaced]) -> None:

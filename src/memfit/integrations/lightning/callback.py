@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,13 +29,12 @@ from memfit.errors import (
 )
 from memfit.integrations.lightning.internals import LightningInternals
 from memfit.integrations.lightning.sharding import StrategyLayout, sharding_strategy_name, strategy_layout
-from memfit.monitoring.ranks import per_rank_metrics
+from memfit.monitoring.controller import RunController
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
     OOMRecovery,
-    Recovery,
     batches_held,
     check_loss_reduction,
     check_on_oom,
@@ -52,7 +50,7 @@ from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
-from memfit.reporting.figures import drawn, log_figure, matplotlib_available
+from memfit.reporting.figures import log_figure
 from memfit.tracing.batch import infer_batch_size, longest_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
@@ -244,8 +242,8 @@ class MemoryPlannerBase:
         self.plan: Plan | None = None
         self.estimate: MemoryEstimate | None = None
         self.validation: EvaluationPeak | None = None
-        self.monitor: RunMonitor | None = None
-        self.recovery: OOMRecovery | None = None
+        self.controller = RunController(_LightningPort(self), margin=self.margin, on_oom=self.on_oom,
+                                        loss_reduction=self.loss_reduction, verbose=verbose)  # fmt: skip
         self._internals = LightningInternals(self._pl)
         self._decision: _Decision | None = None
         self._restored_plan: dict[str, Any] | None = None
@@ -255,8 +253,17 @@ class MemoryPlannerBase:
         self._hparams_logged = False
         self._closure_finished = False
         self._measuring = False  # every rank measures (the broadcast decision says so): logging steps gather
-        self._warned: set[str] = set()
         self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
+
+    @property
+    def monitor(self) -> RunMonitor | None:
+        """What the run measured, window by window (``None`` before it trains or where nothing is measured)."""
+        return self.controller.monitor
+
+    @property
+    def recovery(self) -> OOMRecovery | None:
+        """The out-of-memory recovery of the run (``None`` when it is off)."""
+        return self.controller.recovery
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -269,8 +276,7 @@ class MemoryPlannerBase:
         self._install_recovery(trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.recovery is not None and trainer.world_size > 1 and (chunk := self.recovery.agree_across_ranks()):
-            self._info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
+        self.controller.agree_across_ranks()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
@@ -279,8 +285,8 @@ class MemoryPlannerBase:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         stepped = trainer.global_step != self._steps_seen  # an optimizer step ended a window
-        if self.recovery is not None and stepped:
-            self.recovery.end_window()
+        if stepped:
+            self.controller.end_accumulation_window()
         self._steps_seen = trainer.global_step
         if stepped:
             self._maybe_log_drift(trainer)
@@ -490,7 +496,7 @@ class MemoryPlannerBase:
             parsing.lightning_setattr(pl_module, self.batch_arg_name, previous_batch)
             trainer.accumulate_grad_batches = previous_accumulation
             degrade(f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was changed.", error,
-                    key="apply", seen=self._warned)  # fmt: skip
+                    key="apply", seen=self.controller.warned)  # fmt: skip
             return
         self._internals.forget_train_loader(trainer)
         self._internals.record_initial_hparam(trainer, pl_module, self.batch_arg_name, micro)
@@ -554,19 +560,15 @@ class MemoryPlannerBase:
             self._warn("recovery", f"{unsupported}: memfit leaves its out-of-memory recovery off in this run; an "
                        "out-of-memory error will end it as usual.")  # fmt: skip
             return
-        self.recovery = OOMRecovery(
-            reset_gradients=lambda: pl_module.zero_grad(set_to_none=True),
+        self.controller.install_recovery(
             estimate=self.estimate,
-            margin=self.margin,
+            reset_gradients=lambda: pl_module.zero_grad(set_to_none=True),
             enable_checkpointing=(
                 functools.partial(enable_checkpointing, pl_module, self.checkpoint_modules)
                 if self.allow_checkpointing
                 else None
             ),
             checkpointing_on=bool(self.mode == "plan" and self.plan and self.plan.gradient_checkpointing),
-            loss_reduction=self.loss_reduction,
-            distributed=trainer.world_size > 1,
-            on_recovery=functools.partial(self._on_recovery, trainer),
         )
         self._internals.install_step(trainer, functools.partial(self._recovering_step, trainer, pl_module))
 
@@ -581,27 +583,26 @@ class MemoryPlannerBase:
             zero_grad()
         strategy = trainer.strategy
         wrapper = strategy.model if strategy.model is not pl_module else None
-        forwarded_through_wrapper = False
 
-        def run_chunk(chunk: Any, weight: float, last: bool) -> Any:
-            nonlocal forwarded_through_wrapper
-            step_kwargs = kwargs.copy()
-            step_kwargs["batch"] = chunk
-            if last:  # through the strategy (the DDP wrapper), once per batch on every rank
-                if forwarded_through_wrapper and hasattr(wrapper, "require_forward_param_sync"):
-                    wrapper.require_forward_param_sync = False  # buffers were broadcast by the failed attempt
-                forwarded_through_wrapper = True
-                result = internals.loop_training_step(trainer, step_kwargs)
-            else:  # the bare module: no extra collective on this rank
-                result = internals.bare_training_step(trainer, pl_module, step_kwargs)
-            if result.closure_loss is None:
-                return None
-            loss = result.closure_loss * weight if weight != 1.0 else result.closure_loss
-            recovery.backward_started()
-            if backward is not None:
-                backward(loss)
-            return loss.detach(), result.extra
+        def step_of(through_wrapper: bool) -> Any:
+            def run(chunk: Any, weight: float) -> Any:
+                step_kwargs = kwargs.copy()
+                step_kwargs["batch"] = chunk
+                if through_wrapper:  # the strategy (the DDP wrapper): its all-reduce
+                    result = internals.loop_training_step(trainer, step_kwargs)
+                else:
+                    result = internals.bare_training_step(trainer, pl_module, step_kwargs)
+                if result.closure_loss is None:
+                    return None
+                loss = result.closure_loss * weight if weight != 1.0 else result.closure_loss
+                recovery.backward_started()
+                if backward is not None:
+                    backward(loss)
+                return loss.detach(), result.extra
 
+            return run
+
+        run_chunk = RunController.chunk_runner(wrapper, through_wrapper=step_of(True), bare=step_of(False))
         sync = not internals.should_accumulate(trainer)
         done = [r for r in recovery.run_batch(kwargs["batch"], run_chunk, step=trainer.global_step, sync=sync) if r]
         self._closure_finished = True
@@ -609,40 +610,24 @@ class MemoryPlannerBase:
             return internals.closure_result()
         return internals.closure_result(sum(loss for loss, _ in done), extra=done[-1][1])
 
-    def _on_recovery(self, trainer: Any, record: Recovery) -> None:
-        """One warning with the old and new plan; the recovery metrics; drift against the new chunk."""
-        message = record.warning(
-            accumulation=trainer.accumulate_grad_batches, world_size=trainer.world_size, rank=trainer.global_rank
-        )
-        warnings.warn(message, UserWarning, stacklevel=2)
-        if self.monitor is not None:
-            self._log_metrics(trainer, self.monitor.recovered(record, self.recovery))
-
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
         decision = self._decision
         if decision is None or (decision.predicted_allocated_bytes is None and not decision.measured_only):
             return
         self._measuring = True
-        try:
-            self.monitor = RunMonitor.start(
-                trainer.strategy.root_device,
-                predicted_allocated_bytes=decision.predicted_allocated_bytes,
-                predicted_reserved_bytes=decision.predicted_reserved_bytes,
-                estimate=self.estimate,
-                margin=self.margin,
-                warn=self._warn,
-            )
-        except Exception as error:
-            degrade(f"memfit cannot measure memory here ({type(error).__name__}: {error}); no drift is logged.", error,
-                    key="measure", seen=self._warned)  # fmt: skip
+        if not self.controller.start_measuring(
+            predicted_allocated_bytes=decision.predicted_allocated_bytes,
+            predicted_reserved_bytes=decision.predicted_reserved_bytes,
+            estimate=self.estimate,
+        ):
             return
         if not trainer.is_global_zero:
             return
-        if self.estimate is not None and matplotlib_available():
+        if self.estimate is not None:
             capacity = (decision.plan or {}).get("budget_bytes")
-            self._log_figure(trainer, "memfit/timeline", lambda: _plot("plot_timeline", self.estimate,
-                                                                       capacity_bytes=capacity))  # fmt: skip
+            self.controller.figure("memfit/timeline", lambda: _plot("plot_timeline", self.estimate,
+                                   capacity_bytes=capacity), self._internals.logging_step(trainer))  # fmt: skip
         if decision.plan is not None and not self._hparams_logged:
             self._hparams_logged = True
             params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
@@ -653,7 +638,7 @@ class MemoryPlannerBase:
                 except Exception as error:
                     name = type(logger).__name__
                     degrade(f"memfit could not log its plan to {name} ({error})", error, key=f"hparams-{name}",
-                            seen=self._warned)  # fmt: skip
+                            seen=self.controller.warned)  # fmt: skip
 
     def _maybe_log_drift(self, trainer: Any) -> None:
         """After an optimizer step, on the steps Lightning logs the module's metrics at: it logs when the batches
@@ -671,58 +656,78 @@ class MemoryPlannerBase:
             return
         if trainer.global_step != self._last_logged_step:
             self._log_window(trainer, trainer.global_step)
-        if self.monitor is None:
-            return
-        series = self.monitor.drift_series()
-        if trainer.is_global_zero and series is not None and matplotlib_available():
-            self._log_figure(trainer, "memfit/drift", lambda: _plot("plot_drift", *series))
-        line = self.monitor.final_line()
-        if line is not None and self.verbose:
-            self._info(line)
+        if trainer.is_global_zero:
+            self.controller.finish(self._internals.logging_step(trainer))
 
     def _log_window(self, trainer: Any, step: int) -> None:
         """End the window on every rank; with several ranks, gather each rank's peaks to rank 0 too."""
-        metrics = self.monitor.observe(step) if self.monitor is not None else None
-        if trainer.world_size > 1:
-            strategy = trainer.strategy
-            ranks = per_rank_metrics(metrics, strategy.all_gather, device=strategy.root_device)
-            metrics = {**(metrics or {}), **ranks}
-        self._log_metrics(trainer, metrics)
+        self.controller.end_window(step)
 
-    def _log_metrics(self, trainer: Any, metrics: dict[str, float] | None) -> None:
-        """Send memfit's metrics to every logger (rank 0); a logger that fails costs one warning."""
-        if not metrics or not trainer.is_global_zero:
+    # ------------------------------------------------------------------ utils
+    def _warn(self, key: str, message: str) -> None:
+        """One rank-zero warning per kind of event and callback."""
+        self.controller.warn(key, message)
+
+    def _info(self, message: str) -> None:
+        self._pl.utilities.rank_zero_info(message)
+
+
+class _LightningPort:
+    """The trainer's side of the run for ``RunController``: its strategy, loggers and rank-zero messages."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def _trainer(self) -> Any:
+        if self.callback._trainer_module is None:
+            raise RuntimeError("the trainer has not set memfit up")
+        return self.callback._trainer_module[0]
+
+    def device(self) -> torch.device:
+        return self._trainer().strategy.root_device
+
+    def world_size(self) -> int:
+        return int(self._trainer().world_size)
+
+    def rank(self) -> int:
+        return int(self._trainer().global_rank)
+
+    def accumulation(self) -> int:
+        return int(self._trainer().accumulate_grad_batches)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._trainer().strategy.all_gather(tensor)
+
+    def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
+        """To every logger, on rank 0, on the step Lightning logs the module's metrics at; a logger that fails
+        costs one warning."""
+        trainer = self._trainer()
+        if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
             try:
-                logger.log_metrics(metrics, step=self._internals.logging_step(trainer))
+                logger.log_metrics(metrics, step=self.callback._internals.logging_step(trainer))
             except Exception as error:
                 name = type(logger).__name__
-                degrade(f"memfit could not log to {name} ({error})", error, key=f"logger-{name}", seen=self._warned)
+                degrade(f"memfit could not log to {name} ({error})", error, key=f"logger-{name}",
+                        seen=self.callback.controller.warned)  # fmt: skip
 
-    def _log_figure(self, trainer: Any, name: str, make: Any) -> None:
-        """Draw once and send to every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
-        figure = drawn(make, name, seen=self._warned)
-        if figure is None:
-            return
-        loggers = self._pl.loggers
-        for logger in trainer.loggers:
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        """To every logger that takes pictures (TensorBoard, MLflow) or has a folder."""
+        loggers = self.callback._pl.loggers
+        for logger in self._trainer().loggers:
             if isinstance(logger, loggers.TensorBoardLogger):
-                log_figure(figure, name, tensorboard=logger.experiment, step=self._internals.logging_step(trainer))
+                log_figure(figure, name, tensorboard=logger.experiment, step=step)
             elif isinstance(logger, loggers.MLFlowLogger):
                 log_figure(figure, name, mlflow_client=logger.experiment, mlflow_run_id=logger.run_id)
             elif getattr(logger, "log_dir", None):
                 log_figure(figure, name, folder=logger.log_dir)
 
-    # ------------------------------------------------------------------ utils
-    def _warn(self, key: str, message: str) -> None:
-        """One rank-zero warning per kind of event and callback."""
-        if key not in self._warned:
-            self._warned.add(key)
-            self._pl.utilities.rank_zero_warn(message)
+    def warn(self, message: str) -> None:
+        self.callback._pl.utilities.rank_zero_warn(message)
 
-    def _info(self, message: str) -> None:
-        self._pl.utilities.rank_zero_info(message)
+    def info(self, message: str) -> None:
+        self.callback._pl.utilities.rank_zero_info(message)
 
 
 def _plot(function: str, *args: Any, **kwargs: Any) -> Any:
