@@ -516,3 +516,33 @@ def test_the_plan_and_the_callback_quote_one_peak_and_cpu_logs_no_drift(tmp_path
     assert {w.predicted_allocated_bytes for w in windows} == {planned.plan.predicted_allocated_bytes}
     assert memfit.format_bytes(planned.plan.predicted_peak_bytes) in callback.monitor.final_line()
     assert all(w.drift_pct is None and "memfit/drift_rss_pct" not in w.metrics() for w in windows)
+
+
+def test_accumulation_the_plan_adds_keeps_the_loss_and_gradients_of_the_configured_batch(tmp_path: Path) -> None:
+    """BERT's classification loss ignores ``num_items_in_batch`` while its forward takes ``**kwargs``, so the
+    Trainer would add up the micro batches' mean losses: a plan of 4 x 4 would log (and step on) four times the
+    loss of the configured 16. ``attach`` makes the Trainer average them, and says so."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=generator), "labels": i % 3} for i in range(64)]
+
+    def first_log(**planning: Any) -> tuple[dict[str, float], Trainer]:
+        torch.manual_seed(0)
+        args = training_args(tmp_path, per_device_train_batch_size=16, max_steps=1, logging_steps=1)
+        trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=data)
+        if planning:
+            attach(trainer, verbose=False, **planning)
+        trainer.train()
+        return next(entry for entry in trainer.state.log_history if "loss" in entry), trainer
+
+    configured, _ = first_log()
+    planned, trainer = first_log(budget="1GiB", max_batch_size=4)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 4)
+    assert planned["loss"] == pytest.approx(configured["loss"], rel=1e-4)
+    assert planned["grad_norm"] == pytest.approx(configured["grad_norm"], rel=1e-3)
+    callback = trainer.callback_handler.callbacks[0]
+    assert any("model_accepts_loss_kwargs = False" in reason for reason in callback.plan.reasons)

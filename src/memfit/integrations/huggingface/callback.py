@@ -148,10 +148,19 @@ def attach(
         )  # fmt: skip
         fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "eval_accumulation_steps",
                   checkpointing_switch(trainer.args))  # fmt: skip
+        configured = trainer.args.gradient_accumulation_steps
         internals.apply_arguments(trainer, {name: getattr(planned.args, name) for name in fields})
         callback.plan = planned.plan
+        if planned.plan.accumulate_grad_batches != configured and internals.loss_sums_micro_batches(trainer):
+            internals.average_micro_batch_losses(trainer)
+            callback.plan = callback.plan.with_reason(
+                f"{type(trainer.model).__name__}'s loss ignores num_items_in_batch, so the Trainer would add up the "
+                f"{planned.plan.accumulate_grad_batches} micro batches' mean losses (and gradients) instead of "
+                "averaging them: memfit sets trainer.model_accepts_loss_kwargs = False, as transformers advises, so "
+                "the loss and gradients stay those of the configured batch"
+            )
         if callback.verbose:
-            info("memfit plan: " + planned.plan.summary() + "".join(f"\n  - {r}" for r in planned.plan.reasons))
+            info("memfit plan: " + callback.plan.summary() + "".join(f"\n  - {r}" for r in callback.plan.reasons))
     _put_first(trainer, callback)
     return callback
 

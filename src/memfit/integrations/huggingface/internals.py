@@ -23,6 +23,7 @@ versions they are tested on (transformers 5.23, accelerate 1.x; 4.x arguments fa
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
     "apply_arguments",
+    "average_micro_batch_losses",
     "calling_trainer",
     "changed_arguments",
     "deepspeed_auto_values",
@@ -45,6 +47,7 @@ __all__ = [
     "fsdp_requested",
     "install_chunked_step",
     "local_world_size",
+    "loss_sums_micro_batches",
     "replace_attribute",
     "restore_attributes",
     "world_size",
@@ -78,6 +81,30 @@ def apply_arguments(trainer: Any, changes: dict[str, Any]) -> None:
     checkpointing it reads from ``self.args`` when ``train()`` runs (transformers 4.57 to 5.x)."""
     trainer.args = changed_arguments(trainer.args, changes)
     trainer._train_batch_size = trainer.args.train_batch_size
+
+
+def loss_sums_micro_batches(trainer: Any) -> bool:
+    """Whether this Trainer would add up the micro batches' mean losses under accumulation instead of averaging
+    them: it leaves the division by the accumulation steps to the model when ``model_accepts_loss_kwargs`` (any
+    forward with ``**kwargs``, transformers 4.46+), but a model whose forward computes its loss without the
+    ``loss_function`` that takes ``num_items_in_batch`` (BERT's sequence classification: a mean
+    ``CrossEntropyLoss``) returns each micro batch's mean, so the window's loss and gradients grow with the
+    accumulation steps."""
+    if not getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None):
+        return False
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source (compiled, built at run time): nothing to say
+        return False
+    return "loss_function" not in source and "num_items_in_batch" not in source
+
+
+def average_micro_batch_losses(trainer: Any) -> None:
+    """Make the Trainer divide each micro batch's loss by the accumulation steps itself (what transformers advises
+    for a model whose loss ignores ``num_items_in_batch``: ``model_accepts_loss_kwargs = False``)."""
+    trainer.model_accepts_loss_kwargs = False
 
 
 def calling_trainer(kind: type) -> Any:
