@@ -239,3 +239,16 @@ def test_a_first_batch_taken_without_reading_lengths_says_so_in_the_notes() -> N
     same = [torch.zeros(4) + i for i in range(10)]
     longest_batch(DataLoader(same, batch_size=4), notes=notes)  # default_collate: every batch is as long
     assert notes == []
+
+
+def test_reading_the_batch_leaves_a_loaders_own_shuffling_alone() -> None:
+    """A loader with its own generator seeds each pass's shuffle from it, outside the global RNG state: after
+    memfit reads its longest batch, the run's first epoch is the one it would have had."""
+    data = torch.arange(40).unsqueeze(1)
+
+    def loader() -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    untouched, read = loader(), loader()
+    longest_batch(read)
+    assert torch.equal(torch.cat(list(read)), torch.cat(list(untouched)))

@@ -368,7 +368,8 @@ def test_a_bitsandbytes_checkpoint_config_is_planned_quantized(config_path: Path
 def test_quantize_refuses_conv1d_models_naming_the_layers(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64).to_json_string())
-    message = _refused("plan", "--hf-config", str(path), "--budget", "1GiB", "--lora-r", "8", "--quantize", "nf4")
+    message = _refused("plan", "--hf-config", str(path), "--seq-len", "64", "--budget", "1GiB", "--lora-r", "8",
+                       "--quantize", "nf4")  # fmt: skip
     assert "c_attn" in message and "Conv1D" in message and "Drop --quantize" in message and "Llama" in message
 
 

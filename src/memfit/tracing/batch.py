@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -281,6 +282,26 @@ def longest_batch(loader: DataLoader, *, notes: list[str] | None = None) -> Any:
     sentence when the batch rests on no length: a first batch where another could be longer, or
     examples that hold no sequence (``longest_examples``).
     """
+    with _generators_kept(loader):
+        return _longest_batch(loader, notes)
+
+
+@contextlib.contextmanager
+def _generators_kept(loader: DataLoader) -> Iterator[None]:
+    """Reading a batch draws from the loader's own generators (a shuffling sampler seeds each pass from them),
+    which the global RNG state does not cover: put them back, so the run shuffles as it would have."""
+    generators = {id(g): g for g in (getattr(loader, "generator", None), getattr(loader.sampler, "generator", None),
+                                      getattr(getattr(loader, "batch_sampler", None), "generator", None))
+                  if isinstance(g, torch.Generator)}  # fmt: skip
+    states = {key: generator.get_state() for key, generator in generators.items()}
+    try:
+        yield
+    finally:
+        for key, generator in generators.items():
+            generator.set_state(states[key])
+
+
+def _longest_batch(loader: DataLoader, notes: list[str] | None) -> Any:
     dataset, batch_size = loader.dataset, loader.batch_size
     if loader.collate_fn is default_collate:
         return next(iter(loader))  # every batch as long as the first

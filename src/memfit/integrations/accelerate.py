@@ -1,0 +1,253 @@
+"""memfit in a custom Hugging Face ``accelerate`` loop: plan before ``prepare``, measure while it trains.
+
+A custom loop has no callbacks, so the port is the loop's own calls: ``planner.plan(...)`` on the model,
+optimizer and dataloader before ``accelerator.prepare`` (it returns the dataloader at the planned micro batch,
+with the same sampler, so the samples and their order stay the run's, and sets the accelerator's
+accumulation), ``planner.step_end(step)`` after each optimizer step, ``planner.end()`` after training. The
+controller (``memfit.monitoring.controller.RunController``) measures, logs through ``accelerator.log`` and
+warns; this module only reads the accelerator.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader
+
+from memfit.diagnostics import info, is_rank_zero
+from memfit.errors import InvalidInputError
+from memfit.monitoring.controller import RunController
+from memfit.monitoring.run_monitor import RunMonitor
+from memfit.planning.gpus import check_target, planning_target
+from memfit.planning.margin import DEFAULT_MARGIN
+from memfit.planning.planner import Plan
+from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.precision import Precision
+from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.reporting.figures import log_figure
+from memfit.tracing.batch import longest_batch
+from memfit.tracing.checkpointing import enable_checkpointing
+from memfit.tracing.config import TrainingLoop
+from memfit.tracing.model_state import preserved_rng_state
+
+__all__ = ["MemoryPlanner"]
+
+# accelerate's ``mixed_precision`` names, as memfit's precisions
+_PRECISIONS = {"no": Precision.FP32, "bf16": Precision.BF16_MIXED, "fp16": Precision.FP16_MIXED}
+
+
+class MemoryPlanner:
+    """Plan micro batch, accumulation and checkpointing for an ``accelerate`` loop, and log drift while it trains.
+
+        accelerator = Accelerator(log_with="tensorboard", project_dir="runs")
+        planner = MemoryPlanner(accelerator, budget="h100")
+        loader = planner.plan(model, optimizer, loader)  # before prepare
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for step, batch in enumerate(loader):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                planner.step_end()
+        planner.end()
+
+    Args:
+        accelerator: the loop's ``accelerate.Accelerator`` (its device, mixed precision, accumulation, trackers).
+        budget, target, margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing: as for
+            the Lightning callback: memory per device (bytes, ``"20GiB"``, a GPU name; default the device's free
+            memory), the device planned for, the margin, the effective batch to keep (default the loader's batch
+            x the accelerator's accumulation x processes; ``"max"``), bounds on the micro batch, and whether
+            checkpointing may be turned on.
+        log_every_n_steps: optimizer steps per measured window.
+        verbose: print the plan and the final drift line.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        budget: int | str | None = None,
+        target: str | None = None,
+        margin: float = DEFAULT_MARGIN,
+        target_batch_size: int | Literal["max"] | None = None,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        allow_checkpointing: bool = True,
+        log_every_n_steps: int = 10,
+        verbose: bool = True,
+    ) -> None:
+        if not hasattr(accelerator, "gradient_accumulation_steps") or not hasattr(accelerator, "device"):
+            raise InvalidInputError(f"MemoryPlanner takes an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise InvalidInputError(f"`log_every_n_steps` must be a positive integer, got {log_every_n_steps!r}")
+        self.accelerator = accelerator
+        self.budget, self.target = budget, check_target(target, budget)
+        self.margin = float(margin)
+        self.target_batch_size, self.min_batch_size, self.max_batch_size = (
+            target_batch_size,
+            min_batch_size,
+            max_batch_size,
+        )
+        self.allow_checkpointing = bool(allow_checkpointing)
+        self.log_every_n_steps = log_every_n_steps
+        self.verbose = verbose
+        self.planned: Plan | None = None
+        self.estimate: MemoryEstimate | None = None
+        self.controller = RunController(_AcceleratorPort(accelerator), margin=self.margin, on_oom="raise",
+                                        verbose=verbose)  # fmt: skip
+        self._steps = 0
+        self._restored: dict[str, Any] | None = None
+
+    @property
+    def monitor(self) -> RunMonitor | None:
+        """What the run measured, window by window."""
+        return self.controller.monitor
+
+    def plan(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataloader: DataLoader,
+        *,
+        loss_fn: Any = None,
+        forward_fn: Any = None,
+    ) -> DataLoader:
+        """Plan on the dataloader's longest batch and apply: returns the dataloader at the planned micro batch (same
+        dataset, sampler and collate function), sets ``accelerator.gradient_accumulation_steps`` and turns on
+        checkpointing in the model when needed. Call it before ``accelerator.prepare``. ``loss_fn(output, batch)``
+        and ``forward_fn(model, batch)`` as for ``memfit.estimate``, for a model that does not return its loss."""
+        if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+            raise InvalidInputError("plan() takes the torch DataLoader the loop iterates, built with batch_size=")
+        accelerator = self.accelerator
+        device = accelerator.device
+        planning = planning_target(self.target, self.budget, device)
+        notes: list[str] = [note] if (note := planning.note(device)) else []
+        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
+            sample = longest_batch(dataloader, notes=notes)
+        configured, accumulation = dataloader.batch_size, accelerator.gradient_accumulation_steps
+        precision = _PRECISIONS.get(str(accelerator.mixed_precision), Precision.FP32)
+
+        def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+            loop = TrainingLoop(accumulation_steps=accumulation_steps)
+            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
+                              gradient_checkpointing=checkpointing, target=planning.target, loss_fn=loss_fn,
+                              forward_fn=forward_fn, loop=loop)  # fmt: skip
+            return traced.with_notes(*notes)
+
+        session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
+        if self._restored is not None:
+            chosen = Plan.from_dict(self._restored).with_reason("restored from the checkpoint")
+            traced = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
+                                      chosen.accumulate_grad_batches)  # fmt: skip
+        else:
+            capacity = planning.capacity_bytes(device)
+            if capacity <= 0:
+                raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
+            ranks = accelerator.num_processes
+            decision = session.decide(PlanRequest(
+                capacity_bytes=capacity, margin=self.margin,
+                target_batch_size=self.target_batch_size or configured * accumulation * ranks, world_size=ranks,
+                min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
+                allow_checkpointing=self.allow_checkpointing, include_context=planning.include_context,
+            ))  # fmt: skip
+            chosen, traced = decision.plan, decision.estimate
+            for note in notes:
+                chosen = chosen.with_reason(note)
+        self.planned, self.estimate = chosen, traced
+        accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
+        if chosen.gradient_checkpointing:
+            enable_checkpointing(model)
+        if self.verbose:
+            info("memfit plan: " + chosen.summary() + "".join(f"\n  - {r}" for r in chosen.reasons))
+        peak = traced.at(chosen.micro_batch_size)
+        self.controller.start_measuring(predicted_allocated_bytes=peak.allocated_bytes,
+                                        predicted_reserved_bytes=peak.reserved_bytes, estimate=traced)  # fmt: skip
+        return _rebatched(dataloader, chosen.micro_batch_size)
+
+    def step_end(self, step: int | None = None) -> None:
+        """After an optimizer step (``accelerator.sync_gradients``), on every process: every ``log_every_n_steps``
+        the window's peaks go to the accelerator's trackers (``accelerator.log``)."""
+        self._steps = self._steps + 1 if step is None else step
+        if self.monitor is not None and self._steps % self.log_every_n_steps == 0:
+            self.controller.end_window(self._steps)
+
+    def end(self) -> None:
+        """After training: the last window, the drift picture and the final line."""
+        if self.monitor is None:
+            return
+        if self._steps % self.log_every_n_steps:
+            self.controller.end_window(self._steps)
+        if self.accelerator.is_main_process:
+            self.controller.finish(self._steps)
+
+    # ``accelerator.register_for_checkpointing(planner)`` saves the plan with the run; ``load_state`` before
+    # ``plan()`` makes a resumed run keep it.
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.planned.to_dict() if self.planned is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state.get("plan")
+
+
+class _AcceleratorPort:
+    """The accelerator's side of the run for ``RunController``."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def world_size(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    def rank(self) -> int:
+        return int(self.accelerator.process_index)
+
+    def accumulation(self) -> int:
+        return int(self.accelerator.gradient_accumulation_steps)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.gather(tensor)
+
+    def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
+        self.accelerator.log(metrics, step=step)  # the main process writes to the trackers
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        """To a TensorBoard tracker and the project folder."""
+        writer = next((getattr(t, "writer", None) for t in self.accelerator.trackers if t.name == "tensorboard"), None)
+        folder = getattr(self.accelerator, "project_dir", None)
+        log_figure(figure, name, tensorboard=writer, folder=folder, step=step)
+
+    def warn(self, message: str) -> None:
+        if is_rank_zero():
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def info(self, message: str) -> None:
+        info(message)
+
+
+def _rebatched(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``loader`` with ``batch_size`` examples a batch: the same dataset, sampler (so the same samples in the same
+    order), collate function and worker settings."""
+    if batch_size == loader.batch_size:
+        return loader
+    return DataLoader(
+        loader.dataset,
+        batch_size=batch_size,
+        sampler=loader.sampler,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        **({"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}),
+    )

@@ -1,0 +1,108 @@
+"""memfit in a real custom ``accelerate`` loop on CPU: the plan applied before ``prepare``, drift to its trackers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import memfit
+from memfit.accelerate import MemoryPlanner
+
+SEQ, VOCAB = 32, 500
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def token_loader(batch_size: int = 12) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (96, SEQ), generator=generator)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True,
+                                       generator=torch.Generator().manual_seed(1))  # fmt: skip
+
+
+def test_the_plan_runs_in_an_accelerate_loop_with_the_same_samples_and_logs_to_its_trackers(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("memfit")
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    original = token_loader()
+    planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, log_every_n_steps=2, verbose=False)
+    loader = planner.plan(model, optimizer, token_loader())
+    plan = planner.planned
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.effective_batch_size) == (3, 4, 12)
+    assert loader.batch_size == 3 and accelerator.gradient_accumulation_steps == 4
+
+    # the same samples in the same order: 3-sample batches regroup the 12-sample ones
+    planned_ids = torch.cat([b["input_ids"] for b in loader])
+    assert torch.equal(planned_ids, torch.cat([b["input_ids"] for b in original]))
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    seen, steps = [], 0
+    for batch in loader:
+        with accelerator.accumulate(model):
+            seen.append(batch["input_ids"].shape[0])
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            steps += 1
+            planner.step_end()
+        if steps == 4:
+            break
+    planner.end()
+    accelerator.end_training()
+    assert set(seen) == {3} and len(seen) == 16  # 4 optimizer steps of 4 micro batches
+    assert [window.step for window in planner.monitor.history] == [2, 4]
+    assert {w.predicted_allocated_bytes for w in planner.monitor.history} == {plan.predicted_allocated_bytes}
+
+    (event_file,) = tmp_path.rglob("events.out.tfevents.*")
+    events = EventAccumulator(str(event_file.parent))
+    events.Reload()
+    assert [e.step for e in events.Scalars("memfit/measured_peak_rss_bytes")] == [2, 4]
+    assert "memfit/predicted_peak_allocated_bytes" in events.Tags()["scalars"]
+
+
+def test_the_plan_is_saved_with_the_run_and_a_resumed_run_keeps_it(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    model = tiny_gpt2()
+    planner.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    resumed = MemoryPlanner(accelerator, budget="1GiB", verbose=False)  # a fresh plan would take all 12
+    resumed.load_state_dict(planner.state_dict())
+    loader = resumed.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    assert loader.batch_size == 3 and resumed.planned.reasons[-1] == "restored from the checkpoint"
+
+
+def test_bad_input_is_one_clear_line() -> None:
+    with pytest.raises(memfit.InvalidInputError, match=r"takes an accelerate\.Accelerator"):
+        MemoryPlanner(object())
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(memfit.InvalidInputError, match="margin"):
+        MemoryPlanner(accelerator, margin=2)
+    planner = MemoryPlanner(accelerator, budget="1GiB", verbose=False)
+    model = tiny_gpt2()
+    with pytest.raises(memfit.InvalidInputError, match="DataLoader the loop iterates"):
+        planner.plan(model, torch.optim.AdamW(model.parameters()), [1, 2, 3])
