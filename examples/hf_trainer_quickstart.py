@@ -31,6 +31,12 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
+def model_config(layers: int = 4, width: int = 128, seq_len: int = 128, vocab: int = 2048) -> GPT2Config:
+    """A small GPT-2 whose end-of-text token (GPT-2's 50256) is the last id of its own small vocabulary."""
+    return GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq_len,
+                      bos_token_id=vocab - 1, eos_token_id=vocab - 1, loss_type="ForCausalLM")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", default="40MiB", help="memory budget per device (default: 40MiB; '' to measure)")
@@ -43,8 +49,7 @@ def main() -> None:
     options = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=options.layers, n_embd=options.width, n_head=4, vocab_size=2048,
-                        n_positions=options.seq_len, loss_type="ForCausalLM")  # fmt: skip
+    config = model_config(options.layers, options.width, options.seq_len)
     model = GPT2LMHeadModel(config)  # random weights: nothing is downloaded
     data = SyntheticTokens(4096, options.seq_len, config.vocab_size)
     args = TrainingArguments(

@@ -28,7 +28,9 @@ class TinyGPT(L.LightningModule):
     def __init__(self, batch_size: int = 32, seq_len: int = 128, vocab: int = 2048, layers: int = 4, width: int = 128):
         super().__init__()
         self.save_hyperparameters()
-        config = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq_len)
+        # the end-of-text token (GPT-2's 50256) is the last id of this small vocabulary
+        config = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq_len,
+                            bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # fmt: skip
         self.model = GPT2LMHeadModel(config)  # random weights: nothing is downloaded
         self.batch_size = batch_size  # MemoryPlanner sets this to the planned micro batch
 

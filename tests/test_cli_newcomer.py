@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import textwrap
@@ -103,3 +104,92 @@ def test_sequences_longer_than_the_models_positions_are_refused(capsys: pytest.C
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
                                          max_position_embeddings=32))  # fmt: skip
     assert plan_training_arguments(llama, args, data, budget="1GiB").plan.micro_batch_size >= 1
+
+
+def test_plan_gpu_list_needs_no_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--gpu", "list"]) == 0  # the list, not "one of --hf-config --model is required"
+    assert "T4" in capsys.readouterr().out
+    assert main(["gpus", "--json"]) == 0
+    catalog = capsys.readouterr().out
+    assert main(["plan", "--gpu=LIST", "--json"]) == 0
+    assert capsys.readouterr().out == catalog
+    assert main(["plan", "--gpu", "list", "--help"]) == 0  # --help still explains plan
+    assert "--hf-config" in capsys.readouterr().out
+
+
+def test_gpus_auto_where_nothing_fits_exits_1_and_bad_input_still_2(capsys: pytest.CaptureFixture[str]) -> None:
+    gpt2 = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--gpus", "auto"]
+    assert main([*gpt2, "--budget", "300MiB", "--max-gpus", "2", "--json"]) == EXIT_NOTHING_FITS
+    out, err = capsys.readouterr()
+    assert out == ""  # as before: the search's "no" is its error line
+    assert err.startswith("memfit: error: gpt2 does not fit 1 sample(s) per rank on up to 2 x budget 300MiB")
+    assert len(err.strip().splitlines()) == 1
+    assert main([*gpt2, "--budget", "300MiB", "--nodes", "2"]) == 2  # what was asked cannot be planned
+    assert "drop --nodes" in capsys.readouterr().err
+
+
+def test_a_missing_module_behind_a_library_error_names_its_extra_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 8-bit optimizer's loader raises its own error from the ModuleNotFoundError; --plot says so before the
+    traces; a module a newer release has names the upgrade; a module no extra installs is not memfit's to explain."""
+    gpt2 = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--budget", "4GiB"]
+    _uninstalled(monkeypatch, "bitsandbytes")
+    assert main([*gpt2, "--optimizer", "adamw_bnb_8bit"]) == 2
+    err = capsys.readouterr().err
+    assert err == 'memfit: error: this needs bitsandbytes, which is not installed: pip install "memfit[quant]"\n'
+    _uninstalled(monkeypatch, "peft")
+    assert main([*gpt2, "--lora-r", "8"]) == 2
+    assert 'this needs peft, which is not installed: pip install "memfit[quant]"' in capsys.readouterr().err
+    _uninstalled(monkeypatch, "matplotlib")
+    assert main([*gpt2, "--plot", str(tmp_path / "plan.png")]) == 2
+    out, err = capsys.readouterr()
+    assert err == 'memfit: error: --plot needs matplotlib, which is not installed: pip install "memfit[plot]"\n'
+    assert "parameters" not in out  # said before a trace, not after it
+
+    cli = importlib.import_module("memfit.cli.main")  # the module (memfit.cli.main is the function main too)
+
+    def raising(error: Exception) -> None:
+        def handler(args: object) -> int:
+            raise error
+
+        monkeypatch.setattr(cli, "_cmd_estimate", handler)
+
+    raising(ModuleNotFoundError("No module named 'transformers.models.newest'", name="transformers.models.newest"))
+    assert main(["estimate", "--params", "7B"]) == 2
+    assert 'installed transformers lacks: pip install -U "memfit[hf]"' in capsys.readouterr().err
+    raising(ModuleNotFoundError("No module named 'not_an_extra'", name="not_an_extra"))
+    with pytest.raises(ModuleNotFoundError):
+        main(["estimate", "--params", "7B"])
+
+
+def _uninstalled(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """Imports of ``package`` and its modules fail as if it were not installed (modules this process has
+    imported already included: ``import_module`` would return them)."""
+    for name in [name for name in sys.modules if name == package or name.startswith(f"{package}.")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_offload_that_needs_more_host_ram_than_this_machine_has_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import memfit.cli.sharding as sharding
+    import memfit.prediction.host as host
+
+    zero2 = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--budget", "4GiB",
+             "--strategy", "zero2", "--gpus", "2", "--offload", "optimizer"]  # fmt: skip
+    monkeypatch.setattr(sharding, "machine_ram_bytes", lambda: 100 * 2**20)
+    assert main(zero2) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host RAM for offloaded")]
+    assert line.endswith("a node; more than this machine's 100.00 MiB")
+    monkeypatch.setattr(sharding, "machine_ram_bytes", lambda: 2**40)
+    assert main(zero2) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host RAM for offloaded")]
+    assert line.endswith(" a node")
+
+    one_gpu = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--budget", "4GiB",
+               "--offload", "optimizer"]  # fmt: skip
+    monkeypatch.setattr(host, "available_ram_bytes", lambda: 100 * 2**20)
+    assert main(one_gpu) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host RAM:")]
+    assert line.endswith("of 100.00 MiB available here; more than this machine has available") and "offload" in line

@@ -46,6 +46,11 @@ class InsufficientMemoryError(MemfitError):
     """Not even the smallest allowed micro batch fits the memory budget."""
 
 
+class NoCountFitsError(InvalidInputError):
+    """``--gpus auto`` searched every count of GPUs up to its limit and the step fits on none: the answer is "no",
+    with the figures of the counts it tried (an ``InvalidInputError`` for callers that catch those)."""
+
+
 class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):
     """Out of memory in a training step that memfit could not recover from (it says why and what to do).
 

@@ -8,11 +8,13 @@ it looks like (token ids, or images).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import InvalidInputError
+from memfit.errors import InvalidInputError, TraceError
 
-__all__ = ["PRESETS", "ModelSpec", "from_factory", "from_hf_config"]
+__all__ = ["PRESETS", "ModelSpec", "factory_loss", "from_factory", "from_hf_config"]
 
 Batch = Callable[[int], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# The loss the command line's --loss names, for the factories loaded while it is set (see ``factory_loss``).
+_FACTORY_LOSS: ContextVar[tuple[LossFn, str] | None] = ContextVar("memfit_factory_loss", default=None)
 
 
 @dataclass(frozen=True)
@@ -108,11 +114,14 @@ def _built_in_fp32(config: Any) -> None:
     setattr(config, field, torch.float32)
 
 
-def from_factory(target: str, *, seq_len: int = 1024) -> ModelSpec:
+def from_factory(target: str, *, seq_len: int = 1024, loss_fn: LossFn | None = None) -> ModelSpec:
     """``module.path:factory`` from the user's code: ``factory()`` returns a module, or a
     ``(module, sample)`` pair where ``sample(batch_size)`` makes one batch; a bare module gets
     ``input_ids``/``labels`` token batches of ``seq_len``. Whatever goes wrong in the user's code
-    comes back as one ``InvalidInputError`` naming ``target``."""
+    comes back as one ``InvalidInputError`` naming ``target``.
+
+    ``loss_fn(output, batch) -> scalar loss`` (default: the one ``factory_loss`` set, the command line's
+    ``--loss``) makes the module's forward return that loss, for a module whose forward returns logits."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise InvalidInputError(f"--model must look like 'package.module:factory', got {target!r}")
@@ -154,7 +163,76 @@ def from_factory(target: str, *, seq_len: int = 1024) -> ModelSpec:
     if sample is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 1000)
         sample = _tokens(vocab, seq_len)
+    given = (loss_fn, getattr(loss_fn, "__qualname__", repr(loss_fn))) if loss_fn is not None else None
+    if (loss := given or _FACTORY_LOSS.get()) is not None:
+        sample = _with_loss(model, sample, *loss)
     return ModelSpec(target, model, sample)
+
+
+@contextlib.contextmanager
+def factory_loss(loss_fn: LossFn | None, name: str = "") -> Iterator[None]:
+    """Within it, ``from_factory`` makes each module it loads return ``loss_fn(output, batch)``: the command
+    line's ``--loss`` (``name``, as the user wrote it, is what its errors say), for planners that load the factory
+    themselves."""
+    token = _FACTORY_LOSS.set((loss_fn, name or getattr(loss_fn, "__qualname__", "loss")) if loss_fn else None)
+    try:
+        yield
+    finally:
+        _FACTORY_LOSS.reset(token)
+
+
+class _ForwardWithLoss:
+    """``model.forward`` followed by the loss: the module called with a batch as a training loop calls it
+    (``**dict``, ``*tuple``, the tensor itself) returns ``loss_fn(output, batch)``, the same batch, rebuilt from
+    the call as its sample made it. Under ``no_grad`` (a forward-only plan) the output is returned as it is."""
+
+    def __init__(self, forward: Callable[..., Any], loss_fn: LossFn, name: str, kind: list[type]) -> None:
+        self.forward, self.loss_fn, self.name, self.kind = forward, loss_fn, name, kind
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        batch = self._batch(args, kwargs)
+        try:
+            loss = self.loss_fn(output, batch)
+        except Exception as error:
+            from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+            if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+                raise  # values a fake-tensor trace lacks: the trace says what that means
+            raise TraceError(
+                f"the --loss function {self.name} raised {_said(error)}; memfit calls it as {self.name}(output, "
+                f"batch) with what the module returned and the batch it was called with"
+            ) from error
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TraceError(f"the --loss function {self.name} returned {what}, not a scalar loss; reduce it (.mean())")
+        return loss
+
+    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kind = self.kind[0] if self.kind else (Mapping if kwargs else tuple if len(args) != 1 else torch.Tensor)
+        if issubclass(kind, Mapping):
+            return dict(kwargs)
+        if issubclass(kind, (list, tuple)):
+            return list(args) if issubclass(kind, list) else tuple(args)
+        return args[0]
+
+
+def _with_loss(model: nn.Module, sample: Batch, loss_fn: LossFn, name: str) -> Batch:
+    """Make ``model``'s forward return ``loss_fn(output, batch)`` (once, however often the factory hands back the
+    same module), and the sample that tells it how the batch was shaped."""
+    kind: list[type] = []
+    own = vars(model).get("forward")
+    forward = own.forward if isinstance(own, _ForwardWithLoss) else model.forward
+    model.forward = _ForwardWithLoss(forward, loss_fn, name, kind)  # type: ignore[method-assign]
+
+    def shaped(batch_size: int) -> Any:
+        batch = sample(batch_size)
+        kind[:] = [type(batch)]
+        return batch
+
+    return shaped
 
 
 def _check_no_arguments(factory: Callable[..., Any], target: str) -> None:

@@ -8,6 +8,7 @@ argparse's usage errors included.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
+from memfit.cli.model_factory import add_loss_option, cli_advice, with_loss
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
 from memfit.errors import InvalidInputError, MemfitError
 from memfit.planning.margin import DEFAULT_MARGIN
@@ -52,12 +54,12 @@ _EXTRAS = {
 
 _COUNT_SUFFIXES: dict[str, int] = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
-# The library's trace errors advise forward_fn= / loss_fn=, which the command line has no option for.
+# The library's trace errors advise forward_fn= / loss_fn=: loss_fn= is --loss here, forward_fn= has no option.
 _CLI_CALLING = (
     "On the command line, make the --model factory return (module, sample) instead: sample(batch_size) builds "
     "the batch the module is called with (a dict as keyword arguments, a tuple as positional ones, a tensor as "
-    "is), and a module whose forward does not return the loss can be wrapped in one that calls it and returns "
-    "the scalar loss."
+    "is), and --loss MODULE:FUNCTION gives the loss, function(output, batch) -> scalar, of a module whose forward "
+    "does not return one."
 )
 
 
@@ -169,8 +171,6 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
-    if args.gpu and any(name.strip().lower() == "list" for name in args.gpu):  # the catalog, as `memfit gpus`
-        return _cmd_gpus(argparse.Namespace(json=args.json))
     from memfit.cli.finetune_options import estimate_command, plan_finetune
     from memfit.planning.finetune import ForeignQuantizationError
 
@@ -180,8 +180,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   "auto", file=sys.stderr)  # fmt: skip
             return 2
         return run_sharded(args, plan_finetune(args))
-    if args.plot:
-        _check_writable(args.plot, "--plot")  # before the traces, not after them
+    if args.plot:  # before the traces, not after them
+        _check_writable(args.plot, "--plot")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise InvalidInputError(_needs("matplotlib", "--plot"))
     finetune = plan_finetune(args)
     try:
         report = _plan_for_gpus(args, finetune)
@@ -203,7 +205,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if report.finetune is not None:
             console.print(finetune_table(report))
         if report.host is not None:
-            console.print(report.host.summary())
+            more = "; more than this machine has available" if report.host.fits is False else ""
+            console.print(report.host.summary() + more, highlight=False)
         if report.depth_built_from:
             low, high = report.depth_built_from
             console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
@@ -394,6 +397,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "config.json")  # fmt: skip
     source.add_argument("--model", metavar="MODULE:FACTORY", help="your own code: factory() returns a module or "
                         "(module, sample) with sample(batch_size) -> batch")  # fmt: skip
+    add_loss_option(plan)
     plan.add_argument("--gpu", action="append", metavar="NAME", help="a GPU to plan for (repeatable), e.g. h100; "
                       "--gpu list (or memfit gpus) lists them")  # fmt: skip
     plan.add_argument("--budget", metavar="SIZE", help="plan for this much memory instead, e.g. 20GiB")
@@ -436,7 +440,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"
     )
-    plan.set_defaults(handler=_cmd_plan)
+    plan.set_defaults(handler=with_loss(_cmd_plan))
     return parser
 
 
@@ -452,10 +456,48 @@ def _reader_gone() -> int:
     return 128 + int(getattr(signal, "SIGPIPE", 13))
 
 
+def _needs(module: str, what: str = "this") -> str:
+    """One line for an optional dependency that is not installed, with the extra that installs it."""
+    top = module.split(".")[0]
+    extra = _EXTRAS.get(top, top)
+    try:
+        installed = module != top and importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        installed = False
+    if installed:  # the package is there, without the module: an older release
+        return f'{what} needs {module}, which the installed {top} lacks: pip install -U "memfit[{extra}]"'
+    return f'{what} needs {top}, which is not installed: pip install "memfit[{extra}]"'
+
+
+def _missing_extra(error: BaseException) -> str | None:
+    """``_needs`` for a missing optional dependency: ``error``, or an error it was raised from (``raise ... from``);
+    ``None`` when none of them is about one."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ModuleNotFoundError) and (cause.name or "").split(".")[0] in _EXTRAS:
+            return _needs(cause.name or "")
+        cause = cause.__cause__
+    return None
+
+
+def _asks_for_the_catalog(argv: Sequence[str]) -> bool:
+    """``memfit plan --gpu list``: the GPU catalog, which needs no model."""
+    if not argv or argv[0] != "plan" or {"-h", "--help"} & set(argv):
+        return False
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    return any(flag.lower() == "--gpu=list" or (flag == "--gpu" and name.strip().lower() == "list")
+               for flag, name in pairs)  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad input, 141 when the reader of the output closed
-    it) instead of exiting."""
+    """Run the command line; returns the exit code (0 fits or done, 1 nothing fits, 2 bad input, 141 when the
+    reader of the output closed it) instead of exiting."""
     parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _asks_for_the_catalog(argv):  # as `memfit gpus`
+        argv = ["gpus", *(["--json"] if "--json" in argv else [])]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
@@ -470,15 +512,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except ModuleNotFoundError as error:
-        extra = _EXTRAS.get((error.name or "").split(".")[0])
-        if extra is None:
+        missing = _missing_extra(error)
+        if missing is None:
             raise
-        print(f"memfit: error: this needs {error.name}, which is not installed: pip install \"memfit[{extra}]\"",
-              file=sys.stderr)  # fmt: skip
+        print(f"memfit: error: {missing}", file=sys.stderr)
         return _EXIT_USAGE
     except (MemfitError, ValueError) as exc:
         message = " ".join(str(exc).split())
+        if "memfit[" not in message:  # a library message that names the extra already is kept
+            message = _missing_extra(exc) or message
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):
-            message = f"{message} {_CLI_CALLING}"
+            message = f"{cli_advice(message)} {_CLI_CALLING}"
         print(f"memfit: error: {message}", file=sys.stderr)
         return _EXIT_USAGE

@@ -10,19 +10,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from memfit.errors import InvalidInputError
+from memfit.errors import InvalidInputError, NoCountFitsError
 from memfit.planning.finetune import FinetuneSpec
 from memfit.planning.sharded_plan import AUTO_OFFLOADS, AUTO_STRATEGIES, Option, ShardedReport, plan_sharded
 from memfit.units import format_bytes
 
-__all__ = ["CLI_STRATEGIES", "OFFLOADS", "add_sharding_arguments", "is_sharded", "run_sharded"]
+__all__ = ["CLI_STRATEGIES", "OFFLOADS", "add_sharding_arguments", "is_sharded", "machine_ram_bytes", "run_sharded"]
 
 CLI_STRATEGIES = ("ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "params", "all")
 _EXIT_USAGE = 2
 _EXIT_NOTHING_FITS = 1  # as memfit.cli.main.EXIT_NOTHING_FITS
+
+
+def machine_ram_bytes() -> int | None:
+    """The physical memory of this machine (``None`` where the system does not say, as on Windows)."""
+    try:
+        size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return size if size > 0 else None
+
+
+def host_ram_verdict(needed_bytes: int) -> str:
+    """``"; more than this machine's 23.47 GiB"`` when ``needed_bytes`` of host RAM (a node's) is more than this
+    machine has, else ``""``."""
+    have = machine_ram_bytes()
+    if have is None or needed_bytes <= have:
+        return ""
+    return f"; more than this machine's {format_bytes(have)}"
 
 
 def _gpus(text: str) -> int | str:
@@ -172,7 +191,24 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
     """Plan one rank of the job (or find the fewest GPUs) and print it; ``finetune``: LoRA adapters to add."""
     _check_layout(args)
     options, hints = _options(args)
-    report = plan_sharded(
+    try:
+        report = _plan(args, options, hints, finetune)
+    except NoCountFitsError as error:
+        print(f"memfit: error: {' '.join(str(error).split())}", file=sys.stderr)  # nothing fits: the answer is "no"
+        return _EXIT_NOTHING_FITS
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print(report)
+    if report.row.plan is None:  # the answer is "no", said on stderr too
+        print(f"memfit: error: {report.row.error}", file=sys.stderr)
+        return _EXIT_NOTHING_FITS
+    return 0
+
+
+def _plan(args: argparse.Namespace, options: list[Option], hints: list[Option],
+          finetune: FinetuneSpec | None) -> ShardedReport:  # fmt: skip
+    return plan_sharded(
         hf_config=args.hf_config,
         model=args.model,
         gpu=args.gpu[0] if args.gpu else None,
@@ -196,14 +232,6 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
         show_progress=not args.json,
         finetune=finetune,
     )
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        _print(report)
-    if report.row.plan is None:  # the answer is "no", said on stderr too
-        print(f"memfit: error: {report.row.error}", file=sys.stderr)
-        return _EXIT_NOTHING_FITS
-    return 0
 
 
 def _print(report: ShardedReport) -> None:
@@ -213,13 +241,21 @@ def _print(report: ShardedReport) -> None:
     console = stdout_console(width=None if sys.stdout.isatty() else 200)
     for check in report.considered:
         console.print(check.summary(report.budget_bytes), highlight=False)
+    if report.considered:  # the offload that fits on the fewest GPUs: its host RAM, when this machine has less
+        fitting = [(check.host_bytes(label), label, check.gpus) for check in report.considered
+                   for label, _, _, fits, _, _ in check.peaks if fits and check.host_bytes(label)]  # fmt: skip
+        needed, label, gpus = min(fitting, key=lambda f: (f[2], f[0])) if fitting else (0, "", 0)  # the fewest GPUs
+        if verdict := host_ram_verdict(needed):
+            console.print(f"{label} at {gpus} GPU(s) needs {format_bytes(needed)} of host RAM a node{verdict}",
+                          highlight=False)  # fmt: skip
     console.print(plan_table(report.report))
     if report.sharding is not None:
         console.print(rank_states_line(report), highlight=False)
         if report.host_offload_per_rank_bytes:
             console.print(
                 f"host RAM for offloaded states (pinned): {format_bytes(report.host_offload_per_rank_bytes)} a rank, "
-                f"{format_bytes(report.host_offload_per_node_bytes)} a node",
+                f"{format_bytes(report.host_offload_per_node_bytes)} a node"
+                + host_ram_verdict(report.host_offload_per_node_bytes),
                 highlight=False,
             )
     if report.report.depth_built_from:

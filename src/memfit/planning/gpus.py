@@ -159,8 +159,11 @@ def gpu_by_name(name: str) -> GPU:
         raise InvalidInputError(f"GPU {name!r} is ambiguous: {', '.join(prefixed)}; name the memory size too")
     close = difflib.get_close_matches(key, list(_BY_KEY), n=4, cutoff=0.5)
     names = sorted({_BY_KEY[k].name for k in close})
-    hint = f"did you mean {', '.join(names)}?" if names else f"known: {', '.join(g.name for g in _CATALOG)}."
-    raise InvalidInputError(f"unknown GPU {name!r}; {hint} Or give the budget in bytes ('20GiB')")
+    hint = f"did you mean {', '.join(names)}? " if names else ""
+    raise InvalidInputError(
+        f"unknown GPU {name!r}; {hint}`memfit gpus` lists the known ones; for a card memfit does not know, plan for "
+        "its memory as a budget (--budget 20GiB on the command line, budget='20GiB' in Python)"
+    )
 
 
 TARGET_DEVICES = ("cuda", "cpu")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.categories import Category
-from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.errors import InsufficientMemoryError, InvalidInputError, NoCountFitsError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.deep_models import DeepModel
 from memfit.planning.finetune import FinetuneSpec, apply_finetune
@@ -107,9 +107,16 @@ class CountCheck:
     peaks: tuple[tuple[str, int, bool, bool, bool, bool], ...]
     confirmed: str | None = None  # the option the whole model's trace confirmed at this count
     rejected: tuple[str, ...] = ()  # options the whole model's trace did not confirm
+    host: tuple[tuple[str, int], ...] = ()  # (option, host RAM a node) of each option that offloads
+
+    def host_bytes(self, label: str) -> int:
+        """Host RAM a node needs under the option ``label`` at this count (0: it offloads nothing)."""
+        return dict(self.host).get(label, 0)
 
     def summary(self, budget_bytes: int) -> str:
+        host = dict(self.host)
         parts = [f"{label} {'' if own else '~'}{format_bytes(peak)}{' (ckpt)' if ckpt else ''}{'' if fits else ' x'}"
+                 + (f" (host {format_bytes(host[label])} a node)" if fits and host.get(label) else "")
                  for label, peak, ckpt, fits, _, own in self.peaks]  # fmt: skip
         verdict = f"fits with {self.confirmed}" if self.confirmed else "does not fit"
         if self.rejected:
@@ -134,6 +141,7 @@ class CountCheck:
                     "fits": fits,
                     "choosable": chosen,
                     "estimated": own,
+                    "host_bytes_per_node": self.host_bytes(label),
                 }
                 for label, peak, ckpt, fits, chosen, own in self.peaks
             ],
@@ -339,19 +347,23 @@ def plan_sharded(
             config = option.config(count, per_node, row_precision)
             screened.append((option, *_screened(screen(option, config), micro_batch_size, allow, budget_bytes)))
         peaks = {option: (figure, ckpt, figure <= budget_bytes, False) for option, figure, ckpt, _ in screened}
+        host = tuple((option.label, screen(option, option.config(count, per_node, row_precision))(
+            micro_batch_size, False, 1).host_bytes_per_node or 0) for option, *_ in screened
+            if option.offload != "none")  # fmt: skip
         rejected: list[str] = []
         for option in [o for o, _, _, could in screened if could and o in options]:  # in order of preference
             row, config = planned(option, count, per_node, candidate=True)
             own = _needed(ranked(config)[0], micro_batch_size, allow, budget_bytes, allocator)
             peaks[option] = (*own, own[0] <= budget_bytes, True)  # the figure the plan itself compares
             if row.plan is not None:
-                check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected))
+                check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host)
                 return finish(row, config, option, (*considered, check))
             rejected.append(option.label)
-        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected)))
+        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected),
+                                     host))  # fmt: skip
         refused += bool(rejected)
         if refused >= AUTO_MAX_REFUSED:
-            raise InvalidInputError(
+            raise NoCountFitsError(
                 f"the screen's lower bound says {spec.name} may fit {micro_batch_size} sample(s) per rank from "
                 f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but the per-rank estimate refuses it at "
                 f"{' and '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with --gpus N "
@@ -359,7 +371,7 @@ def plan_sharded(
                 + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
             )
     tried = ", ".join(o.label for o in options)
-    raise InvalidInputError(
+    raise NoCountFitsError(
         f"{spec.name} does not fit {micro_batch_size} sample(s) per rank on up to {max_gpus} x {name} with any of "
         f"{tried}; try --offload all, checkpointing, a shorter --seq-len or a larger --max-gpus. Per count: "
         + " | ".join(check.summary(budget_bytes) for check in considered[-3:])

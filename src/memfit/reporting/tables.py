@@ -270,6 +270,7 @@ def _count(parameters: int) -> str:
 
 
 def _at_the_limit(plan: Plan) -> str:
-    """What the plan's reasons say of the allocator at its limit (retries, expandable segments), in one line."""
-    keys = ("at the allocator's limit", "retries", "expandable_segments")
+    """What the plan's reasons say of the allocator at its limit (retries, expandable segments, options planned as
+    torch's defaults), in one line."""
+    keys = ("at the allocator's limit", "retries", "expandable_segments", "allocator options not modelled")
     return "; ".join(reason for reason in plan.reasons if any(key in reason for key in keys))

@@ -20,7 +20,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import COMPILED_NOTE
-from memfit.tracing.batch import batch_examples, is_stream, stretched
+from memfit.tracing.batch import batch_examples, is_stream, longest_of_a_stream
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import preserved_rng_state
 
@@ -152,46 +152,84 @@ def collated_sample(
         batch, found = longest_of_a_stream(batch, model, data_collator, processing_class, max_length, found)
     if notes is not None:
         notes.extend(found)
+    check_token_ranges(model, batch)
     return dict(batch) if isinstance(batch, Mapping) else batch
 
 
-def sequence_limit(
-    model: torch.nn.Module, data_collator: Any, processing_class: Any, max_length: int | None
-) -> tuple[int, str] | None:
-    """The longest sequence a batch can have, and where that bound comes from: ``max_length`` as given, the
-    collator's ``max_length``, the tokenizer's ``model_max_length`` (when it is a real bound, not the
-    tokenizer's "unset"), the model's positions."""
-    if max_length is not None:
-        return int(max_length), f"max_length={max_length}"
-    if isinstance(bound := getattr(data_collator, "max_length", None), int) and bound > 0:
-        return bound, "the collator's max_length"
-    tokenizer = processing_class if processing_class is not None else getattr(data_collator, "tokenizer", None)
-    if isinstance(bound := getattr(tokenizer, "model_max_length", None), int) and 0 < bound < 1_000_000:
-        return bound, "the tokenizer's model_max_length"
-    config = getattr(_base_model(model), "config", None)
-    for name in ("n_positions", "max_position_embeddings"):
-        if isinstance(bound := getattr(config, name, None), int) and bound > 0:
-            return bound, f"the model's {name}"
+def check_token_ranges(model: torch.nn.Module, batch: Any) -> None:
+    """Refuse a batch the model's step would fail on: ``input_ids`` outside its vocabulary (the embedding
+    lookup raises, or reads out of bounds on a GPU), ``labels`` outside what its loss takes (the vocabulary for
+    a language-model head, ``num_labels`` for a classification head; -100 marks positions the loss ignores).
+    Only concrete tensors are read: a fake or ``meta`` batch has no values."""
+    if not isinstance(batch, Mapping):
+        return
+    base = _base_model(model)
+    ids = _values(batch.get("input_ids"))
+    vocabulary = _input_vocabulary(base)
+    if ids is not None and vocabulary is not None and ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocabulary:
+            raise InvalidInputError(
+                f"the batch's input_ids hold token id {high if high >= vocabulary else low}, outside the model's "
+                f"vocabulary of {vocabulary} tokens (ids 0 to {vocabulary - 1}), so its embedding lookup would fail; "
+                "tokenize with the model's own tokenizer, or resize its embeddings to the tokenizer's "
+                "(model.resize_token_embeddings(len(tokenizer)))"
+            )
+    labels = _values(batch.get("labels"))
+    bound = _label_bound(base, labels)
+    if labels is None or bound is None:
+        return
+    counted = labels[labels != _IGNORED_LABEL]
+    if not counted.numel():
+        return
+    low, high = int(counted.min()), int(counted.max())
+    if low < 0 or high >= bound[0]:
+        raise InvalidInputError(
+            f"the batch's labels hold {high if high >= bound[0] else low}, outside the {bound[0]} {bound[1]} the "
+            f"model's loss takes (0 to {bound[0] - 1}, and {_IGNORED_LABEL} for positions it ignores), so its "
+            f"loss would fail; {bound[2]}"
+        )
+
+
+_IGNORED_LABEL = -100  # the ignore_index of every transformers loss
+
+
+def _values(tensor: Any) -> torch.Tensor | None:
+    """An integer tensor whose values can be read, else ``None`` (a fake or ``meta`` tensor has none)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+        return None
+    return tensor if not tensor.dtype.is_floating_point and not tensor.dtype.is_complex else None
+
+
+def _input_vocabulary(model: torch.nn.Module) -> int | None:
+    """The rows of the model's input embedding table (after ``resize_token_embeddings``), else its config's
+    ``vocab_size``."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, torch.nn.Embedding):
+        return embeddings.num_embeddings
+    vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocabulary if isinstance(vocabulary, int) and vocabulary > 0 else None
+
+
+def _label_bound(model: torch.nn.Module, labels: torch.Tensor | None) -> tuple[int, str, str] | None:
+    """How many values ``labels`` can take, what they are, and what to do about one out of range: the output
+    vocabulary of a language-model head, the classes of a single-label classification head; ``None`` when the
+    model's loss is something else (regression, multi-label) or unknown."""
+    if labels is None:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    rows = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+    if isinstance(rows, int) and rows > 0:
+        return rows, "token ids", "make the labels with the model's own tokenizer, -100 where the loss skips"
+    config = getattr(model, "config", None)
+    classes = getattr(config, "num_labels", None)
+    classifier = type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification"))
+    single_label = getattr(config, "problem_type", None) in (None, "single_label_classification")
+    if classifier and single_label and isinstance(classes, int) and classes > 1:
+        return classes, "classes", f"set num_labels (it is {classes}) to the dataset's number of classes"
     return None
-
-
-def longest_of_a_stream(
-    batch: Any, model: torch.nn.Module, data_collator: Any, processing_class: Any, max_length: int | None,
-    notes: list[str],
-) -> tuple[Any, list[str]]:  # fmt: skip
-    """A stream's first examples stretched to the longest sequence its batches can have (``sequence_limit``),
-    with a note that says so in place of the first-examples one; as it was when no bound is known."""
-    limit = sequence_limit(model, data_collator, processing_class, max_length)
-    longer = stretched(batch, limit[0]) if limit is not None else None
-    if limit is None or longer is None:
-        return batch, notes
-    first = batch["input_ids"].shape[1]
-    kept = [note for note in notes if not note.startswith("the dataset is a stream")]
-    return longer, [*kept, (
-        f"the dataset is a stream, whose lengths cannot be read ahead: its first examples ({first} tokens) are "
-        f"planned stretched to {limit[0]} tokens, {limit[1]}, the longest batch it can produce"
-        + ("" if max_length is not None else " (max_length= plans for another longest batch)")
-    )]  # fmt: skip
 
 
 def _signature_columns(model: torch.nn.Module, args: TrainingArguments) -> set[str]:
