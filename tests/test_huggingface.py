@@ -361,7 +361,10 @@ def test_a_stream_is_planned_at_the_longest_batch_it_can_produce_and_says_from_w
     longest = plan_training_arguments(model, args, Tokens(), budget="1GiB")  # every example 32 tokens long
     assert streamed.estimate.peak_allocated_bytes == longest.estimate.peak_allocated_bytes
     (note,) = [r for r in streamed.plan.reasons if "stream" in r]
-    assert "first examples (4 tokens)" in note and "stretched to 32 tokens, the model's n_positions" in note
+    assert (
+        "first examples (4 tokens)" in note
+        and "stretched to 32 tokens, the model's 32 positions (transformer.wpe)" in note
+    )
     bounded = plan_training_arguments(model, args, ShortFirstStream(), data_collator=pad_to_longest, budget="1GiB",
                                       max_length=16)  # fmt: skip
     assert "stretched to 16 tokens, max_length=16" in " ".join(bounded.plan.reasons)

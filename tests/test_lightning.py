@@ -395,3 +395,28 @@ def test_the_plan_and_the_final_line_quote_the_same_peak_and_the_line_names_the_
     (final_line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit: process RSS")]
     assert f"predicted peak {peak} of" in plan_line
     assert f"predicted peak {peak} of tensors" in final_line and "drift" not in final_line
+
+
+def test_a_stream_is_planned_at_the_longest_batch_it_can_produce(tmp_path: Path) -> None:
+    """An iterable dataset's first examples are short here; the model holds 32 positions. The plan is made at 32
+    tokens (what a later batch can reach) and says so, not at the first batch's 4."""
+
+    class ShortFirst(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(0)
+            for index in range(48):
+                yield torch.randint(0, 100, (4 if index < 24 else SEQ,), generator=generator)
+
+    def pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor]:
+        length = max(len(r) for r in rows)
+        return (torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows]),)
+
+    class StreamedGPT(TinyGPT):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(ShortFirst(), batch_size=self.batch_size, collate_fn=pad)
+
+    callback = MemoryPlanner(budget="1GiB", verbose=False)
+    trainer(tmp_path, callback, max_steps=2).fit(StreamedGPT(batch_size=4))
+    assert any("stretched to 32 tokens" in reason and "first examples (4 tokens)" in reason
+               for reason in callback.plan.reasons)  # fmt: skip
+    assert callback.estimate.seq_len == SEQ  # the traced batch is the longest the stream can produce

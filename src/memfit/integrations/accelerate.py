@@ -27,7 +27,7 @@ from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
-from memfit.tracing.batch import longest_batch
+from memfit.tracing.batch import is_stream, longest_batch, longest_of_a_stream
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.model_state import preserved_rng_state
@@ -116,11 +116,14 @@ class MemoryPlanner:
         *,
         loss_fn: Any = None,
         forward_fn: Any = None,
+        max_length: int | None = None,
     ) -> DataLoader:
         """Plan on the dataloader's longest batch and apply: returns the dataloader at the planned micro batch (same
         dataset, sampler and collate function), sets ``accelerator.gradient_accumulation_steps`` and turns on
         checkpointing in the model when needed. Call it before ``accelerator.prepare``. ``loss_fn(output, batch)``
-        and ``forward_fn(model, batch)`` as for ``memfit.estimate``, for a model that does not return its loss."""
+        and ``forward_fn(model, batch)`` as for ``memfit.estimate``, for a model that does not return its loss; a
+        stream is planned at the longest batch it can produce (``max_length``, the collator's, or the model's
+        positions)."""
         if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             raise InvalidInputError("plan() takes the torch DataLoader the loop iterates, built with batch_size=")
         accelerator = self.accelerator
@@ -129,6 +132,8 @@ class MemoryPlanner:
         notes: list[str] = [note] if (note := planning.note(device)) else []
         with preserved_rng_state():  # taking a batch must not shift the run's shuffling
             sample = longest_batch(dataloader, notes=notes)
+        if is_stream(dataloader.dataset):  # planned at the longest batch it can produce
+            sample, notes = longest_of_a_stream(sample, model, dataloader.collate_fn, None, max_length, notes)
         configured, accumulation = dataloader.batch_size, accelerator.gradient_accumulation_steps
         precision = _PRECISIONS.get(str(accelerator.mixed_precision), Precision.FP32)
 

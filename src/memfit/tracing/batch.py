@@ -246,13 +246,17 @@ def is_stream(dataset: Any) -> bool:
 
 
 def stretched(batch: Any, length: int) -> Any:
-    """``batch`` (a mapping with ``input_ids``) with every ``[batch, seq, ...]`` tensor of its sequence length
-    made ``length`` long by repeating its last position: the ids, masks and labels stay valid values, and the
-    step sees the longest batch a stream can produce. ``None`` when the batch has no token sequence to stretch
-    or is already that long."""
-    if not isinstance(batch, Mapping):
-        return None
-    ids = batch.get("input_ids")
+    """``batch`` with every ``[batch, seq, ...]`` tensor of its token sequence's length made ``length`` long by
+    repeating its last position: the ids, masks and labels stay valid values, and the step sees the longest batch
+    a stream can produce. The token sequence is ``input_ids`` in a mapping, else the first integer tensor of two
+    or more dimensions (a tuple or list batch). ``None`` when there is none, or it is already that long."""
+    values = (
+        list(batch.values()) if isinstance(batch, Mapping) else list(batch) if isinstance(batch, (tuple, list)) else []
+    )
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if ids is None:
+        ids = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()),
+                   None)  # fmt: skip
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] >= length:
         return None
     current = ids.shape[1]
@@ -263,7 +267,63 @@ def stretched(batch: Any, length: int) -> Any:
         tail = value[:, -1:].expand(value.shape[0], length - current, *value.shape[2:])
         return torch.cat([value, tail], dim=1)
 
-    return {key: grow(value) for key, value in batch.items()}
+    if isinstance(batch, Mapping):
+        return {key: grow(value) for key, value in batch.items()}
+    return type(batch)(grow(value) for value in batch) if isinstance(batch, tuple) else [grow(v) for v in batch]
+
+
+def sequence_limit(
+    model: torch.nn.Module, data_collator: Any = None, processing_class: Any = None, max_length: int | None = None
+) -> tuple[int, str] | None:
+    """The longest sequence a batch can have, and where that bound comes from: ``max_length`` as given, the
+    collator's ``max_length``, the tokenizer's ``model_max_length`` (when it is a real bound, not the tokenizer's
+    "unset"), the model's table of learned positions, the positions its config declares (a model inside a
+    LightningModule included)."""
+    from memfit.tracing.positions import position_limit
+
+    if max_length is not None:
+        return int(max_length), f"max_length={max_length}"
+    if isinstance(bound := getattr(data_collator, "max_length", None), int) and bound > 0:
+        return bound, "the collator's max_length"
+    tokenizer = processing_class if processing_class is not None else getattr(data_collator, "tokenizer", None)
+    if isinstance(bound := getattr(tokenizer, "model_max_length", None), int) and 0 < bound < 1_000_000:
+        return bound, "the tokenizer's model_max_length"
+    if (table := position_limit(model)) is not None:
+        return table[0], f"the model's {table[0]} positions ({table[1]})"
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    for name in ("n_positions", "max_position_embeddings"):
+        if isinstance(bound := getattr(config, name, None), int) and bound > 0:
+            return bound, f"the model's {name}"
+    return None
+
+
+def longest_of_a_stream(
+    batch: Any, model: torch.nn.Module, data_collator: Any, processing_class: Any, max_length: int | None,
+    notes: list[str],
+) -> tuple[Any, list[str]]:  # fmt: skip
+    """A stream's first examples stretched to the longest sequence its batches can have (``sequence_limit``),
+    with a note that says so in place of the first-examples one; as it was when no bound is known."""
+    limit = sequence_limit(model, data_collator, processing_class, max_length)
+    longer = stretched(batch, limit[0]) if limit is not None else None
+    if limit is None or longer is None:
+        return batch, notes
+    first = _token_ids(batch).shape[1]
+    kept = [note for note in notes if not note.startswith("the dataset is")]
+    return longer, [*kept, (
+        f"the dataset is a stream, whose lengths cannot be read ahead: its first examples ({first} tokens) are "
+        f"planned stretched to {limit[0]} tokens, {limit[1]}, the longest batch it can produce"
+        + ("" if max_length is not None else " (max_length= plans for another longest batch)")
+    )]  # fmt: skip
+
+
+def _token_ids(batch: Any) -> torch.Tensor | None:
+    """A batch's token sequence: ``input_ids`` in a mapping, else its first integer tensor of two or more
+    dimensions."""
+    if isinstance(batch, Mapping) and isinstance(ids := batch.get("input_ids"), torch.Tensor) and ids.dim() >= 2:
+        return ids
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    integer = (v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point())
+    return next(integer, None)
 
 
 def _readable_by_index(dataset: Any) -> bool:

@@ -32,7 +32,6 @@ from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     ddp_config,
     held_batches,
-    longest_of_a_stream,
     run_notes,
     run_precision,
     running_optimizer,
@@ -57,7 +56,7 @@ from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import log_figure
-from memfit.tracing.batch import batch_examples, is_stream
+from memfit.tracing.batch import batch_examples, is_stream, longest_of_a_stream
 from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.model_state import preserved_rng_state

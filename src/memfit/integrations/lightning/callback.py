@@ -51,7 +51,7 @@ from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
 from memfit.reporting.figures import log_figure
-from memfit.tracing.batch import infer_batch_size, longest_batch
+from memfit.tracing.batch import infer_batch_size, is_stream, longest_batch, longest_of_a_stream
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
@@ -528,7 +528,11 @@ class MemoryPlannerBase:
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
         with preserved_rng_state():  # taking a batch must not shift the run's shuffling
-            return longest_batch(loader, notes=self._sample_notes)
+            sample = longest_batch(loader, notes=self._sample_notes)
+        if is_stream(loader.dataset):  # its longest batch is not among its first: planned at the longest it can be
+            sample, self._sample_notes = longest_of_a_stream(sample, trainer.lightning_module, loader.collate_fn, None,
+                                                             None, self._sample_notes)  # fmt: skip
+        return sample
 
     def _configured_batch(self, pl_module: Any) -> int | None:
         parsing = self._pl.utilities.parsing
