@@ -1,4 +1,4 @@
-"""Proposed with the sharded_plan.py patch: --gpus auto states the host RAM of the offload it shows."""
+"""--gpus auto states the host RAM of the offload options it shows, and flags one this machine cannot hold."""
 
 from __future__ import annotations
 
