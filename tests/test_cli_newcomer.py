@@ -193,3 +193,12 @@ def test_offload_that_needs_more_host_ram_than_this_machine_has_says_so(
     assert main(one_gpu) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host RAM:")]
     assert line.endswith("of 100.00 MiB available here; more than this machine has available") and "offload" in line
+
+
+def test_names_the_user_wrote_are_printed_as_written(
+    factory: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A title such as ``mod:smile: 16.6K parameters`` holds ``:smile:``, which rich would print as an emoji."""
+    (tmp_path / "emoji_mod.py").write_text("from newcomer_factory import make as smile\n")
+    assert main(["plan", "--model", "emoji_mod:smile", "--budget", "2GiB", "--target-batch-size", "8"]) == 0
+    assert "emoji_mod:smile:" in capsys.readouterr().out

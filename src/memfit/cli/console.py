@@ -19,5 +19,6 @@ class _Console(Console):
 
 
 def stdout_console(**options: Any) -> Console:
-    """A console on standard output (``options`` as ``rich.console.Console`` takes them)."""
-    return _Console(**options)
+    """A console on standard output (``options`` as ``rich.console.Console`` takes them). Emoji codes are off: the
+    tables print names the user wrote (``mymod:factory:`` would otherwise render ``:factory:`` as an emoji)."""
+    return _Console(**{"emoji": False, **options})

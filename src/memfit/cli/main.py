@@ -522,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "memfit[" not in message:  # a library message that names the extra already is kept
             message = _missing_extra(exc) or message
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):
-            message = f"{cli_advice(message)} {_CLI_CALLING}"
+            advice = cli_advice(message).rstrip()
+            message = f"{advice}{'' if advice.endswith('.') else '.'} {_CLI_CALLING}"
         print(f"memfit: error: {message}", file=sys.stderr)
         return _EXIT_USAGE
