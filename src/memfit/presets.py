@@ -24,7 +24,7 @@ from torch import nn
 
 from memfit.errors import InvalidInputError, TraceError
 
-__all__ = ["PRESETS", "ModelSpec", "factory_loss", "from_factory", "from_hf_config"]
+__all__ = ["PRESETS", "ModelSpec", "factory_loss", "from_factory", "from_hf_config", "load_attribute"]
 
 Batch = Callable[[int], Any]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -114,6 +114,29 @@ def _built_in_fp32(config: Any) -> None:
     setattr(config, field, torch.float32)
 
 
+def load_attribute(target: str, option: str, what: str) -> Any:
+    """What ``package.module:name`` names in the user's code (``option`` says which flag gave it, ``what`` what it
+    should be); each way it can fail is one ``InvalidInputError`` naming ``target``."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise InvalidInputError(f"{option} must look like 'package.module:{what}', got {target!r}")
+    said = "" if option == "--model" else f"{option} "
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InvalidInputError(
+            f"cannot load {said}{target!r}: {error}; run memfit from the folder that holds it, or add that folder to "
+            "PYTHONPATH"
+        ) from error
+    except Exception as error:  # the module itself raised while importing
+        raise InvalidInputError(
+            f"cannot load {said}{target!r}: importing {module_name} raised {_said(error)}"
+        ) from error
+    if not hasattr(module, attribute):
+        raise InvalidInputError(f"cannot load {said}{target!r}: module {module_name!r} has no attribute {attribute!r}")
+    return getattr(module, attribute)
+
+
 def from_factory(target: str, *, seq_len: int = 1024, loss_fn: LossFn | None = None) -> ModelSpec:
     """``module.path:factory`` from the user's code: ``factory()`` returns a module, or a
     ``(module, sample)`` pair where ``sample(batch_size)`` makes one batch; a bare module gets
@@ -122,21 +145,7 @@ def from_factory(target: str, *, seq_len: int = 1024, loss_fn: LossFn | None = N
 
     ``loss_fn(output, batch) -> scalar loss`` (default: the one ``factory_loss`` set, the command line's
     ``--loss``) makes the module's forward return that loss, for a module whose forward returns logits."""
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise InvalidInputError(f"--model must look like 'package.module:factory', got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise InvalidInputError(
-            f"cannot load {target!r}: {error}; run memfit from the folder that holds it, or add that folder to "
-            "PYTHONPATH"
-        ) from error
-    except Exception as error:  # the module itself raised while importing
-        raise InvalidInputError(f"cannot load {target!r}: importing {module_name} raised {_said(error)}") from error
-    if not hasattr(module, attribute):
-        raise InvalidInputError(f"cannot load {target!r}: module {module_name!r} has no attribute {attribute!r}")
-    factory = getattr(module, attribute)
+    factory = load_attribute(target, "--model", "factory")
     if not callable(factory):
         raise InvalidInputError(
             f"{target} is {type(factory).__name__}, not a function: --model names a function that takes no "

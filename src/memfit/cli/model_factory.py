@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from memfit.errors import InvalidInputError
-from memfit.presets import LossFn, factory_loss
+from memfit.presets import LossFn, factory_loss, load_attribute
 
 __all__ = ["LOSS_ADVICE", "add_loss_option", "cli_advice", "load_loss", "with_loss"]
 
@@ -56,23 +55,7 @@ def with_loss(handler: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 def load_loss(target: str) -> LossFn:
     """The function ``module.path:function`` names, checked to take ``(output, batch)``; each way it can be
     wrong said in one line naming ``target``."""
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise InvalidInputError(f"--loss must look like 'package.module:function', got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise InvalidInputError(
-            f"cannot load --loss {target!r}: {error}; run memfit from the folder that holds it, or add that folder "
-            "to PYTHONPATH"
-        ) from error
-    except Exception as error:  # the module itself raised while importing
-        raise InvalidInputError(
-            f"cannot load --loss {target!r}: importing {module_name} raised {_said(error)}"
-        ) from error
-    function = getattr(module, attribute, None)
-    if function is None:
-        raise InvalidInputError(f"cannot load --loss {target!r}: module {module_name!r} has no attribute {attribute!r}")
+    function = load_attribute(target, "--loss", "function")
     if not callable(function):
         raise InvalidInputError(
             f"--loss {target} is {type(function).__name__}, not a function: --loss names a function(output, batch) "
