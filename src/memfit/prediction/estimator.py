@@ -288,9 +288,10 @@ class MemoryEstimate:
         ``seq_len``: at that many tokens a sample (default: the traced sample's).
 
         By default (``at_limit=True``, as ``memfit.plan``) it asks where the step really runs out of memory: the
-        allocator frees its cache and retries at its limit (``least_device_bytes``, under ``allocator``'s options,
-        default this process's ``PYTORCH_ALLOC_CONF``). ``at_limit=False``: where its peak with room to spare
-        reaches the capacity (also where the log cannot be replayed: a CPU target, the concrete path).
+        allocator frees its cache and retries at its limit (each batch's step replayed held to the capacity, under
+        ``allocator``'s options, default this process's ``PYTORCH_ALLOC_CONF``). ``at_limit=False``: where its peak
+        with room to spare reaches the capacity (also where the log cannot be replayed: a CPU target, the concrete
+        path).
 
         This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
         sizes traced, which can be off by a few samples either way (the allocator's rounding and the
@@ -302,9 +303,12 @@ class MemoryEstimate:
         overhead = (self.cuda_context_bytes or 0) if include_context else 0
 
         def fits(batch: int) -> bool:
-            least = self.least_device_bytes(batch, seq_len=seq_len, allocator=allocator) if at_limit else None
-            if least is not None:
-                return least - (self.cuda_context_bytes or 0) + overhead <= capacity_bytes
+            # at the allocator's limit: one replay held to the capacity says it (the least capacity the batch runs
+            # in, ``least_device_bytes``, is a bisection of such replays, to 2 MiB)
+            limited = self.at_limit(batch, capacity_bytes, include_context=include_context, seq_len=seq_len,
+                                    allocator=allocator) if at_limit else None  # fmt: skip
+            if limited is not None:
+                return limited.fits
             return self.at(batch, seq_len).reserved_bytes + overhead <= capacity_bytes
 
         # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit
