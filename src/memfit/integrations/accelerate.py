@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader
 
 from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError
-from memfit.monitoring.controller import RunController
-from memfit.monitoring.run_monitor import RunMonitor
+from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.planning.gpus import check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
@@ -38,7 +37,7 @@ __all__ = ["MemoryPlanner"]
 _PRECISIONS = {"no": Precision.FP32, "bf16": Precision.BF16_MIXED, "fp16": Precision.FP16_MIXED}
 
 
-class MemoryPlanner:
+class MemoryPlanner(ControlledRun):
     """Plan micro batch, accumulation and checkpointing for an ``accelerate`` loop, and log drift while it trains.
 
         accelerator = Accelerator(log_with="tensorboard", project_dir="runs")
@@ -102,11 +101,6 @@ class MemoryPlanner:
                                         verbose=verbose)  # fmt: skip
         self._steps = 0
         self._restored: dict[str, Any] | None = None
-
-    @property
-    def monitor(self) -> RunMonitor | None:
-        """What the run measured, window by window."""
-        return self.controller.monitor
 
     def plan(
         self,

@@ -26,7 +26,7 @@ from memfit.monitoring.run_monitor import RunMonitor
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.reporting.figures import drawn, matplotlib_available
 
-__all__ = ["RunController", "RunPort"]
+__all__ = ["ControlledRun", "RunController", "RunPort"]
 
 Result = TypeVar("Result")
 
@@ -218,6 +218,22 @@ class RunController:
         warnings.warn(message, UserWarning, stacklevel=3)
         if self.monitor is not None and self.recovery is not None:
             port.log_scalars(self.monitor.recovered(record, self.recovery), None)
+
+
+class ControlledRun:
+    """What a framework's callback shows of the run its ``controller`` measures."""
+
+    controller: RunController
+
+    @property
+    def monitor(self) -> RunMonitor | None:
+        """What the run measured, window by window (``None`` before it trains or where nothing is measured)."""
+        return self.controller.monitor
+
+    @property
+    def recovery(self) -> OOMRecovery | None:
+        """The out-of-memory recovery of the run (``None`` when it is off)."""
+        return self.controller.recovery
 
 
 def _plot(function: str, *args: Any, **kwargs: Any) -> Any:

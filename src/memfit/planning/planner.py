@@ -262,13 +262,7 @@ class _Question:
 
     def at(self, estimate: MemoryEstimate, batch: int) -> BatchPeak:
         """``estimate``'s peaks at ``batch``, with the least it runs in at the allocator's limit where planned so."""
-        peak = estimate.at(batch)
-        if self.allocator is None:
-            return peak
-        least = estimate.least_device_bytes(batch, allocator=self.allocator)
-        if least is None:
-            return peak
-        return dataclasses.replace(peak, least_reserved_bytes=least - (estimate.cuda_context_bytes or 0))
+        return _with_least(estimate.at(batch), estimate, self.allocator)
 
     def predicted(self, peak: BatchPeak) -> int:
         """The figure compared with the budget: what the step needs at the allocator's limit (or its peak, where
@@ -642,12 +636,18 @@ class _Bracket:
 def _traced(question: _Question, confirm: Confirm, micro: int, checkpointing: bool, accumulation: int) -> BatchPeak:
     exact = confirm(micro, checkpointing, accumulation)
     peak = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
-    if question.allocator is None:
+    return _with_least(peak, exact, question.allocator)
+
+
+def _with_least(peak: BatchPeak, estimate: MemoryEstimate, allocator: AllocatorConfig | None) -> BatchPeak:
+    """``peak`` with the least reserved memory its step runs in at the allocator's limit, where planned so
+    (``allocator`` set) and the step's log can be replayed."""
+    if allocator is None:
         return peak
-    least = exact.least_device_bytes(micro, allocator=question.allocator)
+    least = estimate.least_device_bytes(peak.batch_size, allocator=allocator)
     if least is None:
         return peak
-    return dataclasses.replace(peak, least_reserved_bytes=least - (exact.cuda_context_bytes or 0))
+    return dataclasses.replace(peak, least_reserved_bytes=least - (estimate.cuda_context_bytes or 0))
 
 
 def _explain(question: _Question, split: _Split) -> list[str]:

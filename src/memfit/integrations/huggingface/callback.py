@@ -39,16 +39,14 @@ from memfit.integrations.huggingface.arguments import (
 from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
 from memfit.integrations.huggingface.planning import PLAN_FILE, PlannedArguments, plan_training_arguments
 from memfit.integrations.huggingface.sharding import RunLayout, run_layout
-from memfit.monitoring.controller import RunController
+from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
-    OOMRecovery,
     check_loss_reduction,
     check_on_oom,
 )
-from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
@@ -190,7 +188,7 @@ def _put_first(trainer: Trainer, callback: MemoryPlannerCallback) -> None:
     callback._trainer = trainer
 
 
-class MemoryPlannerCallback(TrainerCallback):
+class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     """Measure peak memory while the Trainer trains and log it against memfit's prediction.
 
     Attach it with ``memfit.huggingface.attach(trainer, budget=...)``. At ``on_train_begin`` it traces
@@ -279,16 +277,6 @@ class MemoryPlannerCallback(TrainerCallback):
         self._first_log = True
         self._layout: RunLayout | None = None
         self._timeline_logged = False
-
-    @property
-    def monitor(self) -> RunMonitor | None:
-        """What the run measured, window by window (``None`` before it trains)."""
-        return self.controller.monitor
-
-    @property
-    def recovery(self) -> OOMRecovery | None:
-        """The out-of-memory recovery of the run (``None`` when it is off)."""
-        return self.controller.recovery
 
     # ---------------------------------------------------------------- events
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:

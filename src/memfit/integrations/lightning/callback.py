@@ -29,18 +29,16 @@ from memfit.errors import (
 )
 from memfit.integrations.lightning.internals import LightningInternals
 from memfit.integrations.lightning.sharding import StrategyLayout, sharding_strategy_name, strategy_layout
-from memfit.monitoring.controller import RunController
+from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.monitoring.recovery import (
     OPTIMIZER_STEP_OOM,
     LossReduction,
     OnOOM,
-    OOMRecovery,
     batches_held,
     check_loss_reduction,
     check_on_oom,
     is_out_of_memory,
 )
-from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
@@ -186,7 +184,7 @@ class _Decision:
     measured_only: bool = False  # nothing predicted (manual optimization): log the measured peaks alone
 
 
-class MemoryPlannerBase:
+class MemoryPlannerBase(ControlledRun):
     """See ``memfit.lightning.MemoryPlanner`` for the documentation."""
 
     _pl: ModuleType  # lightning.pytorch or pytorch_lightning, set by the subclass
@@ -254,16 +252,6 @@ class MemoryPlannerBase:
         self._closure_finished = False
         self._measuring = False  # every rank measures (the broadcast decision says so): logging steps gather
         self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
-
-    @property
-    def monitor(self) -> RunMonitor | None:
-        """What the run measured, window by window (``None`` before it trains or where nothing is measured)."""
-        return self.controller.monitor
-
-    @property
-    def recovery(self) -> OOMRecovery | None:
-        """The out-of-memory recovery of the run (``None`` when it is off)."""
-        return self.controller.recovery
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
