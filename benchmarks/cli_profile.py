@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "torch": torch.__version__,
             "date": datetime.date.today().isoformat(),
-            "note": "wall time under cProfile, which slows this code 2-6x: the shares are what to read",
+            "note": "wall time under cProfile, which slows this code severalfold: the shares are what to read",
         }
         out.write_text(json.dumps({**meta, "questions": results}, indent=2) + "\n")
     print(f"wrote {out}")
