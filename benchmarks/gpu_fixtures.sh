@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU-truth fixtures in one short run on a CUDA machine (about 7 minutes), written to DIR (default
+# benchmarks/results/gpu-truth/new):
+#   1. allocator snapshots and measured peaks of the zoo rows whose no-GPU prediction still misses, and of the
+#      rows never measured (benchmarks/gpu_snapshot.py), each in its own process, side by side;
+#   2. the out-of-memory boundary with the card capped at CAP_GIB (default 12) for four families
+#      (harness.accuracy.largest_batch --cap-gib), side by side: each trial is held to its own cap, so they
+#      do not disturb each other while the card has room for all of them.
+# Every step has a deadline; logs and results land in DIR as they are written.
+#   bash benchmarks/gpu_fixtures.sh [DIR]
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${1:-benchmarks/results/gpu-truth/new}"
+mkdir -p "$out"
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.csv" 2>&1
+
+rows=(
+  "bert bf16-mixed sgd-momentum ckpt b16:16" "bert bf16-mixed sgd-momentum ckpt b16:32"
+  "llama 16-mixed adamw-fused b4:4" "llama bf16-mixed sgd-momentum ckpt b4:4"
+  "resnet-bn fp32 adamw b8:16"
+  "lstm fp32 adamw b8:8" "lstm fp32 adamw b8:16"
+  "lstm bf16-mixed sgd-momentum b16:16" "lstm bf16-mixed sgd-momentum b16:32"
+  "lstm 16-mixed adamw-fused b16:16" "lstm 16-mixed adamw-fused b16:32"
+)
+for row in "${rows[@]}"; do
+  name="${row%:*}" batch="${row##*:}"
+  log="$out/row-${name// /-}-at$batch.log"
+  timeout "${ROW_SECONDS:-240}" python benchmarks/gpu_snapshot.py "$name" "$batch" "$out" > "$log" 2>&1 &
+done
+# The capped boundary runs beside the rows only where the card holds both (over 100 GiB).
+total_gib=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+[ "$total_gib" -gt 100 ] || wait
+for family in ${FAMILIES:-gpt2 resnet50 vit bert}; do
+  timeout "${BOUNDARY_SECONDS:-400}" python -m harness.accuracy.largest_batch --only "$family" \
+    --cap-gib "${CAP_GIB:-12}" --check-steps "${CHECK_STEPS:-10}" --output "$out/largest_batch-$family.json" \
+    > "$out/largest_batch-$family.log" 2>&1 &
+done
+wait
+grep -h '^{' "$out"/row-*.log > "$out/rows.jsonl"
+echo "rows measured: $(wc -l < "$out/rows.jsonl") of ${#rows[@]}"
