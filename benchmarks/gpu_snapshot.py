@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,10 @@ def as_data(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 def main(name: str, batch: int, out_dir: Path) -> dict[str, Any]:
     config = next(c for c in configs("gpu") if c.name == name)
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    # SNAPSHOT_FRAMES=0 records the events without Python frames (recording frames has crashed a checkpointed
+    # backward in torch 2.11's recorder)
+    context = "all" if os.environ.get("SNAPSHOT_FRAMES", "1") != "0" else None
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=context, stacks="python")
     model = real_model(config, "gpu", "cuda")
     cls, kwargs = optimizer_spec(config.optimizer)
     optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
