@@ -344,6 +344,48 @@ class CachingAllocatorSimulator:
 
     # -- statistics ---------------------------------------------------------------------------------------
 
+    def clone(self) -> CachingAllocatorSimulator:
+        """An independent copy of the allocator's whole state (a replay checkpoint to resume from)."""
+        twin = object.__new__(CachingAllocatorSimulator)
+        twin.__dict__.update(self.__dict__)
+        pools = {id(self._small): _Pool("small", is_small=True), id(self._large): _Pool("large", is_small=False)}
+        twin._small, twin._large = pools[id(self._small)], pools[id(self._large)]
+        blocks: dict[int, _Block] = {}
+        twin._segments = {}
+        for key, segment in self._segments.items():
+            copied = object.__new__(_Segment)
+            copied.index, copied.base, copied.size = segment.index, segment.base, segment.size
+            copied.pool, copied.expandable = pools[id(segment.pool)], segment.expandable
+            previous, block = None, segment.head
+            while block is not None:
+                twin_block = object.__new__(_Block)
+                for slot in _Block.__slots__:
+                    setattr(twin_block, slot, getattr(block, slot))
+                twin_block.prev, twin_block.next = previous, None
+                if previous is None:
+                    copied.head = twin_block
+                else:
+                    previous.next = twin_block
+                blocks[id(block)] = previous = twin_block
+                block = block.next
+            twin._segments[key] = copied
+        for old in (self._small, self._large):
+            new = pools[id(old)]
+            new.free = list(old.free)
+            new.by_address = {address: blocks[id(b)] for address, b in old.by_address.items()}
+            new.unmapped = {address: blocks[id(b)] for address, b in old.unmapped.items()}
+            new.lookups = old.lookups
+        segment_of = {id(old): twin._segments[key] for key, old in self._segments.items()}
+        twin._expandable = {name: segment_of[id(segment)] for name, segment in self._expandable.items()}
+        twin._live = {key: None if block is None else blocks[id(block)] for key, block in self._live.items()}
+        return twin
+
+    def set_capacity(self, capacity_bytes: int | None) -> None:
+        """Hold reserved memory to ``capacity_bytes`` from now on (a replay resumed under a limit)."""
+        if capacity_bytes is not None:
+            _check_nbytes(capacity_bytes, "capacity_bytes")
+        self._capacity = capacity_bytes
+
     @property
     def capacity_bytes(self) -> int | None:
         """The reservable memory OOMs are judged against, or ``None`` for no limit."""

@@ -13,6 +13,7 @@ from memfit.tracing.recorder import PhaseMark, StorageRecorder
 
 __all__ = [
     "LimitFit",
+    "LimitReplayer",
     "PhasePeak",
     "TimelinePoint",
     "extrapolate_timeline",
@@ -143,14 +144,83 @@ class LimitFit:
     peak_reserved_bytes: int
 
 
-def replay_at_limit(recorder: StorageRecorder, limit_bytes: int, config: AllocatorConfig | None = None) -> LimitFit:
+def replay_at_limit(
+    recorder: StorageRecorder, limit_bytes: int, config: AllocatorConfig | None = None, *, until_oom: bool = False
+) -> LimitFit:
     """Replay the log with the allocator's reserved memory held to ``limit_bytes``, as on a device (or under
-    ``set_per_process_memory_fraction``) with that much for the allocator."""
+    ``set_per_process_memory_fraction``) with that much for the allocator. ``until_oom`` stops at the first
+    allocation that fails (the peaks are then those up to it): enough for a caller that asks only whether it fits."""
     allocator = CachingAllocatorSimulator(capacity_bytes=max(0, limit_bytes), config=config)
+    return _replay_from(allocator, recorder, 0, limit_bytes, until_oom)
+
+
+RESERVE_RESOLUTION = 2 * 1024 * 1024
+"""How finely ``least_reserved`` finds the limit: the allocator's own rounding of large segments."""
+
+
+class LimitReplayer:
+    """One step's log replayed at many allocator limits, each replay starting from a checkpoint of the unlimited one.
+
+    Without a limit the allocator never gives a segment back, so its reserved memory only grows; and a limit acts
+    only when a new segment would take reserved memory past it (garbage collection aside). So a replay held to
+    ``L`` is the unlimited replay, state for state, up to the first event after which the unlimited one reserves
+    more than ``L``: it can start from the last checkpoint taken at or below ``L``. The answers are those of
+    ``replay_at_limit`` exactly; a garbage-collection threshold, which reads the limit throughout, replays whole.
+    """
+
+    CHECKPOINTS = 16
+
+    def __init__(self, recorder: StorageRecorder, config: AllocatorConfig | None = None) -> None:
+        self._recorder, self._config = recorder, config
+        allocator = CachingAllocatorSimulator(config=config)
+        events, sizes = recorder.events, recorder.sizes
+        every = max(1, len(events) // self.CHECKPOINTS)
+        self._checkpoints: list[tuple[int, int, CachingAllocatorSimulator]] = []  # (event index, reserved, state)
+        resumable = allocator.config.garbage_collection_threshold <= 0
+        for index, event in enumerate(events):
+            if resumable and index % every == 0 and index:
+                self._checkpoints.append((index, allocator.reserved_bytes, allocator.clone()))
+            if event > 0:
+                allocator.malloc(event, sizes[event])
+            else:
+                allocator.free(-event)
+        self.unlimited = LimitFit(1 << 62, True, 0, allocator.peak_allocated_bytes, allocator.peak_reserved_bytes)
+
+    def at(self, limit_bytes: int, *, until_oom: bool = False) -> LimitFit:
+        """``replay_at_limit(recorder, limit_bytes, config, until_oom=until_oom)``, from the latest checkpoint that
+        holds for ``limit_bytes``."""
+        start, allocator = 0, None
+        for index, reserved, state in reversed(self._checkpoints):
+            if reserved <= limit_bytes:
+                start, allocator = index, state.clone()
+                break
+        if allocator is None:
+            return replay_at_limit(self._recorder, limit_bytes, self._config, until_oom=until_oom)
+        allocator.set_capacity(max(0, limit_bytes))
+        return _replay_from(allocator, self._recorder, start, limit_bytes, until_oom)
+
+    def least(self) -> int:
+        """``least_reserved``: bisected between the peak of the blocks and the unlimited reserved peak."""
+        low = self.unlimited.peak_allocated_bytes - 1  # below the blocks themselves nothing runs
+        high = self.unlimited.peak_reserved_bytes
+        while high - low > RESERVE_RESOLUTION:
+            middle = (low + high) // 2
+            if self.at(middle, until_oom=True).fits:
+                high = middle
+            else:
+                low = middle
+        return high
+
+
+def _replay_from(
+    allocator: CachingAllocatorSimulator, recorder: StorageRecorder, start: int, limit_bytes: int, until_oom: bool
+) -> LimitFit:
     sizes = recorder.sizes
-    for event in recorder.events:
+    for event in recorder.events[start:]:
         if event > 0:
             allocator.malloc(event, sizes[event])
+            if until_oom and allocator.oom:
+                break
         else:
             allocator.free(-event)
     return LimitFit(
@@ -159,23 +229,10 @@ def replay_at_limit(recorder: StorageRecorder, limit_bytes: int, config: Allocat
     )  # fmt: skip
 
 
-RESERVE_RESOLUTION = 2 * 1024 * 1024
-"""How finely ``least_reserved`` finds the limit: the allocator's own rounding of large segments."""
-
-
 def least_reserved(recorder: StorageRecorder, config: AllocatorConfig | None = None) -> int:
     """The least reserved memory the step runs in when the allocator may free its cache and retry at the limit
     (to ``RESERVE_RESOLUTION``): between the peak of its blocks and the peak it reserves with no limit."""
-    unlimited = replay_at_limit(recorder, 1 << 62, config)
-    low = unlimited.peak_allocated_bytes - 1  # below the blocks themselves nothing runs
-    high = unlimited.peak_reserved_bytes
-    while high - low > RESERVE_RESOLUTION:
-        middle = (low + high) // 2
-        if replay_at_limit(recorder, middle, config).fits:
-            high = middle
-        else:
-            low = middle
-    return high
+    return LimitReplayer(recorder, config).least()
 
 
 def extrapolate_timeline(
