@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # the zoo of test models
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MEMFIT_STRICT", "1")  # a failure memfit would turn into a warning fails the test instead
+os.environ.setdefault("MEMFIT_CACHE", "off")  # every test traces for itself; tests/test_trace_cache.py turns it on
 warnings.filterwarnings("ignore", message=".*Module is None.*")
 
 

@@ -390,6 +390,47 @@ def performance(results: Path) -> list[str]:
             f"traces; importing the command line {data['imports']['memfit.cli.main_s']:.1f} s, and transformers "
             f"{data['imports']['transformers_s']:.1f} s where a preset needs it."
         )
+    return lines + answer_speed(results)
+
+
+def answer_speed(results: Path) -> list[str]:
+    """README's lines on the common questions asked first and again, from ``benchmarks/answer_speed.py``."""
+    data = _load("answer_speed.json", results)
+    if data is None:
+        return ["- **Questions asked again: not measured yet.** `python benchmarks/answer_speed.py`."]
+    unit = data["meta"]["unit"].get("unit_s")
+    rows = [
+        [
+            f"`{row['command']}`",
+            f"{row['cold_s']:.1f} s",
+            f"{row['again_s']:.1f} s",
+            f"{row['neighbour_s']:.1f} s",
+            f"{row['goal_s']:.0f} s",
+            "yes" if row["same_answer"] else "**no**",
+        ]
+        for row in data["questions"]
+    ]
+    lines = [
+        "- **Questions, first and again** (`python benchmarks/answer_speed.py`, "
+        f"`benchmarks/results/answer_speed.json`; {data['meta']['cpu_count']} cores, torch {data['meta']['torch']}; "
+        "each a fresh process, imports included; one concrete GPT-2 124M trace, the unit, took "
+        f"{unit} s in the same run). *First* traces (the trace cache off), *again* answers the same question from "
+        "the cache, *neighbour* another GPU from the same cache:",
+        "",
+        *_table(["question", "first", "again", "neighbour", "goal", "same answer"], rows),
+    ]
+    callbacks = [row for row in data["callbacks"] if "setup_cold_s" in row]
+    if callbacks:
+        lines += [
+            "",
+            "- **A run's setup** (one step of a 4-layer GPT-2 on CPU, with the callback minus without): "
+            + "; ".join(
+                f"{row['framework']} {row['setup_cold_s']:.1f} s first, {row['setup_from_cache_s']:.1f} s from "
+                "the cache"
+                for row in callbacks
+            )
+            + ".",
+        ]
     return lines
 
 

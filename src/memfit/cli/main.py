@@ -169,6 +169,23 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(args: argparse.Namespace) -> int:
+    """Where the trace cache is, what it holds; ``--clear`` empties it."""
+    from memfit.tracing import trace_cache
+    from memfit.units import format_bytes
+
+    folder = trace_cache.cache_dir()
+    if args.clear:
+        print(f"removed {trace_cache.clear()} kept trace(s) from {folder}")
+        return 0
+    entries = list(folder.glob("*.json.gz")) if folder.is_dir() else []
+    state = "on" if trace_cache.enabled() else f"off ({trace_cache.CACHE_ENV}={os.environ.get(trace_cache.CACHE_ENV)})"
+    size = format_bytes(sum(p.stat().st_size for p in entries))
+    print(f"trace cache: {state}\nfolder: {folder} ({trace_cache.CACHE_DIR_ENV} moves it)\n"
+          f"kept traces: {len(entries)}, {size}")  # fmt: skip
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Trace a model and plan micro batch, accumulation and checkpointing for each GPU asked about."""
     from memfit.cli.finetune_options import estimate_command, plan_finetune
@@ -383,6 +400,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gpus.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     gpus.set_defaults(handler=_cmd_gpus)
+
+    cache = subparsers.add_parser(
+        "cache",
+        help="where kept traces live, how many; --clear deletes them",
+        description="memfit keeps each trace on disk, so a question asked again (another GPU, budget or batch) "
+        "skips the trace. The key is everything the trace reads, the versions of the code that runs it "
+        "included; models whose code is outside an installed package are never kept. Deleting the folder "
+        "is always safe. MEMFIT_CACHE=off turns the cache off, MEMFIT_CACHE_DIR moves it.",
+    )
+    cache.add_argument("--clear", action="store_true", help="delete every kept trace")
+    cache.set_defaults(handler=_cmd_cache)
 
     plan = subparsers.add_parser(
         "plan",

@@ -32,8 +32,9 @@ from memfit.categories import Category
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.simulation.allocator import AllocatorConfig
-from memfit.simulation.replay import LimitFit, PhasePeak, least_reserved, replay, replay_at_limit
+from memfit.simulation.replay import LimitFit, LimitReplayer, PhasePeak, replay
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing import trace_cache, trace_data
 from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
 from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 _KEPT_SESSIONS = 8
+_KEPT_REPLAYERS = 4  # batches whose limit replays an estimate keeps (each holds checkpoints of its replay)
 
 
 class StepSession:
@@ -75,16 +77,14 @@ class StepSession:
         self.trace_seconds = 0.0
         self._factory = callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
         self.seq_len = sequence_length(*self._sample_at(2)) if self._factory else sequence_length(sample, sample_batch)
+        self._cache_key = trace_cache.session_key(model, sample, sample_batch, settings)
 
     def ensure_symbolic(self, hint: int) -> bool:
         """Trace symbolically once (at ``hint``, >= 2) unless done or known impossible; whether one exists."""
         model = self._model()
         if not self.symbolic and self.unavailable is None and model is not None:
             try:
-                self.symbolic.append(self._timed(
-                    lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings, hint=hint,
-                                           symbolic_sequence=False)
-                ))  # fmt: skip
+                self.symbolic.append(self._symbolic(model, hint, symbolic_sequence=False))
             except SymbolicUnavailable as exc:
                 self.unavailable = exc.reason
         return bool(self.symbolic)
@@ -104,8 +104,7 @@ class StepSession:
             raise LookupError("the model was garbage collected")
         if batch >= 2 and self.unavailable is None:
             try:
-                symbolic = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
-                                                              hint=batch, symbolic_sequence=False))  # fmt: skip
+                symbolic = self._symbolic(model, batch, symbolic_sequence=False)
             except SymbolicUnavailable as exc:
                 if not self.symbolic:
                     self.unavailable = exc.reason
@@ -115,9 +114,7 @@ class StepSession:
                     return symbolic.at(batch), _outside_note(batch, self.symbolic[0])
                 return symbolic.at(batch), None
         if batch not in self.concrete:
-            self.concrete[batch] = self._timed(
-                lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
-            )
+            self.concrete[batch] = self._concrete(model, self._sample, self.sample_batch, batch)
         if self.unavailable is not None:
             return self.concrete[batch], f"traced at each batch size: {self.unavailable}"
         if batch == 1:
@@ -136,8 +133,7 @@ class StepSession:
                 self.length_unavailable = "the sample has no sequence dimension"
             else:
                 try:
-                    traced = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
-                                                                hint=hint, symbolic_sequence=True))  # fmt: skip
+                    traced = self._symbolic(model, hint, symbolic_sequence=True)
                 except SymbolicUnavailable as exc:
                     self.length_unavailable = exc.reason
                 else:
@@ -168,14 +164,10 @@ class StepSession:
             if key not in self.other_lengths:
                 sample, sample_batch = self._sample_at(batch)
                 sample = resequenced(sample, sample_batch, self.seq_len, seq_len)
-                self.other_lengths[key] = self._timed(
-                    lambda: trace_steps(model, sample, sample_batch, batch, self.settings)
-                )
+                self.other_lengths[key] = self._concrete(model, sample, sample_batch, batch, seq_len)
             return self.other_lengths[key]
         if batch not in self.concrete:
-            self.concrete[batch] = self._timed(
-                lambda: trace_steps(model, self._sample, self.sample_batch, batch, self.settings)
-            )
+            self.concrete[batch] = self._concrete(model, self._sample, self.sample_batch, batch)
         return self.concrete[batch]
 
     def _sample_at(self, batch: int) -> tuple[Any, int]:
@@ -183,6 +175,62 @@ class StepSession:
         if self._factory:
             return self._sample(batch), batch
         return self._sample, self.sample_batch
+
+    def _symbolic(self, model: nn.Module, hint: int, *, symbolic_sequence: bool) -> SymbolicTrace:
+        """A symbolic trace at ``hint``: from the trace cache where it holds this step's, else traced (and kept).
+
+        Raises:
+            SymbolicUnavailable: the step cannot run with a symbolic batch (remembered in the cache too).
+        """
+        part = f"symbolic:{hint}:{int(symbolic_sequence)}"
+        kept = self._cached(part, _decode_symbolic_outcome)
+        if isinstance(kept, SymbolicTrace):
+            return kept
+        if isinstance(kept, str):
+            raise SymbolicUnavailable(kept)
+        try:
+            traced = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
+                                                        hint=hint, symbolic_sequence=symbolic_sequence))  # fmt: skip
+        except SymbolicUnavailable as exc:
+            reason = exc.reason
+            self._keep(part, lambda: {"unavailable": reason})
+            raise
+        self._keep(part, lambda: {"trace": trace_data.encode_symbolic(traced)})
+        return traced
+
+    def _concrete(self, model: nn.Module, sample: Any, sample_batch: int, batch: int, seq_len: int | None = None
+                  ) -> StepTrace:  # fmt: skip
+        part = f"concrete:{batch}:{seq_len}"
+        kept = self._cached(part, trace_data.decode_trace)
+        if kept is not None:
+            return kept
+        traced = self._timed(lambda: trace_steps(model, sample, sample_batch, batch, self.settings))
+        self._keep(part, lambda: trace_data.encode_trace(traced))
+        return traced
+
+    def _cached(self, part: str, decode: Callable[[Any], Any]) -> Any:
+        if self._cache_key is None:
+            return None
+        try:
+            part = self._part(part)
+        except trace_cache.Uncacheable:
+            return None
+        return trace_cache.load(self._cache_key, part, decode)
+
+    def _keep(self, part: str, encode: Callable[[], Any]) -> None:
+        if self._cache_key is None:
+            return
+        try:
+            trace_cache.store(self._cache_key, self._part(part), encode())
+        except trace_cache.Uncacheable:
+            return
+
+    def _part(self, part: str) -> str:
+        """A trace's part of the key; a factory's batch at the traced size is in it (what the trace reads)."""
+        if not self._factory:
+            return part
+        batch = int(part.split(":")[1])
+        return f"{part}:{trace_cache.sample_digest(self._sample, batch)}"
 
     def _timed(self, trace: Callable[[], Any]) -> Any:
         started = time.perf_counter()
@@ -194,6 +242,13 @@ class StepSession:
     @property
     def range_note(self) -> str | None:
         return self.symbolic[0].range_note() if self.symbolic else None
+
+
+def _decode_symbolic_outcome(value: dict[str, Any]) -> SymbolicTrace | str:
+    """A kept symbolic trace, or the reason the step cannot be traced symbolically."""
+    if "unavailable" in value:
+        return str(value["unavailable"])
+    return trace_data.decode_symbolic(value["trace"])
 
 
 def _outside_note(batch: int, symbolic: SymbolicTrace) -> str:
@@ -309,6 +364,7 @@ class ExactPeaks:
         self._cache: dict[int, tuple[PhasePeak, ...] | None] = {}
         self._lengths: dict[tuple[int, int], tuple[PhasePeak, ...]] = {}
         self._least: dict[tuple[int, int | None, AllocatorConfig], int | None] = {}
+        self._replayers: OrderedDict[tuple[int, int | None, AllocatorConfig], LimitReplayer | None] = OrderedDict()
 
     def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
         session = self._session
@@ -365,14 +421,27 @@ class ExactPeaks:
         ``None`` on a CPU target or where the step cannot be traced at that batch."""
         key = (batch, seq_len, config)
         if key not in self._least:
-            trace = self._prepared(batch, seq_len)
-            self._least[key] = None if trace is None else least_reserved(trace.recorder, config)
+            replayer = self._replayer(batch, seq_len, config)
+            self._least[key] = None if replayer is None else replayer.least()
         return self._least[key]
 
     def at_limit(self, batch: int, seq_len: int | None, limit_bytes: int, config: AllocatorConfig) -> LimitFit | None:
         """The step at ``batch`` replayed with the allocator held to ``limit_bytes`` (``replay_at_limit``)."""
+        replayer = self._replayer(batch, seq_len, config)
+        return None if replayer is None else replayer.at(limit_bytes)
+
+    def _replayer(self, batch: int, seq_len: int | None, config: AllocatorConfig) -> LimitReplayer | None:
+        """The step's replays at limits, kept for the last few batches asked about (a planner asks each several)."""
+        key = (batch, seq_len, config)
+        if key in self._replayers:
+            self._replayers.move_to_end(key)
+            return self._replayers[key]
         trace = self._prepared(batch, seq_len)
-        return None if trace is None else replay_at_limit(trace.recorder, limit_bytes, config)
+        replayer = None if trace is None else LimitReplayer(trace.recorder, config)
+        self._replayers[key] = replayer
+        while len(self._replayers) > _KEPT_REPLAYERS:
+            self._replayers.popitem(last=False)
+        return replayer
 
     def _prepared(self, batch: int, seq_len: int | None) -> StepTrace | None:
         if self._runtime is None or self(batch, seq_len) is None:

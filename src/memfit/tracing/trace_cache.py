@@ -1,0 +1,377 @@
+"""Traces kept on disk, so that a question asked again (another GPU, budget or batch) skips the trace.
+
+A trace is the slow part of an answer: seconds of fake-tensor work for a small model, most of a minute for a
+quantized 8B one. Its log depends only on the step (the model's structure and code, the sample's shapes and values,
+the precision, optimizer and loop options) and on the code that runs it, so it can be kept.
+
+What makes an entry safe:
+
+* **Its key is everything the trace reads.** Every module's class and its plain attributes, every parameter and
+  buffer (name, shape, dtype, gradient, class), hooks, a Hugging Face config in full, the sample (shapes, dtypes and
+  a hash of its values), the step settings, torch's attention and determinism switches, ``MEMFIT_*`` variables,
+  and the versions of Python, torch and every installed distribution whose code the step runs (memfit by a hash
+  of its own source files). Code outside an installed distribution (a model class in the user's script) has no
+  version that says when it changed, so such a step is never cached: a stale entry cannot exist.
+* **It is data, not code.** Entries are gzip'd JSON. Symbolic sizes are expression trees read back only through a
+  fixed table of sympy and torch classes; nothing in an entry is imported, evaluated or unpickled. An entry whose
+  key differs from the question's (a collision, a copy from elsewhere), that cannot be read, or that names a class
+  outside the table is ignored with one warning, deleted, and traced again.
+* **It is only a cache.** Deleting the folder at any time is safe (``memfit cache --clear``).
+
+Location: ``MEMFIT_CACHE_DIR``, else the platform's user cache folder (``platformdirs``: ``~/.cache/memfit`` on
+Linux) under ``traces/``. ``MEMFIT_CACHE=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+from torch import nn
+
+from memfit.diagnostics import warn_once
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "CACHE_ENV",
+    "Uncacheable",
+    "cache_dir",
+    "clear",
+    "enabled",
+    "load",
+    "sample_digest",
+    "session_key",
+    "store",
+]
+
+CACHE_ENV = "MEMFIT_CACHE"
+CACHE_DIR_ENV = "MEMFIT_CACHE_DIR"
+FORMAT = 1  # bump when what an entry holds, or how, changes
+_OFF = ("0", "off", "false", "no")
+
+
+class Uncacheable(Exception):
+    """The step holds something whose identity cannot be written down (code outside an installed distribution)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(CACHE_ENV, "on").strip().lower() not in _OFF
+
+
+def cache_dir() -> Path:
+    """Where entries live: ``MEMFIT_CACHE_DIR``, else the platform's user cache folder for memfit, ``traces/``."""
+    configured = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if configured:
+        return Path(configured).expanduser() / "traces"
+    try:
+        import platformdirs
+    except ImportError:  # the XDG default, which platformdirs gives on Linux too
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memfit"
+    else:
+        base = Path(platformdirs.user_cache_dir("memfit", appauthor=False))
+    return base / "traces"
+
+
+def clear() -> int:
+    """Delete every entry; how many there were."""
+    removed = 0
+    folder = cache_dir()
+    if folder.is_dir():
+        for path in folder.glob("*.json.gz"):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------- the key
+
+
+def session_key(model: nn.Module, sample: Any, sample_batch: int, settings: Any) -> str | None:
+    """The key of one step's traces, as canonical JSON; ``None`` where the step cannot be cached."""
+    if not enabled():
+        return None
+    try:
+        key = {
+            "format": FORMAT,
+            "environment": _environment(),
+            "model": _model_key(model),
+            # a factory's batches are keyed per trace, by what it returns there (``sample_digest``)
+            "sample": _canonical(sample) if not _is_factory(sample) else "factory",
+            "sample_batch": sample_batch,
+            "settings": _canonical(settings),
+        }
+    except Uncacheable:
+        return None
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
+    """What a sample factory returns at ``batch``, hashed: the trace at that batch reads that and nothing else."""
+    return hashlib.sha256(json.dumps(_canonical(factory(batch)), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _is_factory(sample: Any) -> bool:
+    return callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
+
+
+def _environment() -> dict[str, Any]:
+    backends = torch.backends.cuda
+    return {
+        "python": sys.version,
+        "machine": platform.machine(),
+        "packages": _versions(),
+        "memfit_source": _memfit_source_hash(),
+        "cuda_available": torch.cuda.is_available(),
+        "sdp": [
+            backends.flash_sdp_enabled(),
+            backends.mem_efficient_sdp_enabled(),
+            backends.math_sdp_enabled(),
+            getattr(backends, "cudnn_sdp_enabled", lambda: None)(),
+        ],
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "mkldnn": torch._C._get_mkldnn_enabled(),
+        "variables": sorted(
+            (k, v) for k, v in os.environ.items() if k.startswith("MEMFIT_") and not k.startswith(CACHE_ENV)
+        ),
+    }
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    return {dist.metadata["Name"].lower(): dist.version for dist in importlib.metadata.distributions()
+            if dist.metadata["Name"]}  # fmt: skip
+
+
+@functools.cache
+def _memfit_source_hash() -> str:
+    """memfit's own code by content: an editable install changes without a new version."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _distribution_of(top_level: str) -> str | None:
+    """The installed distribution that provides the import package ``top_level``, with its version."""
+    names = importlib.metadata.packages_distributions().get(top_level)
+    if not names:
+        return None
+    versions = _versions()
+    return ";".join(f"{n.lower()}=={versions.get(n.lower(), '?')}" for n in sorted(names))
+
+
+def _code(obj: Any) -> list[str]:
+    """Where a class or function comes from, versioned: its module and name, and the distribution (or, for
+    memfit, the source hash; for the standard library, Python's version) that says when its code changed."""
+    if isinstance(obj, functools.partial):
+        return ["partial", *_code(obj.func), json.dumps(_canonical([obj.args, obj.keywords]), sort_keys=True)]
+    if inspect.ismethod(obj):
+        return ["method", *_code(obj.__func__), json.dumps(_canonical(obj.__self__), sort_keys=True)]
+    module_name = getattr(obj, "__module__", None) or ""
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    if "<locals>" in qualname:  # a closure: what it captured is not written down
+        raise Uncacheable(f"{qualname} is defined inside a function")
+    top = module_name.split(".")[0]
+    if top == "memfit":
+        return [module_name, qualname, "memfit"]
+    if top in sys.stdlib_module_names or top == "builtins":
+        return [module_name, qualname, "python"]
+    distribution = _distribution_of(top) if top else None
+    if distribution is None:
+        raise Uncacheable(f"{module_name}.{qualname} is not part of an installed distribution")
+    return [module_name, qualname, distribution]
+
+
+def _model_key(model: nn.Module) -> list[Any]:
+    modules = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        attributes = {k: _canonical(v) for k, v in sorted(vars(module).items()) if _plain(v) and k != "training"}
+        hooks = [_code(h) for d in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+                 for h in getattr(module, d, {}).values()]  # fmt: skip
+        config = getattr(module, "config", None)
+        config_text = None
+        if config is not None and hasattr(config, "to_json_string"):
+            try:
+                config_text = [config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None)]
+            except Exception as exc:  # a config that cannot write itself down is not a key
+                raise Uncacheable(f"the config of {name or 'the model'} cannot be written as JSON") from exc
+        modules.append([name, _code(type(module)), module.training, attributes, hooks, config_text])
+    tensors = [
+        [name, _code(type(t)), list(t.shape), str(t.dtype), t.requires_grad, t.device.type,
+         {k: _canonical(v) for k, v in sorted(vars(t).items()) if _plain(v)}]
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    ]  # fmt: skip
+    return [modules, tensors, _code(type(model))]
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device, enum.Enum)):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as JSON that changes whenever anything a trace could read from it changes."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return ["float", repr(value)]
+    if isinstance(value, enum.Enum):
+        return ["enum", *_code(type(value)), str(value.value)]
+    if isinstance(value, (torch.device, torch.dtype)):
+        return ["torch", str(value)]
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    if isinstance(value, dict):
+        return ["dict", sorted(([_canonical(k), _canonical(v)] for k, v in value.items()), key=json.dumps)]
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_canonical(v) for v in value]]
+    if isinstance(value, (set, frozenset)):
+        return ["set", sorted((_canonical(v) for v in value), key=json.dumps)]
+    if isinstance(value, (type, functools.partial)) or inspect.isfunction(value) or inspect.ismethod(value):
+        return ["code", *_code(value)]
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return ["dataclass", *_code(type(value)), fields]
+    if callable(value) and hasattr(value, "__module__"):  # e.g. a builtin or an optimizer factory object
+        return ["code", *_code(value)]
+    raise Uncacheable(f"a {type(value).__name__} in the step cannot be written down")
+
+
+def _tensor_key(tensor: torch.Tensor) -> list[Any]:
+    key: list[Any] = ["tensor", list(tensor.shape), str(tensor.dtype), tensor.device.type]
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return key
+    if tensor.numel() > 1 << 24:
+        raise Uncacheable("the sample is too large to hash")
+    values = tensor.detach().to("cpu").contiguous()
+    if values.dtype == torch.bfloat16:
+        values = values.view(torch.int16)
+    return [*key, hashlib.sha256(values.numpy().tobytes()).hexdigest()]
+
+
+# ------------------------------------------------------------------------------------------------- the store
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()}.json.gz"
+
+
+def load(key: str, part: str, decode: Callable[[Any], Any]) -> Any | None:
+    """The entry ``part`` of the step ``key`` decoded by ``decode``, or ``None`` (absent, or ignored as damaged)."""
+    path = _path(f"{key}|{part}")
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as file:
+            entry = json.load(file)
+        if entry.get("format") != FORMAT or entry.get("key") != key or entry.get("part") != part:
+            raise ValueError("it was written for another question")
+        return decode(entry["value"])
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a damaged, foreign or tampered entry: never trusted, traced again
+        warn_once(
+            f"trace-cache:{path}",
+            f"memfit ignored the trace cache entry {path} ({type(exc).__name__}: {str(exc)[:120]}) and traces "
+            f"again; delete {path.parent} or set {CACHE_ENV}=off if this repeats",
+        )
+        path.unlink(missing_ok=True)
+        return None
+
+
+def store(key: str, part: str, value: Any) -> None:
+    """Write an entry atomically; a cache that cannot be written is skipped silently (it is only a cache)."""
+    path = _path(f"{key}|{part}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".part")
+        with os.fdopen(handle, "wb") as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=3) as file:
+            json.dump({"format": FORMAT, "key": key, "part": part, "value": value}, file, separators=(",", ":"))
+        os.replace(temporary, path)
+    except OSError:
+        return
+
+
+# ----------------------------------------------------------------------------------- traces as data and back
+
+_SYMPY: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        sympy.Add, sympy.Mul, sympy.Pow, sympy.Max, sympy.Min, sympy.Mod, sympy.floor, sympy.ceiling,
+        sympy.Eq, sympy.Ne, sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge, sympy.And, sympy.Or, sympy.Not,
+        sympy.Piecewise, sympy.functions.elementary.piecewise.ExprCondPair,
+    )
+}  # fmt: skip
+
+
+def _torch_functions() -> dict[str, type]:
+    from torch.utils._sympy import functions
+
+    return {name: cls for name, cls in vars(functions).items()
+            if isinstance(cls, type) and issubclass(cls, sympy.Basic)}  # fmt: skip
+
+
+def _memfit_functions() -> dict[str, type]:
+    from memfit.tracing.cuda_reductions import ReductionStaging
+
+    return {"ReductionStaging": ReductionStaging}
+
+
+@functools.cache
+def _expression_classes() -> dict[str, type]:
+    return {**_SYMPY, **_torch_functions(), **_memfit_functions()}
+
+
+def encode_expr(expr: Any) -> Any:
+    """A sympy expression as a tree of lists: integers, symbols with their assumptions, and classes by name."""
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    if isinstance(expr, sympy.Rational):
+        return ["Rational", int(expr.p), int(expr.q)]
+    if expr is sympy.true or expr is sympy.false:
+        return ["Bool", bool(expr)]
+    if isinstance(expr, sympy.Symbol):
+        return ["Symbol", expr.name, {k: v for k, v in expr.assumptions0.items() if v is not None}]
+    name = type(expr).__name__
+    if _expression_classes().get(name) is not type(expr):
+        raise Uncacheable(f"the expression class {name} is not one memfit reads back")
+    return [name, *(encode_expr(arg) for arg in expr.args)]
+
+
+def decode_expr(tree: Any) -> Any:
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        return sympy.Integer(tree)
+    if not isinstance(tree, list) or not tree or not isinstance(tree[0], str):
+        raise ValueError(f"not an expression: {str(tree)[:60]}")
+    head = tree[0]
+    if head == "Rational":
+        return sympy.Rational(int(tree[1]), int(tree[2]))
+    if head == "Bool":
+        return sympy.true if tree[1] else sympy.false
+    if head == "Symbol":
+        assumptions = {str(k): bool(v) for k, v in tree[2].items()}
+        return sympy.Symbol(str(tree[1]), **assumptions)
+    cls = _expression_classes().get(head)
+    if cls is None:
+        raise ValueError(f"the expression class {head!r} is not one memfit reads back")
+    return cls(*(decode_expr(arg) for arg in tree[1:]))

@@ -1,0 +1,223 @@
+"""The trace cache on disk: a kept trace answers exactly as a fresh one, and nothing stale, foreign or damaged is
+ever read back (``memfit.tracing.trace_cache``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import memfit
+from memfit.diagnostics import forget_warnings
+from memfit.prediction.exact import clear_sessions
+from memfit.tracing import trace_cache
+
+SEQ, VOCAB = 16, 96
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MEMFIT_CACHE", "on")
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    clear_sessions()
+    forget_warnings()
+    yield tmp_path / "traces"
+    clear_sessions()
+    forget_warnings()
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every trace run (symbolic or concrete), by its batch: a kept trace runs none."""
+    import memfit.prediction.exact as exact_module
+    import memfit.tracing.symbolic as symbolic_module
+
+    runs: list[int] = []
+    for module in (exact_module, symbolic_module):
+        original = module.trace_steps
+
+        def counted(*args, _original=original, **kwargs):
+            runs.append(args[3] if len(args) > 3 else kwargs.get("batch_size"))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "trace_steps", counted)
+    return runs
+
+
+def _gpt2(n_layer: int = 2) -> torch.nn.Module:
+    config = GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.ones(2, SEQ, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _estimate(model: torch.nn.Module, batch: dict | None = None, **options) -> memfit.MemoryEstimate:
+    clear_sessions()  # the process's own kept traces would answer first: only the disk may
+    return memfit.estimate(model, batch or _batch(), batch_size=4, optimizer="adamw", device="cuda", **options)
+
+
+def _answers(estimate: memfit.MemoryEstimate) -> list[tuple[int, int]]:
+    return [(estimate.peak_allocated_bytes, estimate.peak_reserved_bytes)] + [
+        (peak.allocated_bytes, peak.reserved_bytes) for peak in (estimate.at(b) for b in (2, 3, 7, 16))
+    ]
+
+
+def test_a_kept_trace_answers_every_batch_exactly_as_a_fresh_trace(cache: Path, traces: list[int]) -> None:
+    fresh = _estimate(_gpt2())
+    answers = _answers(fresh)
+    assert traces and len(list(cache.glob("*.json.gz"))) >= 1
+    traces.clear()
+    kept = _estimate(_gpt2())
+    assert _answers(kept) == answers
+    assert traces == []  # nothing was traced
+    assert kept.breakdown == fresh.breakdown
+
+
+def test_another_sequence_length_is_kept_too(cache: Path) -> None:
+    fresh = _estimate(_gpt2())
+    first = fresh.at(4, seq_len=SEQ // 2)
+    again = _estimate(_gpt2()).at(4, seq_len=SEQ // 2)
+    assert (again.allocated_bytes, again.reserved_bytes) == (first.allocated_bytes, first.reserved_bytes)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["deeper", "frozen embedding", "precision", "shorter sequence", "optimizer"],
+)
+def test_anything_the_trace_reads_changes_the_key(cache: Path, traces: list[int], change: str) -> None:
+    _estimate(_gpt2())
+    traces.clear()
+    entries = set(cache.glob("*.json.gz"))
+    model, batch, options = _gpt2(), None, {}
+    if change == "deeper":
+        model = _gpt2(n_layer=3)
+    elif change == "frozen embedding":
+        model.transformer.wte.weight.requires_grad_(False)
+    elif change == "precision":
+        options["precision"] = "bf16-mixed"
+    elif change == "shorter sequence":  # (token values are not read: the trace runs on the sample's shapes)
+        batch = {k: v[:, : SEQ // 2] for k, v in _batch().items()}
+    if change == "optimizer":
+        clear_sessions()
+        memfit.estimate(model, _batch(), batch_size=4, optimizer="sgd", device="cuda")
+    else:
+        _estimate(model, batch, **options)
+    assert traces
+    assert set(cache.glob("*.json.gz")) > entries
+
+
+class ScriptModel(torch.nn.Module):
+    """A model whose code lives outside any installed distribution: it has no version to key it by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).sum()
+
+
+def test_code_outside_an_installed_distribution_is_never_cached(cache: Path) -> None:
+    memfit.estimate(ScriptModel(), torch.zeros(2, 8), batch_size=2, device="cuda")
+    assert not cache.exists() or not list(cache.glob("*.json.gz"))
+
+
+def test_off_means_nothing_is_written(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMFIT_CACHE", "off")
+    _estimate(_gpt2())
+    assert not cache.exists() or not list(cache.glob("*.json.gz"))
+
+
+def _rewrite(path: Path, edit) -> None:
+    with gzip.open(path, "rt") as file:
+        entry = json.load(file)
+    edit(entry)
+    with gzip.open(path, "wt") as file:
+        json.dump(entry, file)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign key", "unknown class", "not json"])
+def test_a_damaged_or_foreign_entry_is_ignored_with_one_warning_and_traced_again(
+    cache: Path, traces: list[int], damage: str
+) -> None:
+    answers = _answers(_estimate(_gpt2()))
+    traces.clear()
+    paths = sorted(cache.glob("*.json.gz"))
+    for path in paths:
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+        elif damage == "foreign key":
+            _rewrite(path, lambda e: e.update(key=e["key"].replace('"format":1', '"format":1,"x":0')))
+        elif damage == "unknown class":  # a size naming a class outside the table is refused, never built
+
+            def poison(entry: dict) -> None:
+                trace = entry["value"]["trace"]
+                sizes = trace.get("trace", trace)["recorder"]["sizes"]
+                symbolic = next(pair for pair in sizes if isinstance(pair[1], list))
+                symbolic[1] = ["x", ["os.system", ["Symbol", "s0", {}]]]
+
+            _rewrite(path, poison)
+        else:
+            path.write_bytes(b"\x00not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = _estimate(_gpt2())
+    ignored = [w for w in caught if "ignored the trace cache entry" in str(w.message)]
+    assert len(ignored) == 1, [str(w.message) for w in caught]
+    assert traces
+    assert _answers(again) == answers
+    assert len(list(cache.glob("*.json.gz"))) == len(paths)  # written again, whole
+
+
+def test_expressions_are_read_back_only_through_the_table() -> None:
+    s0 = trace_cache.decode_expr(["Symbol", "s0", {"integer": True, "positive": True}])
+    expression = 3 * s0**2 + 7
+    assert trace_cache.decode_expr(trace_cache.encode_expr(expression)) == expression
+    with pytest.raises(ValueError, match="not one memfit reads back"):
+        trace_cache.decode_expr(["__import__", 1])
+
+
+def test_the_cli_answers_the_same_from_the_cache(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "memfit", "plan", "--hf-config", "gpt2", "--layers", "2", "--seq-len", "64",
+               "--gpu", "t4", "--json"]  # fmt: skip
+    env = {**__import__("os").environ, "MEMFIT_CACHE": "on", "MEMFIT_CACHE_DIR": str(tmp_path)}
+    first, second = (subprocess.run(command, capture_output=True, text=True, env=env, check=True) for _ in range(2))
+    assert list((tmp_path / "traces").glob("*.json.gz"))
+    drop = ("trace_seconds", "available_bytes", "seconds")
+
+    def answer(text: str) -> object:
+        def clean(value: object) -> object:
+            if isinstance(value, dict):
+                return {k: clean(v) for k, v in value.items() if k not in drop}
+            if isinstance(value, list):
+                return [clean(v) for v in value]
+            return value
+
+        return clean(json.loads(text))
+
+    assert answer(first.stdout) == answer(second.stdout)
+
+
+def test_the_cache_command_says_where_and_clears(tmp_path: Path) -> None:
+    env = {**__import__("os").environ, "MEMFIT_CACHE": "on", "MEMFIT_CACHE_DIR": str(tmp_path)}
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "a.json.gz").write_bytes(b"x")
+    shown = subprocess.run([sys.executable, "-m", "memfit", "cache"], capture_output=True, text=True, env=env)
+    assert shown.returncode == 0 and str(folder) in shown.stdout and "kept traces: 1" in shown.stdout
+    cleared = subprocess.run([sys.executable, "-m", "memfit", "cache", "--clear"], capture_output=True, text=True,
+                             env=env)  # fmt: skip
+    assert cleared.returncode == 0 and "removed 1" in cleared.stdout
+    assert not list(folder.glob("*.json.gz"))
