@@ -7,9 +7,11 @@ Every figure is the wall time of a fresh process (imports included), on this mac
   warm-up trace in the same process: the yardstick every other figure is divided by.
 * per question (``memfit plan ...`` as a user types it): ``cold_s`` with the trace cache off (what every answer
   cost before it); ``first_s`` with an empty cache (the same work, plus writing the traces); ``again_s`` the same
-  question from the cache; ``neighbour_s`` another question on the same model from the cache (another GPU or
-  budget). ``same_answer``: whether the ``--json`` answers of all four agree (fields that describe this machine's
-  state, such as its free RAM, and timings are left out of the comparison).
+  question from the cache; ``neighbour_s`` another question on the same model from the cache (a target batch, or
+  another GPU of the same kind: a trace reads the GPU's compute capability and multiprocessor count, so a card that
+  differs in those is traced for). ``same_answer``: whether the ``--json`` answers agree, first, with an empty
+  cache and again, and the neighbour's from the cache with its own traced afresh (fields that describe this
+  machine's state, such as its free RAM, and timings are left out of the comparison).
 * per callback: a Lightning ``Trainer.fit`` and a ``transformers.Trainer.train`` of one step of a 4-layer GPT-2 on
   CPU with the callback, cache off and from the cache, minus the same run without it: the setup a run waits for.
 The machine's load average is recorded with each figure: on a shared 2-core machine seconds vary with it.
@@ -36,7 +38,7 @@ _QLORA = ["--lora-r", "16", "--quantize", "nf4", "--optimizer", "paged_adamw_8bi
 QUESTIONS: dict[str, dict[str, Any]] = {
     "gpt2 on a T4": {
         "argv": ["plan", "--hf-config", "gpt2", "--gpu", "t4", "--seq-len", "1024"],
-        "neighbour": ["plan", "--hf-config", "gpt2", "--gpu", "l4", "--seq-len", "1024"],
+        "neighbour": ["plan", "--hf-config", "gpt2", "--gpu", "t4", "--seq-len", "1024", "--target-batch-size", "64"],
         "goal_s": 2.0,
     },
     "llama-3-8b on an H100": {
@@ -45,32 +47,8 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "goal_s": 3.0,
     },
     "QLoRA llama-3-8b on an RTX 4090": {
-        "argv": [
-            "plan",
-            "--hf-config",
-            "llama-3-8b",
-            "--gpu",
-            "rtx4090",
-            "--lora-r",
-            "16",
-            "--quantize",
-            "nf4",
-            "--optimizer",
-            "paged_adamw_8bit",
-        ],
-        "neighbour": [
-            "plan",
-            "--hf-config",
-            "llama-3-8b",
-            "--gpu",
-            "l4",
-            "--lora-r",
-            "16",
-            "--quantize",
-            "nf4",
-            "--optimizer",
-            "paged_adamw_8bit",
-        ],
+        "argv": ["plan", "--hf-config", "llama-3-8b", "--gpu", "rtx4090", *_QLORA],
+        "neighbour": ["plan", "--hf-config", "llama-3-8b", "--gpu", "rtx4090", *_QLORA, "--target-batch-size", "32"],
         "goal_s": 5.0,
     },
     "llama-3-70b on H100s, --gpus auto": {

@@ -113,11 +113,20 @@ def session_key(model: nn.Module, sample: Any, sample_batch: int, settings: Any)
             # a factory's batches are keyed per trace, by what it returns there (``sample_digest``)
             "sample": _canonical(sample) if not _is_factory(sample) else "factory",
             "sample_batch": sample_batch,
-            "settings": _canonical(settings),
+            "settings": _canonical(_as_traced(settings)),
         }
     except Uncacheable:
         return None
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _as_traced(settings: Any) -> Any:
+    """The settings as the trace reads them: of the GPU's runtime facts, the kernels' (compute capability and launch
+    limits), not its CUDA context, which only the replays add; so GPUs of one kind share their traces."""
+    runtime = getattr(settings, "runtime", None)
+    if dataclasses.is_dataclass(runtime) and hasattr(runtime, "cuda_context_bytes"):
+        return dataclasses.replace(settings, runtime=dataclasses.replace(runtime, cuda_context_bytes=0))
+    return settings
 
 
 def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
