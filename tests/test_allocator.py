@@ -62,8 +62,8 @@ class ReferenceAllocator:
             self.live[key] = (-1, -1)
             return 0
         small = size <= SMALL_SIZE
-        candidates = [
-            (block[1], s, block[0])
+        candidates = [  # best fit, then the lowest address: a later segment lies below an earlier one
+            (block[1], -s, block[0])
             for s, blocks in enumerate(self.segments)
             if self.pools[s] == small
             for block in blocks
@@ -71,6 +71,7 @@ class ReferenceAllocator:
         ]
         if candidates:
             _, s, offset = min(candidates)
+            s = -s
         else:
             self.segments.append([[0, segment_size(size), False]])
             self.pools.append(small)
@@ -284,12 +285,23 @@ def test_best_fit_picks_the_smallest_fitting_block() -> None:
 
 def test_best_fit_breaks_ties_by_lower_address() -> None:
     sim = CachingAllocatorSimulator()
-    for key in range(3):
+    for key, address in enumerate((3 << 40, 1 << 40, 2 << 40)):
+        sim.next_segment_address = address  # as a replay of a real trace places them
         sim.malloc(key, 12 * MiB)  # three separate 12 MiB segments
+    sim.free(2)
+    sim.free(1)
+    sim.malloc(3, 12 * MiB)  # the lowest of the two equal free blocks: segment 1's
+    assert [seg.blocks[0].allocated for seg in sim.snapshot()] == [True, True, False]
+
+
+def test_later_segments_lie_lower_so_ties_go_to_the_newest() -> None:
+    sim = CachingAllocatorSimulator()
+    for key in range(3):
+        sim.malloc(key, 12 * MiB)  # three separate 12 MiB segments, each below the one before
     sim.free(2)
     sim.free(0)
     sim.malloc(3, 12 * MiB)
-    assert [seg.blocks[0].allocated for seg in sim.snapshot()] == [True, True, False]
+    assert [seg.blocks[0].allocated for seg in sim.snapshot()] == [False, True, True]
 
 
 def test_pools_are_kept_apart() -> None:

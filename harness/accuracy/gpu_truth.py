@@ -51,13 +51,18 @@ _WGRAD_SPLIT_K = (
     "bytes in the b8 snapshot), a split count its heuristics choose; without those 2 MB memfit's 196 MiB workspace "
     "fits a cached 198 MiB segment, where the real allocator needs a new 200 MiB one"
 )
+_ADDRESS_ORDER = (
+    "memfit's requests are the real ones (the snapshot's own sequence replays to the same figures), but ties between "
+    "equal free blocks go to the lowest address, and the driver placed this run's segments partly bottom-up and in "
+    "interleaved regions, where memfit models it handing out address space top down, as in every H200 snapshot: "
+    "in top-down order the snapshot's requests reserve 1,673,527,296 bytes (-2.3 %), in their real order 1,713,373,184"
+)
 KNOWN_GAPS: dict[tuple[str, int], str] = {
     ("resnet-bn fp32 adamw b8", 8): _WGRAD_SPLIT_K,
     ("resnet-bn fp32 adamw b8", 16): _WGRAD_SPLIT_K,
     ("bert bf16-mixed sgd-momentum ckpt b16", 16): _FRAGMENTATION,
     ("bert bf16-mixed sgd-momentum ckpt b16", 32): _FRAGMENTATION,
-    ("llama 16-mixed adamw-fused b4", 4): _FRAGMENTATION,
-    ("llama bf16-mixed sgd-momentum ckpt b4", 4): _FRAGMENTATION,
+    ("vit bf16-mixed sgd-momentum ckpt b16", 32): _ADDRESS_ORDER,
 }
 """Rows whose prediction without a GPU misses the goal, with the mechanism: the GPU-truth test expects them to
 (strictly: one that comes inside fails the test until it leaves this list)."""

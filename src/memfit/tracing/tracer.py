@@ -53,6 +53,7 @@ from memfit.tracing.model_state import (
     swap_tensors_in,
 )
 from memfit.tracing.optimizers import OptimizerSpec, build_optimizer, stepping
+from memfit.tracing.packed_sequences import eager_packing_check
 from memfit.tracing.paged import PagedState, page_optimizer_state
 from memfit.tracing.quantized import (
     bind_quantized_modules,
@@ -189,6 +190,7 @@ def trace_steps(
         cudnn_rnn_disabled(model) if settings.device.type == "cuda" else contextlib.nullcontext({}) as rnn_calls,
         fake_tensor_errors_unlogged(),
         branch,
+        eager_packing_check(recorder.positions),
         compilation_suspended(model) as model,
     ):
         if settings.inference:
