@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import random
@@ -10,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.replay import RESERVE_RESOLUTION, LimitReplayer, replay_at_limit
@@ -32,7 +34,7 @@ def _log_of_snapshot(path: Path) -> SimpleNamespace:
             next_id += 1
         elif entry["action"] == "free_completed" and entry["addr"] in ids:
             events.append(-ids.pop(entry["addr"]))
-    return SimpleNamespace(events=events, sizes=sizes)
+    return SimpleNamespace(events=events, sizes=sizes, marks=[])
 
 
 def _random_log(seed: int) -> SimpleNamespace:
@@ -44,13 +46,31 @@ def _random_log(seed: int) -> SimpleNamespace:
         live.append(key)
         while live and rng.random() < 0.45:
             events.append(-live.pop(rng.randrange(len(live))))
-    return SimpleNamespace(events=events, sizes=sizes)
+    return SimpleNamespace(events=events, sizes=sizes, marks=[])
 
 
-def _logs() -> list[tuple[str, SimpleNamespace]]:
-    return [(path.name, _log_of_snapshot(path)) for path in SNAPSHOTS[:3]] + [
-        (f"random-{seed}", _random_log(seed)) for seed in range(3)
-    ]
+@functools.cache
+def _traced_log() -> object:
+    """A traced step's log, with its phases marked: its steady step is run again until the allocator settles."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import memfit
+    from memfit.prediction.exact import clear_sessions, kept_sessions
+
+    clear_sessions()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32))
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    memfit.estimate(model, {"input_ids": ids, "labels": ids}, batch_size=6, device="cuda")
+    return kept_sessions()[0].trace_at(6)[0].recorder
+
+
+def _logs() -> list[tuple[str, object]]:
+    return (
+        [(path.name, _log_of_snapshot(path)) for path in SNAPSHOTS[:3]]
+        + [(f"random-{seed}", _random_log(seed)) for seed in range(3)]
+        + [("traced gpt2", _traced_log())]
+    )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "expandable", "max-split", "gc"])

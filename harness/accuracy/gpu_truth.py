@@ -41,11 +41,6 @@ MEASURED = FIXTURES / "h100-2026-11.json"
 LOWEST_ERROR_PCT, HIGHEST_ERROR_PCT = -2.0, 5.0
 """The goal for every row, allocated and reserved peak alike: never more than 2 % under, at most 5 % over."""
 
-_FRAGMENTATION = (
-    "every tensor and kernel scratch is counted (the allocated peak is within 0.3 %), but the reserved peak is not: "
-    "the caching allocator's segments depend on the order of requests, which the trace does not reproduce here; "
-    "the GPU machine's own trace misses the same way, and no allocator snapshot of this row exists to find the order"
-)
 _WGRAD_SPLIT_K = (
     "cuDNN's backward-weight engine adds split-K partial sums of the filter gradient to its workspace (14 x 147,456 "
     "bytes in the b8 snapshot), a split count its heuristics choose; without those 2 MB memfit's 196 MiB workspace "
@@ -60,8 +55,6 @@ _ADDRESS_ORDER = (
 KNOWN_GAPS: dict[tuple[str, int], str] = {
     ("resnet-bn fp32 adamw b8", 8): _WGRAD_SPLIT_K,
     ("resnet-bn fp32 adamw b8", 16): _WGRAD_SPLIT_K,
-    ("bert bf16-mixed sgd-momentum ckpt b16", 16): _FRAGMENTATION,
-    ("bert bf16-mixed sgd-momentum ckpt b16", 32): _FRAGMENTATION,
     ("vit bf16-mixed sgd-momentum ckpt b16", 32): _ADDRESS_ORDER,
 }
 """Rows whose prediction without a GPU misses the goal, with the mechanism: the GPU-truth test expects them to

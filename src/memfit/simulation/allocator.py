@@ -424,6 +424,11 @@ class CachingAllocatorSimulator:
         return self._peak_reserved
 
     @property
+    def segments_made(self) -> int:
+        """How many segments it has taken from the driver (``cudaMalloc`` calls; an expandable pool's first one)."""
+        return self._next_segment
+
+    @property
     def oom(self) -> bool:
         """Whether some allocation could not fit in ``capacity_bytes`` even after emptying the cache."""
         return self._num_ooms > 0

@@ -61,6 +61,13 @@ def before_outputs(func: Any, args: tuple[Any, ...], target: CudaTarget) -> Scra
     return None
 
 
+def allocation_order(func: Any, outputs: list[Any]) -> list[Any]:
+    """The op's outputs in the order its CUDA kernel allocates them, where that is not the order it returns them."""
+    if func is _aten.native_dropout.default and len(outputs) == 2:
+        return [outputs[1], outputs[0]]
+    return outputs
+
+
 def per_output(func: Any, args: tuple[Any, ...], out: Any, target: CudaTarget) -> dict[int, Scratch]:
     """Scratch the kernel allocates and frees right after one of its outputs, by ``id`` of that output."""
     found = conv_workspaces(func, args, out, target.compute_capability)

@@ -210,7 +210,7 @@ class StorageRecorder(TorchDispatchMode):
     def _free(self, sid: int) -> None:
         if self._closed or sid not in self._live:
             return
-        if self._free_before_sum(sid):
+        if self._sum_in_place(sid):
             return
         del self._live[sid]
         self._refs.pop(sid, None)
@@ -297,7 +297,7 @@ class StorageRecorder(TorchDispatchMode):
         flat, _ = tree_flatten(out)
         first_new = self._next_id
         each = cuda_scratch.per_output(func, args, out, target) if target is not None else {}
-        for item in flat:
+        for item in cuda_scratch.allocation_order(func, flat) if target is not None else flat:
             if isinstance(item, torch.Tensor):
                 self.track(item)
                 self._scratch(each.get(id(item)), {})
@@ -332,7 +332,7 @@ class StorageRecorder(TorchDispatchMode):
         input to the first (``InputBuffer::accumulate``): a plain ``add`` of two same-shaped tensors in backward,
         without grad mode. The engine adds in place into the first when it holds its last reference, which a fake
         tensor never lets it do (``can_accumulate_inplace`` refuses tensor subclasses); ``_free`` sees whether the
-        first dies right after and, if so, logs its free before the sum (``_free_before_sum``)."""
+        first dies right after and, if so, makes the sum the first's storage (``_sum_in_place``)."""
         if func is not _ADD or kwargs or len(args) != 2 or torch.is_grad_enabled():
             return None
         if self.current_phase is not Phase.BACKWARD:
@@ -346,10 +346,16 @@ class StorageRecorder(TorchDispatchMode):
         old_sid, sum_sid = self._ids.get(old.untyped_storage()), self._ids.get(out.untyped_storage())
         return None if old_sid is None or sum_sid is None else (sum_sid, old_sid)
 
-    def _free_before_sum(self, sid: int) -> bool:
-        """Whether freeing ``sid`` ends an in-place gradient accumulation (``_gradient_sum``); if so, the free is
-        logged before the sum's allocation, so that the sum can take the old gradient's memory as the engine's
-        ``add_`` does, and the two never hold memory at once."""
+    def _sum_in_place(self, sid: int) -> bool:
+        """Whether freeing ``sid`` ends an in-place gradient accumulation (``_gradient_sum``); if so, the sum becomes
+        ``sid``'s storage: its allocation leaves the log and ``sid`` lives on until the sum dies. The engine's
+        ``old_var.add_(var)`` writes the sum into the first gradient's block and keeps that block, so no block is
+        freed or allocated (a free then an allocation of the same size may land in another block: the caching
+        allocator's best fit picks among equal free blocks by address).
+
+        A log that records its repeated blocks (``memfit.tracing.depth`` builds deep logs from one block's) keeps
+        every storage in the block that made it: there the first gradient's free is logged right before the sum's
+        allocation instead, so that the two never hold memory at once."""
         pending, self._accumulation = self._accumulation, None
         if pending is None or pending[1] != sid or not self.events or self.events[-1] != pending[0]:
             return False
@@ -357,12 +363,24 @@ class StorageRecorder(TorchDispatchMode):
         difference = self.sizes[total] - self.sizes[sid]  # under a symbolic batch, equal sizes may differ in form
         if difference != 0 and not (isinstance(difference, sympy.Basic) and difference.expand() == 0):
             return False
-        del self._live[sid]
-        self._refs.pop(sid, None)
-        self.events[-1] = -sid
-        self.events.append(total)
         if self.event_blocks is not None:
+            del self._live[sid]
+            self._refs.pop(sid, None)
+            self.events[-1] = -sid
+            self.events.append(total)
             self.event_blocks.append(self.event_blocks[-1])
+            return True
+        ref = self._refs.get(total)
+        storage = ref() if ref is not None else None
+        if storage is None:
+            return False
+        self.events.pop()
+        del self._live[total]
+        del self._refs[total]  # its callback finds it no longer live
+        self._ids[storage] = sid
+        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: self._free(sid))
+        if total in self.categories:
+            self.categories[sid] = self.categories[total]
         return True
 
     def _note_sources(self, func: Any, args: Any, kwargs: Any, outputs: list[Any], first_new: int) -> None:
