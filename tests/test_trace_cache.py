@@ -221,3 +221,21 @@ def test_the_cache_command_says_where_and_clears(tmp_path: Path) -> None:
                              env=env)  # fmt: skip
     assert cleared.returncode == 0 and "removed 1" in cleared.stdout
     assert not list(folder.glob("*.json.gz"))
+
+
+def test_an_optimizer_instance_is_keyed_by_its_groups_and_state(cache: Path, traces: list[int]) -> None:
+    """A Trainer's optimizer is an instance: the same groups answer from the cache, other hyperparameters do not."""
+
+    def run(lr: float, weight_decay: float) -> list[tuple[int, int]]:
+        model = _gpt2()
+        decay = [p for n, p in model.named_parameters() if "ln" not in n]
+        rest = [p for n, p in model.named_parameters() if "ln" in n]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest}], lr=lr)
+        clear_sessions()
+        return _answers(memfit.estimate(model, _batch(), batch_size=4, optimizer=optimizer, device="cuda"))
+
+    first = run(1e-3, 0.1)
+    traces.clear()
+    assert run(1e-3, 0.1) == first and traces == []
+    run(1e-3, 0.0)
+    assert traces

@@ -113,20 +113,44 @@ def session_key(model: nn.Module, sample: Any, sample_batch: int, settings: Any)
             # a factory's batches are keyed per trace, by what it returns there (``sample_digest``)
             "sample": _canonical(sample) if not _is_factory(sample) else "factory",
             "sample_batch": sample_batch,
-            "settings": _canonical(_as_traced(settings)),
+            "settings": _canonical(_as_traced(settings, model)),
         }
     except Uncacheable:
         return None
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
-def _as_traced(settings: Any) -> Any:
+def _as_traced(settings: Any, model: nn.Module) -> Any:
     """The settings as the trace reads them: of the GPU's runtime facts, the kernels' (compute capability and launch
-    limits), not its CUDA context, which only the replays add; so GPUs of one kind share their traces."""
+    limits), not its CUDA context, which only the replays add, so GPUs of one kind share their traces; an optimizer
+    instance (a Trainer's) as its class, groups and state."""
     runtime = getattr(settings, "runtime", None)
     if dataclasses.is_dataclass(runtime) and hasattr(runtime, "cuda_context_bytes"):
-        return dataclasses.replace(settings, runtime=dataclasses.replace(runtime, cuda_context_bytes=0))
+        settings = dataclasses.replace(settings, runtime=dataclasses.replace(runtime, cuda_context_bytes=0))
+    optimizer = getattr(settings, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        settings = dataclasses.replace(settings, optimizer=_optimizer_key(optimizer, model))
     return settings
+
+
+def _optimizer_key(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Any]:
+    """An optimizer instance as what a trace of its step reads: its class, each group's hyperparameters and
+    parameters (by name in the model), and the state it already holds (shapes and plain values)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    groups = []
+    for group in optimizer.param_groups:
+        members = []
+        for parameter in group["params"]:
+            if id(parameter) not in names:
+                raise Uncacheable("the optimizer holds a parameter outside the model")
+            members.append(names[id(parameter)])
+        settings = {k: _canonical(v) for k, v in sorted(group.items()) if k != "params"}
+        groups.append([members, settings])
+    state = sorted(
+        [names.get(id(p), "?"), {k: _shape_of(v) for k, v in sorted(values.items())}]
+        for p, values in optimizer.state.items()
+    )
+    return ["optimizer", *_code(type(optimizer)), groups, state]
 
 
 def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
@@ -264,6 +288,13 @@ def _canonical(value: Any) -> Any:
     if callable(value) and hasattr(value, "__module__"):  # e.g. a builtin or an optimizer factory object
         return ["code", *_code(value)]
     raise Uncacheable(f"a {type(value).__name__} in the step cannot be written down")
+
+
+def _shape_of(value: Any) -> Any:
+    """A state tensor by shape, dtype and device (its values are never read by a trace, and can be gigabytes)."""
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype), value.device.type]
+    return _canonical(value)
 
 
 def _tensor_key(tensor: torch.Tensor) -> list[Any]:
