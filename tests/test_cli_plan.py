@@ -21,6 +21,7 @@ import memfit
 from memfit import Category, Phase, Precision, Target
 from memfit.cli.main import main
 from memfit.planning.gpu_report import GpuPlan, PlanReport
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.prediction.estimator import MemoryEstimate, PhaseModel
 from memfit.presets import PRESETS, from_hf_config
@@ -321,7 +322,7 @@ def test_inference_plans_half_precision_weights_by_default(tmp_path: Path, capsy
 
     # a card that fits the half-precision weights and not fp32 ones: the default plan fits it
     between = (row["predicted_peak_bytes"] + mixed["predicted_peak_bytes"]) // 2
-    budget = f"{math.ceil(between / 0.95)}B"
+    budget = f"{math.ceil(between / (1 - DEFAULT_MARGIN))}B"  # the midpoint, once the margin is kept free
     (fits,) = _plan_json(capsys, *one, "--budget", budget)["gpus"]
     (misses,) = _plan_json(capsys, *one, "--budget", budget, "--precision", "bf16-mixed", status=1)["gpus"]
     assert fits["fits"] and not misses["fits"]

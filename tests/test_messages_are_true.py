@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.tracing.config import Target
+from memfit.units import format_margin
 
 
 def small_mlp_estimate() -> memfit.MemoryEstimate:
@@ -36,6 +38,9 @@ def test_a_step_that_cannot_fit_names_the_cuda_context_not_the_model_states() ->
 def test_the_budget_is_quoted_as_given_with_the_margin_beside_it() -> None:
     estimate = small_mlp_estimate()
     chosen = memfit.plan(estimate, 2 * 2**30, target_batch_size=8)
-    assert "of 2.00 GiB budget (1.95 GiB after its 2.5% margin)" in chosen.summary()
-    with pytest.raises(memfit.MemfitError, match=r"a 40\.00 MiB budget \(39\.00 MiB after its 2\.5% margin\)"):
+    share = format_margin(DEFAULT_MARGIN)
+    kept = memfit.format_bytes(round(2 * 2**30 * (1 - DEFAULT_MARGIN)))
+    assert f"of 2.00 GiB budget ({kept} after its {share} margin)" in chosen.summary()
+    kept = memfit.format_bytes(round(40 * 2**20 * (1 - DEFAULT_MARGIN)))
+    with pytest.raises(memfit.MemfitError, match=re.escape(f"a 40.00 MiB budget ({kept} after its {share} margin)")):
         memfit.plan(estimate, 40 * 2**20, target_batch_size=8)

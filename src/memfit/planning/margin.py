@@ -17,8 +17,8 @@ __all__ = ["DEFAULT_MARGIN", "MARGIN_COVERAGE", "margin_covering"]
 MARGIN_COVERAGE = 0.9
 """The share of measured runs whose under-prediction the default margin covers."""
 
-DEFAULT_MARGIN = 0.025
-"""``margin_covering`` of the committed GPU-truth errors: 2.5 % of the capacity kept free."""
+DEFAULT_MARGIN = 0.015
+"""``margin_covering`` of the committed GPU-truth errors: 1.5 % of the capacity kept free."""
 
 
 def margin_covering(error_pcts: Sequence[float], coverage: float = MARGIN_COVERAGE, step: float = 0.005) -> float:

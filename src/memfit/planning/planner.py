@@ -834,7 +834,7 @@ def _floor_parts(estimate: MemoryEstimate, floor: int, context: int) -> str:
 
 def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
     """The budget as it was given, the margin kept free of it beside: ``40.00 MiB budget (39.00 MiB after its
-    2.5% margin)``."""
+    1.5% margin)``."""
     if not margin or budget_bytes >= capacity_bytes:
         return f"{format_bytes(capacity_bytes)} budget"
     return (

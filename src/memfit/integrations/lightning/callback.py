@@ -110,7 +110,7 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
             GPU ``budget`` names, so ``budget="h100"`` plans for an H100 even on a machine without one
             (the run itself trains where the trainer puts it). A device other than the run's needs a
             budget or a GPU name.
-        margin: fraction of the budget kept free (default ``DEFAULT_MARGIN``, 2.5 %: the prediction's measured error).
+        margin: fraction of the budget kept free (default ``DEFAULT_MARGIN``, 1.5 %: the prediction's measured error).
         target_batch_size: effective batch to keep (micro x accumulation x devices). Default: the batch
             size configured x ``accumulate_grad_batches`` x world size. ``"max"``: the largest micro
             batch, no accumulation.
