@@ -1,14 +1,22 @@
-"""cuDNN's RNN has no fake kernel that knows its memory, so traces on fake CUDA tensors run RNN
-modules on PyTorch's native RNN kernels. The switch is checked here on CPU; tests/test_gpu.py traces
+"""cuDNN's RNN has no fake kernel that knows its memory, so traces for a CUDA target run LSTMs on a stand-in that
+allocates what cuDNN's kernels allocate (``memfit.tracing.cudnn_rnn``), checked against H200 allocator snapshots, and
+the other RNN modules on PyTorch's native RNN kernels. The switch is checked here on CPU; tests/test_gpu.py traces
 an LSTM on fake CUDA tensors where a GPU is present."""
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.tracing.model_state import cudnn_rnn_disabled
+import zoo
+from memfit.tracing import cudnn_rnn
+from memfit.tracing.model_state import cudnn_rnn_disabled, swap_tensors_in
 
 
 class _Recording(nn.LSTM):
@@ -65,3 +73,99 @@ def test_models_without_rnns_are_left_alone() -> None:
         assert not torch.backends.cudnn.enabled
     finally:
         torch.backends.cudnn.enabled = True
+
+
+# --- cuDNN's LSTM as the trace for a CUDA target runs it (memfit.tracing.cudnn_rnn) -----------------------------
+
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu-truth" / "h200-2026-11-27"
+
+
+def _snapshot_requests(name: str) -> list[int]:
+    with gzip.open(SNAPSHOTS / f"snapshot-{name}.json.gz") as file:
+        return [e["size"] for e in json.load(file)["trace"] if e["action"] == "alloc"]
+
+
+def _traced_requests(precision: str, batch: int) -> list[int]:
+    """Every allocation of a trace without a GPU, for a CUDA target, of the zoo's LSTM at the size measured."""
+    from memfit.prediction.estimator import _prepare, _Step
+    from memfit.tracing.config import Target, TrainingLoop
+    from memfit.tracing.tracer import trace_steps
+
+    model = zoo.LSTMClassifier(vocab=10000, hidden=1024, layers=2)
+    sample = torch.randint(0, 500, (batch, 128))
+    step = _Step(
+        precision=precision, optimizer="sgd", optimizer_kwargs=None, gradient_checkpointing=False,
+        checkpoint_modules=None, loss_fn=lambda out, _: out.float().sum(), forward_fn=None, inference=False,
+    )  # fmt: skip
+    settings, _ = _prepare(model, sample, None, step, TrainingLoop(), Target(device="cuda"))
+    recorder = trace_steps(model, sample, batch, batch, settings).recorder
+    return [recorder.sizes[event] for event in recorder.events if event > 0]
+
+
+def _contains(sequence: list[int], part: list[int]) -> bool:
+    return any(sequence[i : i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
+
+
+@pytest.mark.parametrize(("snapshot", "precision", "batch"), [
+    ("lstm-16-mixed-adamw-fused-b16-at32", "16-mixed", 32),
+    ("lstm-fp32-adamw-b8-at8", "fp32", 8),
+])  # fmt: skip
+def test_the_lstm_allocates_what_cudnn_allocated_on_an_h200(snapshot: str, precision: str, batch: int) -> None:
+    """The H200 snapshots' own requests around cuDNN's LSTM, in order: forward (under autocast: one fp16 copy of all
+    the weights, ``cx``, ``hx`` and the input cast, then the sequence-major input, the output, ``hy``, ``cy``, the
+    workspace and the reserve space) and backward (``dhy``/``dcy`` zeros, the input and output gradient made
+    sequence-major, ``dx``, ``dhx``, ``dcx``, the workspace; the input again, the flat weight gradient, the
+    workspace). A CPU-only torch runs the LSTM step by step, none of which matches."""
+    real = _snapshot_requests(snapshot)
+    state = 2 * batch * 1024 * (2 if precision == "16-mixed" else 4)
+    sequence = batch * 128 * 1024 * (2 if precision == "16-mixed" else 4)
+    reserve = 128 * batch * 1024 * (2 if precision == "16-mixed" else 4) * 11 + 256  # 4 gates and c a layer, h of one
+    workspace = real[real.index(reserve) - 1]  # requested right before the reserve space
+    weights = 2 * (4 * 1024 * 2048 + 2 * 4096)
+    if precision == "16-mixed":
+        forward = [weights * 2, state, state, sequence, sequence, sequence, state, state, workspace, reserve]
+        gradient = weights * 2
+    else:
+        forward = [sequence, sequence, state, state, workspace, reserve]
+        gradient = weights * 4
+    backward = [state, state, sequence, sequence, sequence, state, state, workspace, sequence, gradient, workspace]
+    assert _contains(real, forward) and _contains(real, backward)  # what cuDNN did
+    element = sequence // (batch * 128 * 1024)
+    assert workspace == cudnn_rnn.workspace_bytes(batch, 128, 1024, 1024, 2, 1, element)
+    assert reserve == cudnn_rnn.reserve_bytes(batch, 128, 1024, 2, 1, element)
+    traced = _traced_requests(precision, batch)
+    assert _contains(traced, forward)
+    assert _contains(traced, backward)
+
+
+def test_rnn_weights_are_flattened_as_moving_the_module_to_a_gpu_does() -> None:
+    """``RNNBase._apply`` calls ``flatten_parameters``: one buffer holds every weight, the separate copies are freed
+    (in the snapshots: 4 x 16 MiB and 4 x 16 KiB, then one 67,174,400-byte buffer)."""
+    real = _snapshot_requests("lstm-fp32-adamw-b8-at8")
+    assert real[1:12] == [16777216, 16777216, 16384, 16384, 16777216, 16777216, 16384, 16384, 67174400, 20480, 20]
+    lstm = nn.LSTM(8, 16, num_layers=2)
+    fake = FakeTensorMode()
+    with fake:
+        swap_tensors_in(lstm, lambda t, is_param: nn.Parameter(fake.from_tensor(t)) if is_param else t)
+        flats: list[torch.Tensor] = []
+        assert cudnn_rnn.flatten_rnn_weights(lstm, flats.append) == 1
+    (flat,) = flats
+    assert flat.numel() == sum(p.numel() for p in lstm.parameters())
+    assert {p.untyped_storage()._cdata for p in lstm.parameters()} == {flat.untyped_storage()._cdata}
+    assert all(w is p for w, p in zip(lstm._flat_weights, lstm.parameters(), strict=True))
+
+
+def test_lstms_run_cudnns_stand_in_on_fake_cuda_tensors_too() -> None:
+    """On a machine with CUDA the trace runs on fake CUDA tensors under the real ``torch.autocast``; the mode stands
+    in for ``torch.lstm`` there (checked here on fake CPU tensors, without autocast)."""
+    lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+    fake = FakeTensorMode()
+    with fake:
+        swap_tensors_in(lstm, lambda t, is_param: nn.Parameter(fake.from_tensor(t)) if is_param else t)
+        mode = cudnn_rnn.CudnnLSTMs()
+        with mode:
+            out, (h, c) = lstm(torch.randn(4, 5, 8))
+        out.sum().backward()
+    assert mode.calls == 1 and out.shape == (4, 5, 16) and h.shape == c.shape == (2, 4, 16)
+    assert out.stride() == (16, 4 * 16, 1)  # batch-first view of sequence-major storage, as cuDNN returns it
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())

@@ -56,7 +56,7 @@ def test_measured_context_is_close_to_the_default() -> None:
 
 
 def test_an_lstm_traces_on_fake_cuda_tensors() -> None:
-    """cuDNN's RNN kernels have no fake kernel that knows their memory; the trace runs the native ones."""
+    """cuDNN's RNN kernels have no fake kernel that knows their memory; the trace runs memfit's stand-in for them."""
     model = zoo.LSTMClassifier(vocab=1000, hidden=256, layers=2, classes=10)
     batch = (torch.randint(0, 1000, (16, 64)), torch.zeros(16, dtype=torch.long))
     estimate = memfit.estimate(

@@ -129,15 +129,16 @@ def onednn_disabled() -> Iterator[None]:
 
 
 @contextmanager
-def cudnn_rnn_disabled(model: nn.Module) -> Iterator[dict[str, int]]:
+def cudnn_rnn_disabled(model: nn.Module, emulated: Callable[[], int] | None = None) -> Iterator[dict[str, int]]:
     """Run the model's RNN modules without cuDNN while tracing on fake CUDA tensors.
 
     cuDNN's RNN has no fake kernel that knows its memory: ``_cudnn_rnn``'s meta kernel returns the
     weight buffer it was given (none, since fake weights cannot be flattened into one), which the
-    backward then rejects, and reports a 0-byte reserve space. PyTorch's native CUDA RNN kernels
-    (``_thnn_fused_lstm_cell`` and the decomposed GRU / RNN cells) have fake kernels and save what
-    cuDNN's reserve space holds (the gates of every step), so the trace uses those. cuDNN stays on
-    everywhere else (convolutions). Yields the count of RNN forwards so run, by module type.
+    backward then rejects, and reports a 0-byte reserve space. LSTMs run ``memfit.tracing.cudnn_rnn``'s
+    stand-in for cuDNN's kernels instead (``emulated`` counts its calls); the other RNNs run PyTorch's native
+    CUDA RNN kernels (``_thnn_fused_lstm_cell`` and the decomposed GRU / RNN cells), which have fake kernels and
+    save what cuDNN's reserve space holds (the gates of every step). cuDNN stays on everywhere else
+    (convolutions). Yields the count of RNN forwards so run, by module type and kernels.
     """
     calls: dict[str, int] = {}
     rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
@@ -145,16 +146,20 @@ def cudnn_rnn_disabled(model: nn.Module) -> Iterator[dict[str, int]]:
         yield calls
         return
     previous = torch.backends.cudnn.enabled
-    stack: list[bool] = []
+    stack: list[tuple[bool, int]] = []
 
     def off(module: nn.Module, _args: Any) -> None:
-        key = f"{type(module).__name__} on PyTorch's native CUDA RNN kernels (cuDNN's reserve space is not known)"
-        calls[key] = calls.get(key, 0) + 1
-        stack.append(torch.backends.cudnn.enabled)
+        stack.append((torch.backends.cudnn.enabled, emulated() if emulated is not None else 0))
         torch.backends.cudnn.enabled = False
 
-    def restore(_module: nn.Module, _args: Any, _output: Any) -> None:
-        torch.backends.cudnn.enabled = stack.pop() if stack else previous
+    def restore(module: nn.Module, _args: Any, _output: Any) -> None:
+        enabled, before = stack.pop() if stack else (previous, 0)
+        torch.backends.cudnn.enabled = enabled
+        if emulated is not None and emulated() > before:
+            key = f"{type(module).__name__} on cuDNN's kernels (workspace and reserve space modelled)"
+        else:
+            key = f"{type(module).__name__} on PyTorch's native CUDA RNN kernels (cuDNN's reserve space is not known)"
+        calls[key] = calls.get(key, 0) + 1
 
     handles = [h for m in rnns for h in (m.register_forward_pre_hook(off), m.register_forward_hook(restore))]
     try:
@@ -184,6 +189,10 @@ def swap_tensors_in(model: nn.Module, make: Callable[[torch.Tensor, bool], torch
             if id(buffer) not in replacements:
                 replacements[id(buffer)] = make(buffer, False)
             module._buffers[name] = replacements[id(buffer)]
+        if isinstance(module, nn.RNNBase):
+            # RNN modules run from their own list of weights, which assigning ``_parameters`` leaves stale: without
+            # this, the RNN would compute with (and accumulate gradients into) the original tensors
+            module._flat_weights = [getattr(module, name, None) for name in module._flat_weights_names]
     return replacements
 
 

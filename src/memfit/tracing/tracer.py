@@ -41,6 +41,7 @@ from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing,
 from memfit.tracing.cuda_reductions import GridLimits
 from memfit.tracing.cuda_scratch import CudaTarget
 from memfit.tracing.cuda_semantics import CudaSemantics
+from memfit.tracing.cudnn_rnn import CudnnLSTMs, flatten_rnn_weights
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
     compilation_suspended,
@@ -182,12 +183,17 @@ def trace_steps(
     # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
     branch = compile_paths() if settings.compile_paths else contextlib.nullcontext()
+    # on fake CUDA tensors, LSTMs run as cuDNN runs them (on fake CPU tensors ``semantics`` does that)
+    lstms = CudnnLSTMs() if settings.device.type == "cuda" else None
     compiled = has_compiled_modules(model)
     with (
         preserved_module_state(model),
         preserved_rng_state(),
         onednn_disabled(),
-        cudnn_rnn_disabled(model) if settings.device.type == "cuda" else contextlib.nullcontext({}) as rnn_calls,
+        lstms if lstms is not None else contextlib.nullcontext(),
+        cudnn_rnn_disabled(model, lambda: lstms.calls)
+        if lstms is not None
+        else contextlib.nullcontext({}) as rnn_calls,
         fake_tensor_errors_unlogged(),
         branch,
         eager_packing_check(recorder.positions),
@@ -205,7 +211,7 @@ def trace_steps(
         if settings.gradient_checkpointing or (already_on and semantics is not None):
             # Emulated CUDA semantics must reach checkpointing's recomputation, so a model that
             # already checkpoints gets its checkpoint function re-wired for the trace.
-            recompute = semantics.recomputation if semantics is not None else None
+            recompute = semantics.recomputation if semantics is not None else lstms.again if lstms is not None else None
             checkpointing = enable_checkpointing(model, settings.checkpoint_modules, recompute_context=recompute)
         elif already_on:
             checkpointing = "the model's own checkpointing, as configured"
@@ -214,6 +220,8 @@ def trace_steps(
         blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
         with fake_mode, recorder, bitsandbytes_kernels(model), paths, _block_context(blocks, recorder):
             fakes = _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
+            if settings.targets_cuda:
+                flatten_rnn_weights(model, lambda flat: recorder.track(flat, Category.PARAMETERS))
             trainable = [p for p in _unique(fakes.values()) if isinstance(p, nn.Parameter) and p.requires_grad]
 
             def fake_batch() -> Any:
@@ -290,6 +298,8 @@ def _trace_inference(
     blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
     with fake_mode, recorder, bitsandbytes_kernels(model), paths, _block_context(blocks, recorder), torch.no_grad():
         _swap_in_fakes(model, settings, recorder, tensor_blocks(blocks))
+        if settings.targets_cuda:
+            flatten_rnn_weights(model, lambda flat: recorder.track(flat, Category.PARAMETERS))
 
         def fake_batch() -> Any:
             batch = rebatch(
