@@ -415,7 +415,8 @@ def answer_speed(results: Path) -> list[str]:
         f"`benchmarks/results/answer_speed.json`; {data['meta']['cpu_count']} cores, torch {data['meta']['torch']}; "
         "each a fresh process, imports included; one concrete GPT-2 124M trace, the unit, took "
         f"{unit} s in the same run). *First* traces (the trace cache off), *again* answers the same question from "
-        "the cache, *neighbour* another GPU from the same cache:",
+        "the cache, *neighbour* a neighbouring question from the same cache (a target batch, or a card of the same "
+        "kind):",
         "",
         *_table(["question", "first", "again", "neighbour", "goal", "same answer"], rows),
     ]
@@ -509,15 +510,15 @@ def status(results: Path) -> list[str]:
     if truth is None:
         second = "**GPU:** still to be measured; no GPU figure is published before its result file is committed."
     else:
-        device = next(iter(truth["meta"]["measured_on"].values()))["device"]
+        device = " and ".join(dict.fromkeys(source["device"] for source in truth["meta"]["measured_on"].values()))
         without, native = truth["summary"]["without_gpu"], truth["summary"]["on_gpu_machine"]
         second = (
             f"**GPU** ({device}, {without['rows']} measured runs): the predicted `max_memory_reserved`, planned "
             f"**without the GPU** (the CLI on a laptop), is within {_pct(without['median_abs_pct'], digits=2)} of the "
             f"measured one at the median ({_pct(without['max_abs_pct'], digits=2)} at worst; "
             f"{without['within_goal']} of {without['rows']} runs within -2 % .. +5 % for both peaks); planned **on "
-            f"the GPU** when measured, {_pct(native['median_abs_pct'], digits=2)} at the median "
-            f"({_pct(native['max_abs_pct'], digits=2)} at worst)."
+            f"the GPU** by memfit as it was on the day of each measurement, {_pct(native['median_abs_pct'], digits=2)} "
+            f"at the median ({_pct(native['max_abs_pct'], digits=2)} at worst)."
         )
     return [f"- {first}", f"- {second} Every figure and how it is measured: [docs/accuracy.md](docs/accuracy.md)."]
 

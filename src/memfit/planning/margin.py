@@ -1,7 +1,7 @@
 """The share of the memory a plan keeps free by default, and the measurement it comes from.
 
 A plan's micro batch fits when the step runs within ``capacity x (1 - margin)`` as the caching allocator behaves at
-its limit. The prediction is not exact: against 45 training steps measured on an H100 and predicted on a machine
+its limit. The prediction is not exact: against 51 training steps measured on an H100 or H200 and predicted on a machine
 without a GPU (``benchmarks/results/gpu_truth-cpu.json``), the reserved peak was under-predicted by at most
 ``DEFAULT_MARGIN`` in 9 of 10 runs. The margin covers that error; ``tests/test_margin.py`` holds it to the committed
 measurements, so it moves with them.
