@@ -239,3 +239,33 @@ def test_an_optimizer_instance_is_keyed_by_its_groups_and_state(cache: Path, tra
     assert run(1e-3, 0.1) == first and traces == []
     run(1e-3, 0.0)
     assert traces
+
+
+def test_a_factory_of_random_tokens_answers_from_the_cache(cache: Path, traces: list[int]) -> None:
+    """The trace never reads a sample's values: a factory that draws new tokens each call keys the same."""
+
+    def random_tokens(batch: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (batch, SEQ))
+        return {"input_ids": ids, "labels": ids}
+
+    first = _answers(_estimate(_gpt2(), random_tokens))
+    traces.clear()
+    assert _answers(_estimate(_gpt2(), random_tokens)) == first and traces == []
+
+
+def test_a_read_only_cache_still_answers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries that can be neither rewritten nor deleted (a read-only file system) are ignored; the answer stands."""
+    import errno
+
+    answers = _answers(_estimate(_gpt2()))
+    for path in cache.glob("*.json.gz"):
+        path.write_bytes(b"damaged")
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr(trace_cache.tempfile, "mkstemp", read_only)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert _answers(_estimate(_gpt2())) == answers

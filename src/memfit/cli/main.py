@@ -176,7 +176,12 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
     folder = trace_cache.cache_dir()
     if args.clear:
-        print(f"removed {trace_cache.clear()} kept trace(s) from {folder}")
+        try:
+            removed = trace_cache.clear()
+        except OSError as error:
+            print(f"memfit: cannot clear {folder}: {error.strerror or error}", file=sys.stderr)
+            return 2
+        print(f"removed {removed} kept trace(s) from {folder}")
         return 0
     entries = list(folder.glob("*.json.gz")) if folder.is_dir() else []
     state = "on" if trace_cache.enabled() else f"off ({trace_cache.CACHE_ENV}={os.environ.get(trace_cache.CACHE_ENV)})"

@@ -24,6 +24,7 @@ Linux) under ``traces/``. ``MEMFIT_CACHE=off`` turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -154,8 +155,19 @@ def _optimizer_key(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[A
 
 
 def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
-    """What a sample factory returns at ``batch``, hashed: the trace at that batch reads that and nothing else."""
-    return hashlib.sha256(json.dumps(_canonical(factory(batch)), sort_keys=True).encode()).hexdigest()[:32]
+    """What a sample factory returns at ``batch``, by structure, shapes and dtypes (a trace runs on fake tensors and
+    never reads values, so a factory of random tokens keys the same every time), hashed."""
+    return hashlib.sha256(json.dumps(_shapes(factory(batch)), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return ["dict", sorted(([_canonical(k), _shapes(v)] for k, v in value.items()), key=json.dumps)]
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_shapes(v) for v in value]]
+    return _canonical(value)
 
 
 def _is_factory(sample: Any) -> bool:
@@ -333,7 +345,8 @@ def load(key: str, part: str, decode: Callable[[Any], Any]) -> Any | None:
             f"memfit ignored the trace cache entry {path} ({type(exc).__name__}: {str(exc)[:120]}) and traces "
             f"again; delete {path.parent} or set {CACHE_ENV}=off if this repeats",
         )
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only cache keeps its damaged entry: it is ignored every time
+            path.unlink(missing_ok=True)
         return None
 
 
