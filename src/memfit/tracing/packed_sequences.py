@@ -29,6 +29,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.tracing.rebinding import rebound
+
 __all__ = ["KnownPositions", "eager_packing_check"]
 
 _aten = torch.ops.aten
@@ -106,17 +108,5 @@ def eager_packing_check(known: KnownPositions) -> Iterator[None]:
             return None  # every step is 1: (diff != 1).cumsum(-1) is all 0, and eager returns None
         return original(position_ids)
 
-    # a module's own namespace only: getattr on transformers' lazy modules would import their submodules
-    bound = [
-        module
-        for module in list(sys.modules.values())
-        if isinstance(getattr(module, "__dict__", None), dict)
-        and module.__dict__.get("find_packed_sequence_indices") is original
-    ]
-    for module in bound:
-        module.find_packed_sequence_indices = find_packed_sequence_indices  # type: ignore[attr-defined]
-    try:
+    with rebound("find_packed_sequence_indices", original, find_packed_sequence_indices):
         yield
-    finally:
-        for module in bound:
-            module.find_packed_sequence_indices = original  # type: ignore[attr-defined]

@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import InvalidInputError
+from memfit.tracing.rebinding import rebound
 
 __all__ = [
     "INT8_OUTLIER_COLUMNS",
@@ -369,21 +370,8 @@ def peft_dequantizes_stand_ins() -> Iterator[None]:
     if original is None:  # peft not loaded: no peft layer to trace
         yield
         return
-    # a module's own namespace only: getattr on lazy modules would import their submodules
-    bound = [
-        module
-        for module in list(sys.modules.values())
-        if isinstance(getattr(module, "__dict__", None), dict)
-        and module.__dict__.get("dequantize_module_weight") is original
-    ]
-    replacement = _dequantizing_stand_ins(original)
-    for module in bound:
-        module.dequantize_module_weight = replacement  # type: ignore[attr-defined]
-    try:
+    with rebound("dequantize_module_weight", original, _dequantizing_stand_ins(original)):
         yield
-    finally:
-        for module in bound:
-            module.dequantize_module_weight = original  # type: ignore[attr-defined]
 
 
 def _dequantizing_stand_ins(original: Callable[[nn.Module], torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:

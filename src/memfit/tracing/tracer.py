@@ -63,6 +63,7 @@ from memfit.tracing.quantized import (
     is_quantized_parameter,
     refuse_unsupported_quantization,
 )
+from memfit.tracing.rebinding import rebound
 from memfit.tracing.recorder import StorageRecorder, symbolic_decompositions
 from memfit.tracing.sdpa import CudaBuild
 
@@ -449,20 +450,8 @@ def compile_paths() -> Iterator[None]:
     if original is None:
         yield
         return
-    # a module's own namespace only: getattr on transformers' lazy modules would import their submodules
-    bound = [
-        module
-        for module in list(sys.modules.values())
-        if isinstance(getattr(module, "__dict__", None), dict)
-        and module.__dict__.get("is_torchdynamo_compiling") is original
-    ]
-    for module in bound:
-        module.is_torchdynamo_compiling = _compiling  # type: ignore[attr-defined]
-    try:
+    with rebound("is_torchdynamo_compiling", original, _compiling):
         yield
-    finally:
-        for module in bound:
-            module.is_torchdynamo_compiling = original  # type: ignore[attr-defined]
 
 
 def _compiling() -> bool:
