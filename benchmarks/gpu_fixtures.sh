@@ -5,7 +5,9 @@
 #      rows never measured (benchmarks/gpu_snapshot.py), each in its own process, side by side;
 #   2. the out-of-memory boundary with the card capped at CAP_GIB (default 12) for four families
 #      (harness.accuracy.largest_batch --cap-gib), side by side: each trial is held to its own cap, so they
-#      do not disturb each other while the card has room for all of them.
+#      do not disturb each other while the card has room for all of them;
+#   3. what cuDNN's recurrent kernels allocate over a grid of shapes (benchmarks/gpu_cudnn_rnn.py).
+# ROWS (one "row:batch" per line) replaces the rows, FAMILIES the boundary's families.
 # Every step has a deadline; logs and results land in DIR as they are written.
 #   bash benchmarks/gpu_fixtures.sh [DIR]
 set -u
@@ -16,7 +18,7 @@ mkdir -p "$out"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.csv" 2>&1
 
-rows=(
+default_rows=(
   "bert bf16-mixed sgd-momentum ckpt b16:16" "bert bf16-mixed sgd-momentum ckpt b16:32"
   "llama 16-mixed adamw-fused b4:4" "llama bf16-mixed sgd-momentum ckpt b4:4"
   "resnet-bn fp32 adamw b8:16"
@@ -24,15 +26,18 @@ rows=(
   "lstm bf16-mixed sgd-momentum b16:16" "lstm bf16-mixed sgd-momentum b16:32"
   "lstm 16-mixed adamw-fused b16:16" "lstm 16-mixed adamw-fused b16:32"
 )
+if [ -n "${ROWS:-}" ]; then mapfile -t rows <<< "$ROWS"; else rows=("${default_rows[@]}"); fi
+timeout "${RNN_SECONDS:-200}" python benchmarks/gpu_cudnn_rnn.py "$out/cudnn_rnn.json.gz" > "$out/cudnn_rnn.log" 2>&1 &
 for row in "${rows[@]}"; do
   name="${row%:*}" batch="${row##*:}"
   log="$out/row-${name// /-}-at$batch.log"
   timeout "${ROW_SECONDS:-240}" python benchmarks/gpu_snapshot.py "$name" "$batch" "$out" > "$log" 2>&1 &
 done
-# The capped boundary runs beside the rows only where the card holds both (over 100 GiB).
+# The capped boundary runs beside the rows only where the card holds both (each family's cap, and 24 GiB more).
+families=(${FAMILIES:-gpt2 resnet50 vit bert})
 total_gib=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
-[ "$total_gib" -gt 100 ] || wait
-for family in ${FAMILIES:-gpt2 resnet50 vit bert}; do
+[ "$total_gib" -ge "$(python -c "print(int(${#families[@]} * ${CAP_GIB:-12} + 24))")" ] || wait
+for family in "${families[@]}"; do
   timeout "${BOUNDARY_SECONDS:-400}" python -m harness.accuracy.largest_batch --only "$family" \
     --cap-gib "${CAP_GIB:-12}" --check-steps "${CHECK_STEPS:-10}" --output "$out/largest_batch-$family.json" \
     > "$out/largest_batch-$family.log" 2>&1 &

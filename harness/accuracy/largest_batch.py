@@ -276,9 +276,10 @@ def in_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "harness.accuracy.largest_batch", "--worker", json.dumps(job)],
                          capture_output=True, text=True, check=False, cwd=ROOT)  # fmt: skip
     lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        return {"failed": True, "error": (out.stderr or out.stdout)[-1500:]}
-    return json.loads(lines[-1])
+    result = ({"failed": True, "error": (out.stderr or out.stdout)[-1500:]} if out.returncode != 0 or not lines
+              else json.loads(lines[-1]))  # fmt: skip
+    print(json.dumps({"trial": job, "result": result}), file=sys.stderr, flush=True)  # kept if the run is cut short
+    return result
 
 
 # --------------------------------------------------------------------------- the search and the comparison
