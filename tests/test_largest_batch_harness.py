@@ -95,3 +95,19 @@ def test_without_a_gpu_the_real_comparison_says_what_to_run_instead(capsys: pyte
     with pytest.raises(SystemExit):
         main(["--only", "gpt2"])
     assert "--simulate-max-batch" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_is_rebuilt_from_its_logged_trials(tmp_path: Path) -> None:
+    """The committed capped-boundary logs of the H100 run rebuild to the rows its table reports."""
+    logs = sorted(
+        (Path(__file__).parents[1] / "benchmarks/results/gpu-truth/h100-2026-11-27").glob("largest_batch-*.log")
+    )
+    output = tmp_path / "capped.json"
+    assert main(["--from-logs", *map(str, logs), "--output", str(output)]) == 0
+    rows = {row["family"]: row for row in json.loads(output.read_text())["rows"]}
+    for row in rows.values():  # the true maximum fits and one more sample does not, in 3-step probes
+        fits = {p["batch_size"]: p.get("ok") for p in row["probes"]}
+        assert fits[row["true_max"]] is True and fits[row["true_max"] + 1] is False
+        assert row["memfit"]["batch_size"] <= row["true_max"] and row["memfit"]["check_ok"] is True
+    assert rows["vit"]["hf_auto_find"] == {"cut_short": True}
+    assert rows["gpt2"]["hf_auto_find"]["check_ok"] is False  # HF's choice ran out of memory in the check run

@@ -346,19 +346,53 @@ def compare_family(family: str, args: argparse.Namespace, run: Callable[[dict[st
     checks: dict[int, dict[str, Any]] = {}
     for method in METHODS:
         chosen = row[method].get("batch_size")
+        if chosen and chosen not in checks:
+            checks[chosen] = run({**base, "kind": "probe", "batch_size": chosen, "steps": args.check_steps})
+    score(row, checks)
+    row["harness_seconds"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def score(row: dict[str, Any], checks: dict[int, dict[str, Any]]) -> None:
+    """Each method's check verdict, share of the true maximum and seconds over memfit's, written into ``row``."""
+    for method in METHODS:
+        chosen = row[method].get("batch_size")
         if not chosen:
             continue
-        if chosen not in checks:
-            checks[chosen] = run({**base, "kind": "probe", "batch_size": chosen, "steps": args.check_steps})
-        row[method]["check_ok"] = checks[chosen].get("ok")
+        if chosen in checks:
+            row[method]["check_ok"] = checks[chosen].get("ok")
         if row["true_max"]:
             row[method]["fraction_of_true_max"] = round(chosen / row["true_max"], 3)
     memfit_seconds = row["memfit"].get("seconds")
     for method in METHODS[1:]:
         if memfit_seconds and row[method].get("seconds"):
             row[method]["seconds_vs_memfit"] = round(row[method]["seconds"] / memfit_seconds, 1)
-    row["harness_seconds"] = round(time.perf_counter() - started, 1)
-    return row
+
+
+def rows_from_logs(paths: list[Path], search_steps: int) -> list[dict[str, Any]]:
+    """Rows rebuilt from the trials a run logged as they ended (``{"trial": job, "result": ...}`` lines), for a run
+    its deadline cut short: a method whose trial never ended is marked ``cut_short``, a check that never ran is
+    left out, and the true maximum is known only where the search bracketed it."""
+    trials: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.startswith('{"trial"'):
+                entry = json.loads(line)
+                trials.setdefault(entry["trial"]["family"], []).append((entry["trial"], entry["result"]))
+    rows = []
+    for family, done in trials.items():
+        job = done[0][0]
+        row: dict[str, Any] = {"family": family, "precision": job["precision"], "optimizer": job["optimizer"],
+                               "cap_bytes": job.get("cap_bytes")}  # fmt: skip
+        for method in METHODS:
+            row[method] = next((dict(r) for j, r in done if j["kind"] == method), {"cut_short": True})
+        probes = [r for j, r in done if j["kind"] == "probe" and j["steps"] == search_steps]
+        fits = {p["batch_size"]: bool(p.get("ok")) for p in probes}
+        bracketed = [b for b, ok in fits.items() if ok and fits.get(b + 1) is False]
+        row["true_max"], row["true_max_capped"], row["probes"] = (bracketed or [None])[0], False, probes
+        score(row, {r["batch_size"]: r for j, r in done if j["kind"] == "probe" and j["steps"] != search_steps})
+        rows.append(row)
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -382,6 +416,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def chosen_cell(result: dict[str, Any], oom: str = " OOM") -> str:
     """One method's answer: its batch, its share of the true maximum, its seconds, and ``oom`` if the check failed."""
+    if result.get("cut_short"):
+        return "cut short"
     if result.get("failed") or not result.get("batch_size"):
         return "failed"
     share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
@@ -420,10 +456,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-gib", type=float, metavar="GIB", help="hold every trial's allocator to this many GiB "
                         "(set_per_process_memory_fraction), as a smaller budget: memfit plans for it too")  # fmt: skip
     parser.add_argument("--output", type=Path, help="where to write the JSON (default benchmarks/results/)")
+    parser.add_argument("--device", help="with --from-logs: the card the logs came from")
+    parser.add_argument("--from-logs", type=Path, nargs="+", metavar="LOG", help="rebuild the table from the trial "
+                        "lines of logs a deadline cut short (with --output: write them as results)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
+        return 0
+    if args.from_logs:
+        rows = rows_from_logs(args.from_logs, args.steps)
+        show(rows, args.device or "the logged card", simulated=False)
+        if args.output:
+            meta = {"device": args.device, "steps": args.steps, "from_logs": [p.name for p in args.from_logs]}
+            args.output.write_text(
+                json.dumps({"meta": meta, "summary": summarize(rows), "rows": rows}, indent=2) + "\n"
+            )
         return 0
     simulated = args.simulate_max_batch is not None
     if not simulated and not torch.cuda.is_available():
