@@ -7,7 +7,9 @@ Every figure is the wall time of a fresh process (imports included), on this mac
   warm-up trace in the same process: the yardstick every other figure is divided by.
 * per question (``memfit plan ...`` as a user types it): ``cold_s`` with the trace cache off (what every answer
   cost before it); ``first_s`` with an empty cache (the same work, plus writing the traces); ``again_s`` the same
-  question from the cache; ``neighbour_s`` another question on the same model from the cache (a target batch, or
+  question again, answered from the kept answer (``memfit.cli.answers``); ``traces_s`` the same question with its
+  kept answer deleted, from the kept traces; ``neighbour_s`` another question on the same model from the cache
+  (a target batch, or
   another GPU of the same kind: a trace reads the GPU's compute capability and multiprocessor count, so a card that
   differs in those is traced for). ``same_answer``: whether the ``--json`` answers agree, first, with an empty
   cache and again, and the neighbour's from the cache with its own traced afresh (fields that describe this
@@ -89,12 +91,16 @@ def question(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         cold_s, cold = _run(spec["argv"], off)
         first_s, first = _run(spec["argv"], on)
         again_s, again = _run(spec["argv"], on)
+        for kept in Path(folder, "answers").glob("*.json.gz"):
+            kept.unlink()
+        traces_s, from_traces = _run(spec["argv"], on)
         neighbour_s, neighbour = _run(spec["neighbour"], on)
         fresh_neighbour = _run(spec["neighbour"], off)[1]
-    answers = [_answer(done.stdout) for done in (cold, first, again)]
+    answers = [_answer(done.stdout) for done in (cold, first, again, from_traces)]
     return {
         "question": name, "command": "memfit " + " ".join(spec["argv"]), "goal_s": spec["goal_s"],
         "exit_status": cold.returncode, "cold_s": cold_s, "first_s": first_s, "again_s": again_s,
+        "traces_s": traces_s,
         "neighbour": "memfit " + " ".join(spec["neighbour"]), "neighbour_s": neighbour_s,
         "same_answer": answers[0] is not None and all(a == answers[0] for a in answers)
         and _answer(neighbour.stdout) == _answer(fresh_neighbour.stdout),
@@ -208,7 +214,7 @@ def main() -> None:
     unit_s = unit.get("unit_s")
     if unit_s:
         for row in rows:
-            for key in ("cold_s", "first_s", "again_s", "neighbour_s"):
+            for key in ("cold_s", "first_s", "again_s", "traces_s", "neighbour_s"):
                 row[key.replace("_s", "_units")] = round(row[key] / unit_s, 2)
         for row in callbacks:
             for key in ("setup_cold_s", "setup_again_s"):

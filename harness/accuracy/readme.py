@@ -404,6 +404,7 @@ def answer_speed(results: Path) -> list[str]:
             f"`{row['command']}`",
             f"{row['cold_s']:.1f} s",
             f"{row['again_s']:.1f} s",
+            f"{row['traces_s']:.1f} s" if "traces_s" in row else "-",
             f"{row['neighbour_s']:.1f} s",
             f"{row['goal_s']:.0f} s",
             "yes" if row["same_answer"] else "**no**",
@@ -414,11 +415,11 @@ def answer_speed(results: Path) -> list[str]:
         "- **Questions, first and again** (`python benchmarks/answer_speed.py`, "
         f"`benchmarks/results/answer_speed.json`; {data['meta']['cpu_count']} cores, torch {data['meta']['torch']}; "
         "each a fresh process, imports included; one concrete GPT-2 124M trace, the unit, took "
-        f"{unit} s in the same run). *First* traces (the trace cache off), *again* answers the same question from "
-        "the cache, *neighbour* a neighbouring question from the same cache (a target batch, or a card of the same "
-        "kind):",
+        f"{unit} s in the same run). *First* traces (the caches off), *again* prints the same question's kept "
+        "answer, *from traces* answers it again with only its traces kept, *neighbour* a neighbouring question "
+        "from the same cache (a target batch, or a card of the same kind):",
         "",
-        *_table(["question", "first", "again", "neighbour", "goal", "same answer"], rows),
+        *_table(["question", "first", "again", "from traces", "neighbour", "goal", "same answer"], rows),
     ]
     callbacks = [row for row in data["callbacks"] if "setup_cold_s" in row]
     if callbacks:

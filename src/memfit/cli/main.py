@@ -18,6 +18,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from memfit.cli import answers
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.model_factory import add_loss_option, cli_advice, with_loss
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
@@ -177,17 +178,21 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     folder = trace_cache.cache_dir()
     if args.clear:
         try:
-            removed = trace_cache.clear()
+            removed, answered = trace_cache.clear(), answers.clear()
         except OSError as error:
-            print(f"memfit: cannot clear {folder}: {error.strerror or error}", file=sys.stderr)
+            print(f"memfit: cannot clear {folder.parent}: {error.strerror or error}", file=sys.stderr)
             return 2
-        print(f"removed {removed} kept trace(s) from {folder}")
+        print(
+            f"removed {removed} kept trace(s) from {folder} and {answered} kept answer(s) from {answers.answer_dir()}"
+        )
         return 0
     entries = list(folder.glob("*.json.gz")) if folder.is_dir() else []
+    kept = list(answers.answer_dir().glob("*.json.gz")) if answers.answer_dir().is_dir() else []
     state = "on" if trace_cache.enabled() else f"off ({trace_cache.CACHE_ENV}={os.environ.get(trace_cache.CACHE_ENV)})"
-    size = format_bytes(sum(p.stat().st_size for p in entries))
+    size, answer_size = (format_bytes(sum(p.stat().st_size for p in paths)) for paths in (entries, kept))
     print(f"trace cache: {state}\nfolder: {folder} ({trace_cache.CACHE_DIR_ENV} moves it)\n"
-          f"kept traces: {len(entries)}, {size}")  # fmt: skip
+          f"kept traces: {len(entries)}, {size}\n"
+          f"kept answers: {len(kept)}, {answer_size} (in {answers.answer_dir()})")  # fmt: skip
     return 0
 
 
@@ -214,7 +219,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(args.plot)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        answers.json_answer(report.to_dict())
     else:
         from memfit.cli.console import stdout_console
         from memfit.reporting.tables import finetune_table, plan_table
@@ -227,8 +232,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if report.finetune is not None:
             console.print(finetune_table(report))
         if report.host is not None:
-            more = "; more than this machine has available" if report.host.fits is False else ""
-            console.print(report.host.summary() + more, highlight=False)
+            answers.host_line(
+                console, report.host, "; more than this machine has available" if report.host.fits is False else ""
+            )
         if report.depth_built_from:
             low, high = report.depth_built_from
             console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
@@ -539,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _importable_cwd()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
     try:
-        code = args.handler(args)
+        code = answers.answered(args, argv, lambda: args.handler(args))
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
         return code
     except BrokenPipeError:

@@ -9,10 +9,10 @@ meaning of DistributedDataParallel (``--world-size``, its older name, is the sam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from memfit.cli import answers
 from memfit.errors import InvalidInputError, NoCountFitsError
 from memfit.planning.finetune import FinetuneSpec
 from memfit.planning.sharded_plan import AUTO_OFFLOADS, AUTO_STRATEGIES, Option, ShardedReport, plan_sharded
@@ -197,7 +197,7 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
         print(f"memfit: error: {' '.join(str(error).split())}", file=sys.stderr)  # nothing fits: the answer is "no"
         return _EXIT_NOTHING_FITS
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        answers.json_answer(report.to_dict())
     else:
         _print(report)
     if report.row.plan is None:  # the answer is "no", said on stderr too

@@ -45,6 +45,9 @@ import sympy
 import torch
 from torch import nn
 
+from memfit.cache_identity import CACHE_DIR_ENV, CACHE_ENV, cache_root, enabled
+from memfit.cache_identity import installed_versions as _versions
+from memfit.cache_identity import memfit_source_digest as _memfit_source_hash
 from memfit.diagnostics import warn_once
 
 __all__ = [
@@ -60,32 +63,16 @@ __all__ = [
     "store",
 ]
 
-CACHE_ENV = "MEMFIT_CACHE"
-CACHE_DIR_ENV = "MEMFIT_CACHE_DIR"
 FORMAT = 1  # bump when what an entry holds, or how, changes
-_OFF = ("0", "off", "false", "no")
 
 
 class Uncacheable(Exception):
     """The step holds something whose identity cannot be written down (code outside an installed distribution)."""
 
 
-def enabled() -> bool:
-    return os.environ.get(CACHE_ENV, "on").strip().lower() not in _OFF
-
-
 def cache_dir() -> Path:
     """Where entries live: ``MEMFIT_CACHE_DIR``, else the platform's user cache folder for memfit, ``traces/``."""
-    configured = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if configured:
-        return Path(configured).expanduser() / "traces"
-    try:
-        import platformdirs
-    except ImportError:  # the XDG default, which platformdirs gives on Linux too
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memfit"
-    else:
-        base = Path(platformdirs.user_cache_dir("memfit", appauthor=False))
-    return base / "traces"
+    return cache_root() / "traces"
 
 
 def clear() -> int:
@@ -195,23 +182,6 @@ def _environment() -> dict[str, Any]:
             (k, v) for k, v in os.environ.items() if k.startswith("MEMFIT_") and not k.startswith(CACHE_ENV)
         ),
     }
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    return {dist.metadata["Name"].lower(): dist.version for dist in importlib.metadata.distributions()
-            if dist.metadata["Name"]}  # fmt: skip
-
-
-@functools.cache
-def _memfit_source_hash() -> str:
-    """memfit's own code by content: an editable install changes without a new version."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 @functools.cache

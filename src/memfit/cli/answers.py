@@ -1,0 +1,280 @@
+"""``memfit plan`` answers kept on disk: the same question asked again prints its answer without building the model.
+
+Most of a repeated answer's time is not the trace (the trace cache keeps those) but building the model to key it:
+importing transformers alone takes seconds. A question on the command line names everything the answer depends
+on, so the whole answer can be kept, keyed by:
+
+* the command line as given and as parsed, the working folder, and the bytes of the ``--hf-config`` file;
+* the environment (every variable but a shell's own bookkeeping), whether standard output is a terminal and its
+  size (the tables are drawn for it), whether a CUDA device is visible, and this machine's physical RAM (which the
+  sharded answer compares host RAM with);
+* the versions of Python and of every installed distribution, and memfit's own source by content.
+
+What is live stays live: the host RAM line's "available here" (and its verdict) is measured again when an answer
+is replayed, in text and in ``--json``; warnings the answer raised are raised again. An answer is not kept when it
+comes from user code (``--model``), writes a file (``--plot``), plans for a GPU this machine would have to be asked
+about (no ``--gpu`` or ``--budget``), ends with an error, or printed to standard error anything but warnings.
+
+Entries are gzip'd JSON in ``answers/`` under the cache folder (``memfit cache``); the trace cache's switches turn
+this one off and move it too. An entry that cannot be read, or was written for another key, is ignored with one
+warning and deleted, and the question is answered afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from memfit.cache_identity import CACHE_ENV, cache_root, enabled, installed_versions, memfit_source_digest
+
+__all__ = ["answer_dir", "answered", "clear", "host_line", "json_answer"]
+
+FORMAT = 1
+_SHELL_BOOKKEEPING = {"_", "SHLVL", "OLDPWD", "PWD", "PS1", "PS2", "HISTFILE", "LS_COLORS"}
+# set by torch (``KMP_*`` as it loads, the inductor's cache folder as a trace runs) in the process itself
+_SET_BY_TORCH = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"}
+_WARNINGS = {cls.__name__: cls for cls in (UserWarning, RuntimeWarning, FutureWarning, DeprecationWarning)}
+
+
+def answer_dir() -> Path:
+    return cache_root() / "answers"
+
+
+def clear() -> int:
+    """Delete every kept answer; how many there were."""
+    folder = answer_dir()
+    paths = list(folder.glob("*.json.gz")) if folder.is_dir() else []
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths)
+
+
+# ------------------------------------------------------------------------------------------------------ the key
+
+
+def question_key(args: Any, argv: list[str]) -> str | None:
+    """Everything the answer to ``memfit plan ARGV`` depends on, or ``None`` for a question not kept."""
+    if not enabled() or args.command != "plan" or getattr(args, "model", None) or getattr(args, "plot", None):
+        return None
+    if not (getattr(args, "gpu", None) or getattr(args, "budget", None)) or not getattr(args, "hf_config", None):
+        return None
+    import torch
+
+    from memfit.cli.sharding import machine_ram_bytes
+
+    config = Path(args.hf_config).expanduser()
+    config = config / "config.json" if config.is_dir() else config
+    terminal = sys.stdout.isatty()
+    key = {
+        "format": FORMAT,
+        "argv": argv,
+        "args": sorted((name, repr(value)) for name, value in vars(args).items() if name != "handler"),
+        "cwd": os.getcwd(),
+        "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "environment": sorted(
+            (k, v) for k, v in os.environ.items() if k not in _SHELL_BOOKKEEPING and k not in _SET_BY_TORCH
+        ),
+        "terminal": [terminal, tuple(shutil.get_terminal_size()) if terminal else None],
+        "cuda_visible": torch.cuda.is_available(),
+        "machine_ram": machine_ram_bytes(),
+        "python": sys.version,
+        "machine": platform.machine(),
+        "packages": installed_versions(),
+        "memfit_source": memfit_source_digest(),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ record and replay
+
+
+@dataclass
+class _Recording:
+    """What an answer printed: standard output's text, where the live host line sits in it, its warnings."""
+
+    stdout: io.StringIO = field(default_factory=io.StringIO)
+    host: list[dict[str, Any]] = field(default_factory=list)  # {"start", "end", "fields", "verdict", "width"}
+    json: Any = None
+    stderr_written: bool = False
+
+
+_recording: _Recording | None = None
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``target`` and lets ``seen`` look at what passes."""
+
+    def __init__(self, target: TextIO, seen: Callable[[str], None]) -> None:
+        self._target, self._seen = target, seen
+
+    def write(self, text: str) -> int:
+        self._seen(text)
+        return self._target.write(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return self._target.isatty()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._target, "encoding", "utf-8")
+
+
+def host_line(console: Any, host: Any, verdict: str) -> None:
+    """Print the host RAM line (``host.summary() + verdict``), marked as live in an answer being kept."""
+    recording = _recording
+    start = recording.stdout.tell() if recording else 0
+    console.print(host.summary() + verdict, highlight=False)
+    if recording:
+        fields = {name: getattr(host, name) for name in host.__dataclass_fields__}
+        recording.host.append({"start": start, "end": recording.stdout.tell(), "fields": fields,
+                               "width": console.width})  # fmt: skip
+
+
+def json_answer(answer: dict[str, Any]) -> None:
+    """Print a ``--json`` answer, kept as data so that its host RAM figures are measured again on replay."""
+    if _recording:
+        _recording.json = answer
+    print(json.dumps(answer, indent=2))
+
+
+def answered(args: Any, argv: list[str], run: Callable[[], int]) -> int:
+    """``run()``'s exit code, its answer printed from the cache where this question was answered before."""
+    key = question_key(args, argv)
+    if key is None:
+        return run()
+    entry = _load(key)
+    if entry is not None:
+        return _replay(entry)
+    global _recording
+    recording = _recording = _Recording()
+
+    def on_stderr(text: str) -> None:
+        recording.stderr_written = recording.stderr_written or bool(text)
+
+    stdout, stderr = sys.stdout, sys.stderr
+    with warnings.catch_warnings(record=True) as caught:
+        sys.stdout, sys.stderr = _Tee(stdout, recording.stdout.write), _Tee(stderr, on_stderr)
+        try:
+            code = run()
+        finally:
+            sys.stdout, sys.stderr, _recording = stdout, stderr, None
+    shown = [[str(w.message), type(w.message).__name__, w.filename, w.lineno] for w in caught]
+    _show(shown)
+    terminal_stderr = stderr.isatty()  # there the spinner draws on standard error; elsewhere nothing else may
+    if code in (0, 1) and (terminal_stderr or not recording.stderr_written):
+        _store(key, {"code": code, "stdout": recording.stdout.getvalue(), "host": recording.host,
+                     "json": recording.json, "warnings": shown})  # fmt: skip
+    return code
+
+
+def _show(shown: list[list[Any]]) -> None:
+    for message, category, filename, lineno in shown:
+        warnings.showwarning(message, _WARNINGS.get(category, UserWarning), filename, lineno)  # type: ignore[arg-type]
+
+
+def _replay(entry: dict[str, Any]) -> int:
+    from memfit.planning.capacity import available_ram_bytes
+
+    _show(entry["warnings"])
+    if entry["json"] is not None:
+        answer = entry["json"]
+        for host in _hosts(answer):
+            if host.get("available_bytes") is not None:
+                host["available_bytes"] = available_ram_bytes()
+                host["fits"] = host["total_bytes"] <= host["available_bytes"]
+        print(json.dumps(answer, indent=2))
+        return entry["code"]
+    text, done = entry["stdout"], 0
+    for mark in entry["host"]:
+        sys.stdout.write(text[done : mark["start"]])
+        sys.stdout.write(_live_host_line(mark, available_ram_bytes()))
+        done = mark["end"]
+    sys.stdout.write(text[done:])
+    return entry["code"]
+
+
+def _live_host_line(mark: dict[str, Any], available: int | None) -> str:
+    from memfit.cli.console import stdout_console
+    from memfit.prediction.host import HostEstimate
+
+    fields = dict(mark["fields"])
+    if fields.get("available_bytes") is not None:
+        fields["available_bytes"] = available
+    host = HostEstimate(**fields)
+    verdict = "; more than this machine has available" if host.fits is False else ""
+    console = stdout_console(width=mark["width"], file=io.StringIO(), force_terminal=sys.stdout.isatty())
+    with console.capture() as captured:
+        console.print(host.summary() + verdict, highlight=False)
+    return captured.get()
+
+
+def _hosts(answer: Any) -> Iterator[dict[str, Any]]:
+    """Every host RAM estimate in a ``--json`` answer."""
+    if isinstance(answer, dict):
+        if isinstance(answer.get("host"), dict):
+            yield answer["host"]
+        for value in answer.values():
+            if isinstance(value, (dict, list)):
+                yield from _hosts(value)
+    elif isinstance(answer, list):
+        for value in answer:
+            yield from _hosts(value)
+
+
+# ---------------------------------------------------------------------------------------------------- on disk
+
+
+def _path(key: str) -> Path:
+    return answer_dir() / f"{key}.json.gz"
+
+
+def _load(key: str) -> dict[str, Any] | None:
+    path = _path(key)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as file:
+            entry = json.load(file)
+        if entry.get("format") != FORMAT or entry.get("key") != key:
+            raise ValueError("it was written for another question")
+        answer = entry["answer"]
+        if not isinstance(answer["code"], int) or not isinstance(answer["stdout"], str):
+            raise ValueError("it is not an answer")
+        return answer
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a damaged or foreign entry: answered afresh
+        print(f"memfit: ignored the kept answer {path} ({type(exc).__name__}: {str(exc)[:120]}) and answers afresh; "
+              f"delete {path.parent} or set {CACHE_ENV}=off if this repeats", file=sys.stderr)  # fmt: skip
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        return None
+
+
+def _store(key: str, answer: dict[str, Any]) -> None:
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".part")
+        with os.fdopen(handle, "wb") as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=3) as file:
+            json.dump({"format": FORMAT, "key": key, "answer": answer}, file, separators=(",", ":"))
+        os.replace(temporary, path)
+    except OSError:
+        return
