@@ -1,6 +1,7 @@
-"""cuDNN's RNN has no fake kernel that knows its memory, so traces for a CUDA target run LSTMs on a stand-in that
-allocates what cuDNN's kernels allocate (``memfit.tracing.cudnn_rnn``), checked against H200 allocator snapshots, and
-the other RNN modules on PyTorch's native RNN kernels. The switch is checked here on CPU; tests/test_gpu.py traces
+"""cuDNN's RNN has no fake kernel that knows its memory, so traces for a CUDA target run LSTMs, GRUs and plain RNNs
+on a stand-in that allocates what cuDNN's kernels allocate (``memfit.tracing.cudnn_rnn``), checked against H200
+allocator snapshots and a grid of 107 shapes measured on an H100, and packed sequences on PyTorch's native RNN
+kernels. The switch is checked here on CPU; tests/test_gpu.py traces
 an LSTM on fake CUDA tensors where a GPU is present."""
 
 from __future__ import annotations
@@ -169,3 +170,131 @@ def test_lstms_run_cudnns_stand_in_on_fake_cuda_tensors_too() -> None:
     assert mode.calls == 1 and out.shape == (4, 5, 16) and h.shape == c.shape == (2, 4, 16)
     assert out.stride() == (16, 4 * 16, 1)  # batch-first view of sequence-major storage, as cuDNN returns it
     assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
+
+
+# --- the stand-in against cuDNN on an H100, over a grid of shapes (benchmarks/gpu_cudnn_rnn.py) -------------------
+
+GRID = (
+    Path(__file__).resolve().parents[1]
+    / "benchmarks"
+    / "results"
+    / "gpu-truth"
+    / "h100-2026-11-27"
+    / "cudnn_rnn.json.gz"
+)
+_MODULES = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}
+_MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh"}
+MiB = 2**20
+
+
+def _grid() -> list[dict]:
+    with gzip.open(GRID) as file:
+        return json.load(file)["results"]
+
+
+def _traced_phases(shape: dict) -> tuple[list[list], list[list]]:
+    """The benchmark's forward and backward, traced on fake tensors for a CUDA target: ``[[action, bytes], ...]`` of
+    each phase, as the allocator history writes them."""
+    from memfit.categories import Phase
+    from memfit.tracing.cuda_semantics import CudaSemantics
+    from memfit.tracing.recorder import StorageRecorder
+
+    dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(shape["precision"])
+    fake, recorder, semantics = FakeTensorMode(), StorageRecorder(), CudaSemantics(dtype)
+    n, t, width = shape["batch"], shape["steps"], shape["input"]
+    with fake, recorder:
+        options = {"bidirectional": shape["bidirectional"], "batch_first": shape["batch_first"]}
+        rnn = _MODULES[shape["mode"]](width, shape["hidden"], num_layers=shape["layers"], **options)
+        cudnn_rnn.flatten_rnn_weights(rnn, recorder.track)
+        x = torch.randn((n, t, width) if shape["batch_first"] else (t, n, width), requires_grad=True)
+        recorder.mark(1, Phase.FORWARD)
+        semantics.autocast_active = dtype is not None
+        with semantics:
+            out = rnn(x)[0]
+        semantics.autocast_active = False
+        forward_end = len(recorder.events)
+        grad = torch.ones_like(out)
+        recorder.mark(1, Phase.BACKWARD)
+        out.backward(grad)
+        backward_end = len(recorder.events)
+
+    def phase(start: int, end: int) -> list[list]:
+        return [["alloc" if e > 0 else "free_requested", recorder.sizes[abs(e)]] for e in recorder.events[start:end]]
+
+    return phase(recorder.marks[0].event_index, forward_end), phase(recorder.marks[1].event_index, backward_end)
+
+
+def _allocations_and_frees(events: list[list], workspace: int) -> tuple[list[int], list[int]]:
+    """The allocations in order and the frees as a multiset, the workspace written as -1."""
+    sizes = [[action, -1 if size == workspace else size] for action, size in events if action != "segment_alloc"]
+    return [s for a, s in sizes if a == "alloc"], sorted(s for a, s in sizes if a == "free_requested")
+
+
+def _workspace_is_exact(shape: dict) -> bool:
+    """Where the workspace formula holds to the byte: LSTMs of one direction, H >= 1000, 32 <= T <= 128, I <= H."""
+    return (
+        shape["mode"] == "LSTM" and not shape["bidirectional"] and shape["hidden"] >= 1000
+        and 32 <= shape["steps"] <= 128 and shape["input"] <= shape["hidden"]
+    )  # fmt: skip
+
+
+def test_every_rnn_allocates_what_cudnn_allocated_on_an_h100() -> None:
+    """All 107 measured shapes (LSTM, GRU and tanh RNN; fp32, fp16 and bf16 autocast; one or two directions, batch-
+    or sequence-first, 1 to 4 layers, 1 to 512 steps): the trace's allocations, in order, and its frees are the
+    measured ones, phase by phase, the reserve space to the byte. The workspace, from a closed library, is exact
+    where its formula holds (``_workspace_is_exact``) and within 50% and 24 MiB elsewhere (the module docstring
+    lists where cuDNN takes another size)."""
+    results = _grid()
+    assert len(results) == 107 and not any("error" in r for r in results)
+    exact = 0
+    for result in results:
+        shape = result["shape"]
+        forward, backward = _traced_phases(shape)
+        real = [e for e in result["forward"] if e[0] == "alloc"]
+        traced = [e for e in forward if e[0] == "alloc"]
+        real_workspace, workspace = real[-2][1], traced[-2][1]  # requested right before the reserve space
+        assert real[-1] == traced[-1], shape  # the reserve space
+        element = 4 if shape["precision"] == "fp32" else 2
+        sizes = (shape["batch"], shape["steps"], shape["input"], shape["hidden"], shape["layers"])
+        directions = 2 if shape["bidirectional"] else 1
+        assert workspace == cudnn_rnn.workspace_bytes(*sizes, directions, element, mode=_MODES[shape["mode"]])
+        for measured, ours in ((result["forward"], forward), (result["backward"], backward)):
+            assert _allocations_and_frees(ours, workspace) == _allocations_and_frees(measured, real_workspace), shape
+        if _workspace_is_exact(shape):
+            assert workspace == real_workspace, shape
+        else:
+            assert abs(workspace - real_workspace) <= min(0.5 * real_workspace, 24 * MiB), shape
+        exact += workspace == real_workspace
+    assert exact == 28
+
+
+def test_the_reserve_space_holds_the_gates_of_every_step_layer_and_direction() -> None:
+    """The reserve space of every measured shape, read off the grid directly: N T H D e ((k + 1) L - 1) + 256 bytes
+    with k = 5 (LSTM), 6 (GRU) and 1 (RNN)."""
+    for result in _grid():
+        shape = result["shape"]
+        reserve = [e[1] for e in result["forward"] if e[0] == "alloc"][-1]
+        element = 4 if shape["precision"] == "fp32" else 2
+        directions = 2 if shape["bidirectional"] else 1
+        assert reserve == cudnn_rnn.reserve_bytes(
+            shape["batch"], shape["steps"], shape["hidden"], shape["layers"], directions, element,
+            _MODES[shape["mode"]],
+        ), shape  # fmt: skip
+
+
+def test_grus_and_rnns_run_cudnns_stand_in_too() -> None:
+    """``torch.gru``, ``rnn_tanh`` and ``rnn_relu`` run the stand-in (on fake CPU tensors here), with their shapes."""
+    fake = FakeTensorMode()
+    for module in (nn.GRU(8, 16, num_layers=2, batch_first=True), nn.RNN(8, 16, nonlinearity="relu")):
+        with fake:
+            swap_tensors_in(module, lambda t, is_param: nn.Parameter(fake.from_tensor(t)) if is_param else t)
+            mode = cudnn_rnn.CudnnRNNs()
+            with mode:
+                out, h = module(torch.randn(4, 5, 8))
+            out.sum().backward()
+        assert (
+            mode.calls == 1
+            and out.shape == (4, 5, 16)
+            and h.shape == (module.num_layers, 4 if module.batch_first else 5, 16)
+        )
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters())

@@ -14,8 +14,9 @@ place, each with the CUDA behaviour it models:
   which differ from CPU's (CUDA keeps softmax, layer_norm, exp, pow, sum and the losses in fp32).
   CPU autocast would apply CPU's lists to fake CPU tensors, so instead we cast above autograd, as
   autocast does, by CUDA's lists, with autocast's cache of lower-precision weight copies.
-* ``lstm``: CUDA runs cuDNN's LSTM, with its workspace and reserve space and, under autocast, one fp16 copy of
-  all the weights per call; CPU runs the LSTM step by step (``memfit.tracing.cudnn_rnn``).
+* ``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``: CUDA runs cuDNN's RNN, with its workspace and reserve space and,
+  under autocast, one fp16 copy of all the weights per call; CPU runs the RNN step by step
+  (``memfit.tracing.cudnn_rnn``).
 * ``cross_entropy``: CUDA autocast lets its inner ``log_softmax`` run in the input dtype (the dtype
   is passed explicitly) and casts only at ``nll_loss``, which saves an fp32 copy of the log-probs.
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memfit.tracing.cudnn_rnn import cudnn_lstm, is_cudnn_lstm
+from memfit.tracing.cudnn_rnn import cudnn_rnn, cudnn_rnn_mode
 from memfit.tracing.sdpa import CudaBuild, attention_like_cuda, fused_dropout, is_fused_dropout
 
 __all__ = ["CudaSemantics"]
@@ -77,6 +78,7 @@ _PROMOTE = frozenset(
 )  # fmt: skip
 
 _HALF = (torch.float16, torch.bfloat16)
+_RNN_NAMES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 
 
 def _eligible(value: Any) -> bool:
@@ -124,9 +126,10 @@ class CudaSemantics(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if is_cudnn_lstm(func, args, kwargs):
+        mode = cudnn_rnn_mode(func, args, kwargs)
+        if mode is not None:
             autocast = self.autocast_active and self.autocast_dtype is not None
-            return self._count("LSTM (cuDNN's kernels)", cudnn_lstm(*args, autocast=autocast))
+            return self._count(f"{_RNN_NAMES[mode]} (cuDNN's kernels)", cudnn_rnn(mode, *args, autocast=autocast))
         if self.autocast_active and self.autocast_dtype is not None:
             if name in _LOWER_PRECISION:
                 args, kwargs = self._cast_all(args, kwargs, self.autocast_dtype)

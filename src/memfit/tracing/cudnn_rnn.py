@@ -1,42 +1,56 @@
-"""cuDNN's LSTM, as a CUDA training step runs it: the allocations of ``_cudnn_rnn`` and ``_cudnn_rnn_backward``.
+"""cuDNN's recurrent kernels (LSTM, GRU, tanh/ReLU RNN), as a CUDA training step runs them: the allocations of
+``_cudnn_rnn`` and ``_cudnn_rnn_backward``.
 
-On CUDA, ``nn.LSTM`` calls ``at::lstm``, which runs cuDNN (``_cudnn_impl``, ``aten/src/ATen/native/cudnn/RNN.cpp``).
-Neither trace path can run it: a CPU-only torch computes the LSTM step by step in the trace's dtype and keeps every
-step's gates, and ``_cudnn_rnn``'s fake kernel (``torch/_meta_registrations.py``) returns a 0-byte reserve space
-and the weight buffer it was given. So a trace for a CUDA target runs this shape-only stand-in instead, which
-allocates and frees what torch 2.11 and cuDNN 9.19 do, in their order:
+On CUDA, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` call ``at::lstm`` / ``at::gru`` / ``at::rnn_tanh`` /
+``at::rnn_relu``, which run cuDNN (``_cudnn_impl``, ``aten/src/ATen/native/cudnn/RNN.cpp``). Neither trace path can
+run it: a CPU-only torch computes the RNN step by step in the trace's dtype and keeps every step's gates, and
+``_cudnn_rnn``'s fake kernel (``torch/_meta_registrations.py``) returns a 0-byte reserve space and the weight buffer
+it was given. So a trace for a CUDA target runs this shape-only stand-in instead, which allocates and frees what
+torch 2.11 and cuDNN 9.19 do, in their order:
 
 * Under autocast, ``_cudnn_rnn_cast_reflatten`` (``aten/src/ATen/cudnn/AutocastRNN.cpp``) copies the fp32 weights into
   one new **fp16** flat buffer on every call (fp16 whatever the autocast dtype, bf16 too; no autocast cache), then
-  casts ``cx``, ``hx`` and the input to fp16 (right to left, as the call's arguments are evaluated). Backward
-  gives each fp32 weight its own fp32 copy of its slice of the flat gradient. Without autocast the weights are
-  already one flat buffer (``flatten_parameters`` when the module moved to the GPU) and are used in place.
+  casts ``cx`` (LSTM), ``hx`` and the input to fp16 (right to left, as the call's arguments are evaluated); the fp32
+  ``hx``/``cx`` zeros that the module made are then dropped. Backward casts the fp16 flat gradient back, one fp32
+  copy per weight, last weight first. Without autocast the weights are already one flat buffer
+  (``flatten_parameters`` when the module moved to the GPU) and are used in place.
 * ``_cudnn_rnn``: the input made sequence-major (``input.transpose(0, 1).contiguous()``: a copy when
-  ``batch_first``), the output (returned as a batch-first view of sequence-major storage), ``hy``, ``cy``, then
-  the workspace and the reserve space (``cudnnGetRNNTempSpaceSizes``); the workspace and the copy are freed as
+  ``batch_first``), the output (returned as a batch-first view of sequence-major storage), ``hy``, ``cy`` (LSTM),
+  then the workspace and the reserve space (``cudnnGetRNNTempSpaceSizes``); the workspace and the copy are freed as
   it returns. Autograd keeps the (cast) input, ``hx``, ``cx``, the output, the reserve and the weight buffer.
 * ``_cudnn_rnn_backward``: zeros for the missing ``hy``/``cy`` gradients; ``_cudnn_rnn_backward_input`` copies
-  the input and the output gradient sequence-major, allocates ``dx``, ``dhx``, ``dcx`` and the workspace;
-  ``_cudnn_rnn_backward_weight`` copies the input again, allocates the flat weight gradient (``at::zeros``,
-  whose slices become the parameters' gradients) and the workspace once more.
+  the input and the output gradient sequence-major (no copy when they already are), allocates ``dx``, ``dhx``,
+  ``dcx`` and the workspace; ``_cudnn_rnn_backward_weight`` copies the input again, allocates the flat weight
+  gradient (``at::zeros``, whose slices become the parameters' gradients) and the workspace once more. ``dx`` is a
+  batch-first view of sequence-major storage, so a leaf input's gradient is cloned into its layout.
 
-The two cuDNN sizes come from a closed library. Measured in four H200 allocator snapshots (cuDNN 9.19; an LSTM of
-2 layers, hidden and input 1024, 128 steps; fp16 at batch 16 and 32, fp32 at 8 and 16;
-``benchmarks/results/gpu-truth/h200-2026-11-27/snapshot-lstm-*``), to the byte:
+The two cuDNN sizes come from a closed library. They were read off 107 shapes measured on an H100 (torch 2.11, cuDNN
+9.19; ``benchmarks/gpu_cudnn_rnn.py``, ``benchmarks/results/gpu-truth/h100-2026-11-27/cudnn_rnn.json.gz``: LSTM, GRU
+and tanh RNN; fp32 and fp16/bf16 autocast; batch N 1-64, steps T 1-512, input I 64-2048, hidden H 128-2048, layers
+L 1-4, one or two directions D, batch- or sequence-first). With e the element size of the RNN's dtype:
 
-* reserve = N T H e (5 L + (L - 1)) + 256 bytes: per step, sample and layer the four gates and the cell state, and
-  the hidden output of every layer but the last (whose output is ``y`` itself);
-* workspace = 16 MiB + the weight matrices (biases left out) + 6 N T H e + 20 N H e + 8 N + 256 bytes, with N the
-  batch, T the steps, H the hidden size, L the layers and e the element size of the RNN's dtype.
+* reserve = N T H D e ((k + 1) L - 1) + 256 bytes, with k = 5 for the LSTM (4 gates and the cell state), 6 for the
+  GRU and 1 for the RNN (its activation): k H-wide values per step, sample, layer and direction, and the hidden
+  output of every layer but the last (whose output is ``y`` itself). Exact, to the byte, on all 107 shapes.
+* LSTM workspace = 8 MiB L D + the weight matrices (biases left out) + N T I e + (9 D - 4) N T H e
+  + (10 L + [L = 1]) N H e (one direction; 24 L N H e with two) + 8 N rounded up to 32 + 256 bytes: 8 MiB per
+  layer and direction, a copy of the weights, one sequence-long input, five H-wide sequence-long buffers (fourteen
+  with two directions) and a few H-wide states per layer. To the byte on 28 of the 56 LSTM shapes, all with one
+  direction, H >= 1000, 32 <= T <= 128 and I <= H. Elsewhere cuDNN sizes it otherwise (read off the single-field
+  variations of the base shape N 8, T 128, I = H = 1024, L 2): T <= 16 takes 2 N H e more, T = 257 4 N H e less and
+  T = 512 14.4 MiB less (the sequence term stops growing linearly); I = 2048 > H 5.6 MiB more; H = 768, 512, 256
+  0.2, 2.8 and 5.4 MiB more (linear in H below about 785); two directions at H <= 640 up to 25 MiB more. The
+  formula is within 5% on 45 of the 56 shapes, at worst 16 MiB under and 14.4 MiB over.
+* GRU and RNN workspace: no formula holds across the grid. At the base shape both take the same workspace,
+  4.45 N T H e where the LSTM takes 5; the stand-in uses the LSTM's form with four sequence-long buffers (eleven
+  with two directions), which is within 5% on 20 of the 28 GRU and 18 of the 23 RNN shapes and under by at
+  most 22.5 MiB (GRU) and 8.2 MiB (RNN), at small H, where cuDNN takes more.
 
-Which of T, L and H the workspace's fixed 16 MiB, its six sequence-long buffers and its 20 H-wide ones per sample
-scale with is not told apart by those snapshots (all have T = 128, H = 1024, L = 2): other shapes extrapolate.
-What bounds it: the workspace lives only while a kernel runs, and the step's peak is in the backward-weight kernel,
-so an error in it moves the peak byte for byte.
+What bounds the error: the workspace lives only while a kernel runs, and the step's peak is in the backward-weight
+kernel, so an error in it moves the peak byte for byte.
 
-Known limitations: GRU and plain RNNs, packed sequences, projections (``proj_size``) and bidirectional LSTMs are not
-measured (bidirectional ones scale the H-wide terms by two directions; the others keep the trace's own kernels);
-cuDNN's dropout state between layers (allocated once per process) is left out.
+Known limitations: packed sequences and projections (``proj_size``) keep the trace's own kernels; cuDNN's dropout
+state between layers (allocated once per process) is left out.
 """
 
 from __future__ import annotations
@@ -49,23 +63,48 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudnnLSTMs", "cudnn_lstm", "flatten_rnn_weights", "is_cudnn_lstm", "reserve_bytes", "workspace_bytes"]
+__all__ = [
+    "CudnnLSTMs",
+    "CudnnRNNs",
+    "cudnn_lstm",
+    "cudnn_rnn",
+    "cudnn_rnn_mode",
+    "flatten_rnn_weights",
+    "is_cudnn_lstm",
+    "reserve_bytes",
+    "workspace_bytes",
+]
 
 _MiB = 2**20
-_GATES = 4  # CUDNN_LSTM
+# torch's function name -> (gates, what the reserve space keeps per step, sample, layer and direction, in H widths)
+_MODES = {"lstm": (4, 5), "gru": (3, 6), "rnn_tanh": (1, 1), "rnn_relu": (1, 1)}
+
+
+def cudnn_rnn_mode(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> str | None:
+    """``"lstm"``, ``"gru"``, ``"rnn_tanh"`` or ``"rnn_relu"`` when ``func(*args)`` is that torch function on a
+    padded (not packed) batch, without projections, that this module stands in for; ``None`` otherwise."""
+    mode = getattr(func, "__name__", "")
+    if mode not in _MODES or kwargs or len(args) != 9:
+        return None
+    input, hx, params = args[:3]
+    if not isinstance(input, torch.Tensor) or input.dim() != 3:
+        return None
+    states = tuple(hx) if mode == "lstm" and isinstance(hx, (list, tuple)) else (hx,)
+    if len(states) != (2 if mode == "lstm" else 1) or not all(isinstance(s, torch.Tensor) for s in states):
+        return None
+    if not isinstance(params, (list, tuple)) or len(params) < 2:
+        return None
+    if not all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in params):
+        return None
+    hidden = states[0].shape[-1]
+    if any(s.shape[-1] != hidden for s in states) or params[1].shape != (_MODES[mode][0] * hidden, hidden):
+        return None  # projections: w_hh is (gates H, P)
+    return mode
 
 
 def is_cudnn_lstm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
     """Whether ``func(*args)`` is ``torch.lstm`` on a padded (not packed) batch that this module stands in for."""
-    if getattr(func, "__name__", "") != "lstm" or kwargs or len(args) != 9:
-        return False
-    input, hx, params = args[:3]
-    if not isinstance(input, torch.Tensor) or input.dim() != 3 or not isinstance(hx, (list, tuple)) or len(hx) != 2:
-        return False
-    if not params or not all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in params):
-        return False
-    hidden = hx[0].shape[-1]
-    return hx[1].shape[-1] == hidden and params[1].shape[-1] == hidden  # no projections: w_hh is (4H, H)
+    return cudnn_rnn_mode(func, args, kwargs) == "lstm"
 
 
 def flatten_rnn_weights(model: nn.Module, track: Callable[[torch.Tensor], Any]) -> int:
@@ -95,22 +134,72 @@ def flatten_rnn_weights(model: nn.Module, track: Callable[[torch.Tensor], Any]) 
     return flattened
 
 
-def reserve_bytes(batch: Any, steps: Any, hidden: int, layers: int, directions: int, element: int) -> Any:
-    """cuDNN's LSTM reserve space: the gates and cell state of every step and layer, and the hidden output of every
-    layer but the last."""
-    per_position = hidden * directions * element * ((_GATES + 1) * layers + (layers - 1))
-    return batch * steps * per_position + 256
+def reserve_bytes(
+    batch: Any, steps: Any, hidden: int, layers: int, directions: int, element: int, mode: str = "lstm"
+) -> Any:
+    """cuDNN's reserve space: per step, sample, layer and direction what backward needs of the gates (5 H-wide
+    values for the LSTM, 6 for the GRU, 1 for the RNN), and the hidden output of every layer but the last."""
+    kept = _MODES[mode][1]
+    return batch * steps * hidden * directions * element * ((kept + 1) * layers - 1) + 256
 
 
 def workspace_bytes(
-    batch: Any, steps: Any, input_size: int, hidden: int, layers: int, directions: int, element: int
+    batch: Any,
+    steps: Any,
+    input_size: int,
+    hidden: int,
+    layers: int,
+    directions: int,
+    element: int,
+    mode: str = "lstm",
 ) -> Any:
-    """cuDNN's LSTM training workspace (``cudnnGetRNNTempSpaceSizes``, forward and both backward kernels alike)."""
-    weights = sum(
-        _GATES * hidden * (width + hidden) * directions for width in [input_size] + [hidden * directions] * (layers - 1)
+    """cuDNN's training workspace (``cudnnGetRNNTempSpaceSizes``, forward and both backward kernels alike)."""
+    gates = _MODES[mode][0]
+    widths = [input_size] + [hidden * directions] * (layers - 1)
+    weights = sum(gates * hidden * (width + hidden) * directions for width in widths)
+    buffers = 5 if mode == "lstm" else 4
+    sequence = (buffers * directions + (buffers - 1) * (directions - 1)) * batch * steps * hidden * element
+    states = (10 * layers + (layers == 1) if directions == 1 else 24 * layers) * batch * hidden * element
+    per_sample = -(-8 * batch // 32) * 32 if isinstance(batch, int) else 8 * batch
+    return (
+        8 * _MiB * layers * directions
+        + weights * element
+        + batch * steps * input_size * element
+        + sequence
+        + states
+        + per_sample
+        + 256
     )
-    width = hidden * directions * element
-    return 16 * _MiB + weights * element + 6 * batch * steps * width + 20 * batch * width + 8 * batch + 256
+
+
+def cudnn_rnn(
+    mode: str,
+    input: torch.Tensor,
+    hx: torch.Tensor | Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    batch_first: bool,
+    *,
+    autocast: bool,
+) -> tuple[torch.Tensor, ...]:
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``'s result, allocated as cuDNN allocates it
+    (``autocast``: inside ``torch.autocast("cuda")``): ``(output, hy, cy)`` for the LSTM, ``(output, hy)`` else."""
+    weights = list(params)
+    states = list(hx) if mode == "lstm" else [hx]
+    layout = (mode, has_biases, num_layers, bidirectional, batch_first, train)
+    half = autocast and weights[0].dtype != torch.float16 and weights[0].dtype != torch.float64
+    if half:
+        flat = _FlatCast.apply(*weights)
+        states = [_cast(state) for state in reversed(states)][::-1]  # arguments evaluated right to left
+        input = _cast(input)
+        outputs = _CudnnRNN.apply(layout, input, *states, flat)
+    else:
+        outputs = _CudnnRNN.apply(layout, input, *states, None, *weights)
+    return tuple(outputs)
 
 
 def cudnn_lstm(
@@ -127,18 +216,10 @@ def cudnn_lstm(
     autocast: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.lstm``'s result, allocated as cuDNN allocates it (``autocast``: inside ``torch.autocast("cuda")``)."""
-    weights = list(params)
-    h0, c0 = hx
-    layout = (has_biases, num_layers, bidirectional, batch_first, train)
-    half = autocast and weights[0].dtype != torch.float16 and weights[0].dtype != torch.float64
-    if half:
-        flat = _FlatCast.apply(*weights)
-        c0 = _cast(c0)  # cached_cast(kHalf, ...): arguments evaluated right to left
-        h0 = _cast(h0)
-        input = _cast(input)
-        output, hy, cy = _CudnnLSTM.apply(layout, input, h0, c0, flat)
-    else:
-        output, hy, cy = _CudnnLSTM.apply(layout, input, h0, c0, None, *weights)
+    output, hy, cy = cudnn_rnn(
+        "lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
+        autocast=autocast,
+    )  # fmt: skip
     return output, hy, cy
 
 
@@ -148,7 +229,8 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _FlatCast(torch.autograd.Function):
-    """``copy_weights_to_flat_buf_views`` under autocast: every weight copied into one new fp16 buffer."""
+    """``copy_weights_to_flat_buf_views`` under autocast: every weight copied into one new fp16 buffer. In
+    backward each weight's copy node casts its slice of the flat gradient, the last weight first."""
 
     @staticmethod
     def forward(ctx: Any, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -158,61 +240,61 @@ class _FlatCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        grads, offset = [], 0
-        for shape, dtype in ctx.shapes:
-            size = shape.numel()
-            grads.append(grad[offset : offset + size].view(shape).to(dtype))
-            offset += size
+        offsets, offset = [], 0
+        for shape, _dtype in ctx.shapes:
+            offsets.append(offset)
+            offset += shape.numel()
+        grads: list[Any] = [None] * len(ctx.shapes)
+        for index in reversed(range(len(ctx.shapes))):
+            shape, dtype = ctx.shapes[index]
+            start = offsets[index]
+            grads[index] = grad[start : start + shape.numel()].view(shape).to(dtype)
         return tuple(grads)
 
 
-class _CudnnLSTM(torch.autograd.Function):
-    """``_cudnn_rnn`` and ``_cudnn_rnn_backward`` (``aten/src/ATen/native/cudnn/RNN.cpp``), shape only."""
+class _CudnnRNN(torch.autograd.Function):
+    """``_cudnn_rnn`` and ``_cudnn_rnn_backward`` (``aten/src/ATen/native/cudnn/RNN.cpp``), shape only. The states
+    are ``hx`` and, for the LSTM, ``cx``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        layout: tuple[bool, int, bool, bool, bool],
-        input: torch.Tensor,
-        hx: torch.Tensor,
-        cx: torch.Tensor,
-        flat: torch.Tensor | None,
-        *weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        _has_biases, layers, bidirectional, batch_first, train = layout
+        ctx: Any, layout: tuple[str, bool, int, bool, bool, bool], input: torch.Tensor, *rest: Any
+    ) -> tuple[torch.Tensor, ...]:
+        mode, _has_biases, layers, bidirectional, batch_first, train = layout
+        count = 2 if mode == "lstm" else 1
+        states: list[torch.Tensor] = list(rest[:count])
+        flat: torch.Tensor | None = rest[count]
+        weights: tuple[torch.Tensor, ...] = rest[count + 1 :]
         ctx.set_materialize_grads(False)
         directions = 2 if bidirectional else 1
-        hidden = hx.shape[-1]
+        hidden = states[0].shape[-1]
         seq_major = input.transpose(0, 1) if batch_first else input
         steps, batch, input_size = seq_major.shape
         element = input.element_size()
         x = seq_major.contiguous()
         output = input.new_empty((steps, batch, hidden * directions))
-        hy = hx.new_empty(hx.shape)
-        cy = cx.new_empty(cx.shape)
+        finals = [state.new_empty(state.shape) for state in states]
         sizes = (batch, steps, input_size, hidden, layers, directions, element)
-        workspace = input.new_empty(workspace_bytes(*sizes), dtype=torch.uint8)
-        reserve = input.new_empty(reserve_bytes(batch, steps, hidden, layers, directions, element) if train else 0,
-                                  dtype=torch.uint8)  # fmt: skip
+        workspace = input.new_empty(workspace_bytes(*sizes, mode=mode), dtype=torch.uint8)
+        reserve_size = reserve_bytes(batch, steps, hidden, layers, directions, element, mode) if train else 0
+        reserve = input.new_empty(reserve_size, dtype=torch.uint8)
         del workspace, x
         if batch_first:
             output = output.transpose(0, 1)
-        ctx.layout, ctx.sizes, ctx.weights = layout, sizes, [(w.shape, w.dtype) for w in weights]
+        ctx.layout, ctx.sizes, ctx.count = layout, sizes, count
+        ctx.weights = [(w.shape, w.dtype) for w in weights]
         ctx.flat_numel = flat.numel() if flat is not None else sum(w.numel() for w in weights)
         ctx.flat_dtype = flat.dtype if flat is not None else (weights[0].dtype if weights else input.dtype)
-        ctx.save_for_backward(input, hx, cx, output, reserve, flat)
-        return output, hy, cy
+        ctx.save_for_backward(*states, input, output, reserve, flat)
+        return (output, *finals)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_output: torch.Tensor | None, grad_hy: torch.Tensor | None, grad_cy: torch.Tensor | None
-    ) -> tuple[Any, ...]:
-        input, hx, cx, output, _reserve, flat = ctx.saved_tensors
-        _has_biases, _layers, _bidirectional, batch_first, _train = ctx.layout
+    def backward(ctx: Any, grad_output: torch.Tensor | None, *grad_finals: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        *states, input, output, _reserve, flat = ctx.saved_tensors
+        mode, _has_biases, _layers, _bidirectional, batch_first, _train = ctx.layout
         if grad_output is None:
             grad_output = torch.zeros_like(output)
-        grad_hy = torch.zeros_like(hx) if grad_hy is None else grad_hy
-        grad_cy = torch.zeros_like(cx) if grad_cy is None else grad_cy
+        grads = [torch.zeros_like(s) if g is None else g for s, g in zip(states, grad_finals, strict=True)]
 
         def seq_major(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.transpose(0, 1) if batch_first else tensor
@@ -221,29 +303,29 @@ class _CudnnLSTM(torch.autograd.Function):
         x = seq_major(input).contiguous()
         dy = seq_major(grad_output).contiguous()
         dx = input.new_empty(seq_major(input).shape)
-        dhy, dcy = grad_hy.contiguous(), grad_cy.contiguous()
-        dhx, dcx = hx.new_empty(hx.shape), cx.new_empty(cx.shape)
-        workspace = input.new_empty(workspace_bytes(*ctx.sizes), dtype=torch.uint8)
-        del workspace, dy, x, dhy, dcy
+        _dfinals = [g.contiguous() for g in grads]  # held, with the zeros, until the backward returns
+        dstates = [s.new_empty(s.shape) for s in states]
+        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode), dtype=torch.uint8)
+        del workspace, dy, x
         if batch_first:
             dx = dx.transpose(0, 1)
         # _cudnn_rnn_backward_weight: the flat gradient, whose slices are the weights' gradients
         x = seq_major(input).contiguous()
         dw = input.new_zeros(ctx.flat_numel, dtype=ctx.flat_dtype)
-        workspace = input.new_empty(workspace_bytes(*ctx.sizes), dtype=torch.uint8)
+        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode), dtype=torch.uint8)
         del workspace, x
         if flat is not None:
-            return (None, dx, dhx, dcx, dw, *[None] * len(ctx.weights))
-        grads, offset = [], 0
+            return (None, dx, *dstates, dw, *[None] * len(ctx.weights))
+        weight_grads, offset = [], 0
         for shape, _dtype in ctx.weights:
-            grads.append(dw[offset : offset + shape.numel()].view(shape))
+            weight_grads.append(dw[offset : offset + shape.numel()].view(shape))
             offset += shape.numel()
-        return (None, dx, dhx, dcx, None, *grads)
+        return (None, dx, *dstates, None, *weight_grads)
 
 
-class CudnnLSTMs(TorchFunctionMode):
-    """Run ``torch.lstm`` as cuDNN does (``cudnn_lstm``) on fake CUDA tensors, under the real ``torch.autocast``.
-    ``calls`` counts the LSTMs so run."""
+class CudnnRNNs(TorchFunctionMode):
+    """Run ``torch.lstm``, ``gru``, ``rnn_tanh`` and ``rnn_relu`` as cuDNN does (``cudnn_rnn``) on fake CUDA
+    tensors, under the real ``torch.autocast``. ``calls`` counts the RNNs so run."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -256,7 +338,11 @@ class CudnnLSTMs(TorchFunctionMode):
             yield
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if is_cudnn_lstm(func, args, kwargs):
+        mode = cudnn_rnn_mode(func, args, kwargs)
+        if mode is not None:
             self.calls += 1
-            return cudnn_lstm(*args, autocast=torch.is_autocast_enabled("cuda"))
+            return cudnn_rnn(mode, *args, autocast=torch.is_autocast_enabled("cuda"))
         return func(*args, **(kwargs or {}))
+
+
+CudnnLSTMs = CudnnRNNs  # the name it had while only LSTMs ran on it

@@ -134,10 +134,11 @@ def cudnn_rnn_disabled(model: nn.Module, emulated: Callable[[], int] | None = No
 
     cuDNN's RNN has no fake kernel that knows its memory: ``_cudnn_rnn``'s meta kernel returns the
     weight buffer it was given (none, since fake weights cannot be flattened into one), which the
-    backward then rejects, and reports a 0-byte reserve space. LSTMs run ``memfit.tracing.cudnn_rnn``'s
-    stand-in for cuDNN's kernels instead (``emulated`` counts its calls); the other RNNs run PyTorch's native
-    CUDA RNN kernels (``_thnn_fused_lstm_cell`` and the decomposed GRU / RNN cells), which have fake kernels and
-    save what cuDNN's reserve space holds (the gates of every step). cuDNN stays on everywhere else
+    backward then rejects, and reports a 0-byte reserve space. LSTMs, GRUs and plain RNNs run
+    ``memfit.tracing.cudnn_rnn``'s stand-in for cuDNN's kernels instead (``emulated`` counts its calls); what it
+    does not stand in for (packed sequences, projections) runs PyTorch's native CUDA RNN kernels
+    (``_thnn_fused_lstm_cell`` and the decomposed GRU / RNN cells), which have fake kernels and save what cuDNN's
+    reserve space holds (the gates of every step). cuDNN stays on everywhere else
     (convolutions). Yields the count of RNN forwards so run, by module type and kernels.
     """
     calls: dict[str, int] = {}

@@ -41,7 +41,7 @@ from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing,
 from memfit.tracing.cuda_reductions import GridLimits
 from memfit.tracing.cuda_scratch import CudaTarget
 from memfit.tracing.cuda_semantics import CudaSemantics
-from memfit.tracing.cudnn_rnn import CudnnLSTMs, flatten_rnn_weights
+from memfit.tracing.cudnn_rnn import CudnnRNNs, flatten_rnn_weights
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_state import (
     compilation_suspended,
@@ -184,8 +184,8 @@ def trace_steps(
     # oneDNN's RNN kernels return a workspace whose size fake tensors cannot know (their fake kernel
     # says 0 bytes); with oneDNN off, RNNs decompose into ops whose saved tensors are all visible.
     branch = compile_paths() if settings.compile_paths else contextlib.nullcontext()
-    # on fake CUDA tensors, LSTMs run as cuDNN runs them (on fake CPU tensors ``semantics`` does that)
-    lstms = CudnnLSTMs() if settings.device.type == "cuda" else None
+    # on fake CUDA tensors, RNNs run as cuDNN runs them (on fake CPU tensors ``semantics`` does that)
+    lstms = CudnnRNNs() if settings.device.type == "cuda" else None
     compiled = has_compiled_modules(model)
     with (
         preserved_module_state(model),
