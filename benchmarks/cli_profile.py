@@ -2,11 +2,13 @@
 
     python benchmarks/cli_profile.py           # writes benchmarks/results/cli_profile.json
 
-Each question runs once under ``cProfile`` in its own interpreter (imports included, as a user's prompt pays
-them). What each part costs is the cumulative time of its outermost calls (``MARKERS``): imports, the traces on
-fake tensors, the symbolic-shape arithmetic inside them (sympy), the allocator replays, the tables. The wall
-time is measured around the whole process, profiler included. One run per question, so the shares are what
-to read; the seconds move with the machine's load, recorded beside them.
+Each question runs under ``cProfile`` in its own interpreter (imports included, as a user's prompt pays them),
+three times: with the caches off (``cold``), answered again from its kept traces alone (``from_traces``: the kept
+answer deleted), and from its kept answer (``kept_answer``). What each part costs is the cumulative time of its
+outermost calls (``MARKERS``): imports, the traces on fake tensors, the symbolic-shape arithmetic inside them
+(sympy), the allocator replays, the tables, building the model, the kept answer. The wall time is measured around
+the whole process, profiler included. One run per state, so the shares are what to read; the seconds move with
+the machine's load, recorded beside them. ``cli_profile-2026-11-26.json`` is the profile before the caches.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ MARKERS = {
     "symbolic shapes (sympy), inside the traces": ("sympy/",),
     "allocator replays": ("memfit/simulation/replay.py",),
     "tables (rich)": ("rich/console.py:",),
+    "building the model (transformers)": ("memfit/presets.py:",),
+    "kept answer: key and replay": ("memfit/cli/answers.py:",),
 }
+STATES = ("cold", "from_traces", "kept_answer")
 
 RUNNER = """
 import cProfile, json, pstats, sys
@@ -62,12 +67,12 @@ def marked(rows: list, keys: tuple[str, ...]) -> float:
     return sum(row[2] for row in chosen if not any(caller in names for caller in row[3]))
 
 
-def profile(argv: list[str]) -> dict:
+def profile(argv: list[str], env: dict[str, str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "profile.json"
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", RUNNER, str(out), *argv], capture_output=True, text=True,
-                              check=False)  # fmt: skip
+                              check=False, env=env)  # fmt: skip
         wall = time.perf_counter() - start
         if not out.exists():
             raise SystemExit(f"memfit {' '.join(argv)} failed: {done.stderr[-2000:]}")
@@ -84,6 +89,20 @@ def profile(argv: list[str]) -> dict:
     }
 
 
+def profile_states(argv: list[str]) -> dict[str, dict]:
+    """The question profiled cold, from its kept traces, and from its kept answer (a fresh cache folder)."""
+    with tempfile.TemporaryDirectory() as folder:
+        off = {**os.environ, "MEMFIT_CACHE": "off"}
+        on = {**os.environ, "MEMFIT_CACHE": "on", "MEMFIT_CACHE_DIR": folder}
+        rows = {"cold": profile(argv, off)}
+        subprocess.run([sys.executable, "-m", "memfit", *argv], capture_output=True, env=on, check=False)
+        rows["kept_answer"] = profile(argv, on)
+        for kept in Path(folder, "answers").glob("*.json.gz"):
+            kept.unlink()
+        rows["from_traces"] = profile(argv, on)
+    return {state: rows[state] for state in STATES}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Profile the questions (``--only NAME``, repeatable: those alone), writing the result file after each, so
     the ones done are kept; a rerun keeps the file's other questions."""
@@ -97,9 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(__file__).parent / "results" / "cli_profile.json"
     results = json.loads(out.read_text())["questions"] if out.exists() else {}
     for name in names:
-        results[name] = row = profile(QUESTIONS[name])
-        parts = ", ".join(f"{b} {s:.1f} s" for b, s in row["marked_seconds"].items())
-        print(f"{name}: {row['wall_seconds']:.1f} s wall; {parts}", flush=True)
+        results[name] = profile_states(QUESTIONS[name])
+        for state, row in results[name].items():
+            parts = ", ".join(f"{b} {s:.1f} s" for b, s in row["marked_seconds"].items())
+            print(f"{name}, {state}: {row['wall_seconds']:.1f} s wall; {parts}", flush=True)
         meta = {
             "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),

@@ -361,6 +361,7 @@ def score(row: dict[str, Any], checks: dict[int, dict[str, Any]]) -> None:
             continue
         if chosen in checks:
             row[method]["check_ok"] = checks[chosen].get("ok")
+            row[method]["check_steps"] = checks[chosen].get("steps")
         if row["true_max"]:
             row[method]["fraction_of_true_max"] = round(chosen / row["true_max"], 3)
     memfit_seconds = row["memfit"].get("seconds")
@@ -468,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows_from_logs(args.from_logs, args.steps)
         show(rows, args.device or "the logged card", simulated=False)
         if args.output:
-            meta = {"device": args.device, "steps": args.steps, "from_logs": [p.name for p in args.from_logs]}
+            checks = [row[m]["check_steps"] for row in rows for m in METHODS if row[m].get("check_steps")]
+            meta = {"device": args.device, "steps": args.steps, "check_steps": max(checks, default=None),
+                    "from_logs": [p.name for p in args.from_logs]}  # fmt: skip
             args.output.write_text(
                 json.dumps({"meta": meta, "summary": summarize(rows), "rows": rows}, indent=2) + "\n"
             )

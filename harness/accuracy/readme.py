@@ -280,8 +280,33 @@ def largest_batch(results: Path) -> list[str]:
             "steps (details in `harness/accuracy/README.md`). Without a GPU, `--simulate-max-batch N` "
             "checks the harness itself on CPU against a card that fails above N samples; the test suite runs that."
         ]
-    meta = data["meta"]
+    return [*_whole_card(data), *_capped(results)]
 
+
+def _capped(results: Path) -> list[str]:
+    """The boundary with the allocator capped (``--cap-gib``), rebuilt from a run's trial logs (``--from-logs``)."""
+    name = "gpu-truth/h100-2026-11-27/largest_batch-capped.json"
+    data = _load(name, results)
+    if data is None:
+        return []
+    meta = data["meta"]
+    rows = [
+        [row["family"], true_max_cell(row), *(chosen_cell(row[method], oom=", **OOM**") for method in _METHOD_NAMES)]
+        for row in data["rows"]
+    ]
+    return [
+        "",
+        f"**With the allocator capped at 12 GiB** (`--cap-gib 12`, `benchmarks/results/{name}`, rebuilt from the "
+        f"run's trial logs; {meta['device']}; bf16-mixed adamw; {meta['steps']}-step probes, "
+        f"{meta['check_steps']}-step check runs; *cut short*: the run's deadline ended the trial first), memfit at "
+        "its current margin:",
+        "",
+        *_table(["family", "true max", *_METHOD_NAMES.values()], rows),
+    ]
+
+
+def _whole_card(data: dict[str, Any]) -> list[str]:
+    meta = data["meta"]
     rows = [
         [row["family"], true_max_cell(row), *(chosen_cell(row[method], oom=", **OOM**") for method in _METHOD_NAMES)]
         for row in data["rows"]
