@@ -41,7 +41,7 @@ MARKERS = {
     "allocator replays": ("memfit/simulation/replay.py",),
     "tables (rich)": ("rich/console.py:",),
     "building the model (transformers)": ("memfit/presets.py:",),
-    "kept answer: key and replay": ("memfit/cli/answers.py:",),
+    "kept answer: key and replay": ("(question_key)", "(_replay)"),
 }
 STATES = ("cold", "from_traces", "kept_answer")
 
