@@ -14,7 +14,15 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-__all__ = ["CACHE_DIR_ENV", "CACHE_ENV", "cache_root", "enabled", "installed_versions", "memfit_source_digest"]
+__all__ = [
+    "CACHE_DIR_ENV",
+    "CACHE_ENV",
+    "cache_root",
+    "enabled",
+    "installed_distributions",
+    "installed_versions",
+    "memfit_source_digest",
+]
 
 CACHE_ENV = "MEMFIT_CACHE"
 CACHE_DIR_ENV = "MEMFIT_CACHE_DIR"
@@ -42,6 +50,38 @@ def installed_versions() -> dict[str, str]:
     """Every installed distribution's version, by lower-case name."""
     return {dist.metadata["Name"].lower(): dist.version for dist in importlib.metadata.distributions()
             if dist.metadata["Name"]}  # fmt: skip
+
+
+def installed_distributions() -> list[str]:
+    """Every installed distribution as its metadata folder names it (``torch-2.13.0.dist-info``), in import order.
+
+    The same facts as ``installed_versions`` (a ``.dist-info`` folder's name holds the name and version; a
+    ``.egg-info`` one is read for its version) from listing the import path's folders alone, a tenth of the time
+    of reading every distribution's metadata: for a key computed before every answer."""
+    import sys
+
+    found = []
+    for entry in sys.path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info"):
+                found.append(name)
+            elif name.endswith(".egg-info"):
+                info = Path(entry or ".", name)
+                info = info / "PKG-INFO" if info.is_dir() else info
+                version = next((line for line in _lines(info) if line.startswith("Version:")), "")
+                found.append(f"{name} {version.strip()}")
+    return found
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[:20]
+    except OSError:
+        return []
 
 
 @functools.cache

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from memfit.cache_identity import CACHE_ENV, cache_root, enabled, installed_versions, memfit_source_digest
+from memfit.cache_identity import CACHE_ENV, cache_root, enabled, installed_distributions, memfit_source_digest
 
 __all__ = ["answer_dir", "answered", "clear", "host_line", "json_answer"]
 
@@ -92,7 +92,7 @@ def question_key(args: Any, argv: list[str]) -> str | None:
         "machine_ram": machine_ram_bytes(),
         "python": sys.version,
         "machine": platform.machine(),
-        "packages": installed_versions(),
+        "packages": installed_distributions(),
         "memfit_source": memfit_source_digest(),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
