@@ -119,8 +119,8 @@ def test_nothing_is_kept_when_the_cache_is_off_or_the_answer_is_an_error(
 
 
 def _namespace(**more: object) -> argparse.Namespace:
-    return argparse.Namespace(command="plan", hf_config="gpt2", gpu=["t4"], budget=None, model=None, plot=None,
-                              **more)  # fmt: skip
+    asked = {"command": "plan", "hf_config": "gpt2", "gpu": ["t4"], "budget": None, "model": None, "plot": None}
+    return argparse.Namespace(**{**asked, **more})
 
 
 def test_warnings_are_raised_again_and_standard_error_output_is_never_replayed(
@@ -191,3 +191,35 @@ def test_memfit_cache_counts_and_clears_answers(
     assert main(["cache"]) == 0 and "kept answers: 1" in capsys.readouterr().out
     assert main(["cache", "--clear"]) == 0 and "1 kept answer(s)" in capsys.readouterr().out
     assert not list(cache.glob("*.json.gz"))
+
+
+def test_the_key_changes_with_every_fact_the_answer_depends_on(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memfit.cli.answers as module
+
+    config = _config(tmp_path)
+
+    def key(**more: object) -> str | None:
+        return answers.question_key(_namespace(**{"hf_config": config, **more}), ["plan"])
+
+    base = key()
+    changed = {"an option": key(margin=0.1), "another config file": key(hf_config="gpt2")}
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "installed_distributions", lambda: ["torch-9.9.dist-info"])
+        changed["a package"] = key()
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "memfit_source_digest", lambda: "edited")
+        changed["memfit's source"] = key()
+    with monkeypatch.context() as patched:
+        patched.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        changed["an environment variable"] = key()
+    with monkeypatch.context() as patched:
+        patched.chdir(cache.parent.parent)
+        changed["the working folder"] = key()
+    Path(config).write_text(json.dumps({**CONFIG, "n_layer": 3}))
+    changed["the config file's bytes"] = key()
+    assert base is not None and len({base, *changed.values()}) == len(changed) + 1, changed
+    assert key(model="mymodule:build") is None  # user code
+    assert key(plot="plan.png") is None  # writes a file
+    assert key(gpu=None) is None  # the GPU of this machine, whichever it is
