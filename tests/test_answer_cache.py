@@ -223,3 +223,31 @@ def test_the_key_changes_with_every_fact_the_answer_depends_on(
     assert key(model="mymodule:build") is None  # user code
     assert key(plot="plan.png") is None  # writes a file
     assert key(gpu=None) is None  # the GPU of this machine, whichever it is
+
+
+def test_from_kept_traces_the_planner_replays_nothing_and_answers_the_same(
+    tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kept answer deleted, the replays' results (at the allocator's limit, its least reserve, the
+    phase peaks) come from the trace cache too: for a model built from shallow traces (6 blocks from 3 and 4)."""
+    import shutil
+
+    import memfit.prediction.exact as exact
+
+    _available(monkeypatch, 20 * 2**30)
+    replayers: list[int] = []
+    original = exact.LimitReplayer
+
+    def counted(*args, **kwargs):
+        replayers.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(exact, "LimitReplayer", counted)
+    argv = [*QUESTION, "--hf-config", _config(tmp_path, n_layer=6), "--target-batch-size", "24", "--json"]
+    first = _ask(capsys, argv)
+    assert replayers, "the first answer replays at the allocator's limit"
+    replayers.clear()
+    shutil.rmtree(cache)
+    clear_sessions()
+    again = _ask(capsys, argv)
+    assert again == first and replayers == []

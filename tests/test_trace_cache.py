@@ -163,6 +163,8 @@ def test_a_damaged_or_foreign_entry_is_ignored_with_one_warning_and_traced_again
         elif damage == "unknown class":  # a size naming a class outside the table is refused, never built
 
             def poison(entry: dict) -> None:
+                if entry["part"].startswith("replay:"):  # a replay's figures hold no expression
+                    return
                 trace = entry["value"]["trace"]
                 sizes = trace.get("trace", trace)["recorder"]["sizes"]
                 symbolic = next(pair for pair in sizes if isinstance(pair[1], list))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.categories import Category
+from memfit.categories import Category, Phase
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.simulation.allocator import AllocatorConfig
@@ -340,6 +340,22 @@ class DeepSession:
     def range_note(self) -> str | None:
         return self.symbolic[0].range_note() if self.symbolic else None
 
+    # Results read off the built traces (an ``ExactPeaks`` replay) are kept with the shallow session's traces,
+    # keyed by the depth built to and the deeper session that checked the build.
+
+    def _cached(self, part: str, decode: Callable[[Any], Any]) -> Any:
+        deep = self._deep_part(part)
+        return None if deep is None else self._shallow._cached(deep, decode)
+
+    def _keep(self, part: str, encode: Callable[[], Any]) -> None:
+        deep = self._deep_part(part)
+        if deep is not None:
+            self._shallow._keep(deep, encode)
+
+    def _deep_part(self, part: str) -> str | None:
+        checked_by = self._deeper._cache_key
+        return None if checked_by is None else f"{part}:deep:{self.depth}:{checked_by}"
+
 
 Session = StepSession | DeepSession
 
@@ -370,6 +386,8 @@ class ExactPeaks:
         session = self._session
         if seq_len is not None and seq_len != session.seq_len:
             return self._at_length(batch, seq_len)
+        if batch not in self._cache and (kept := self._kept("peaks", batch, None, (), _decode_peaks)) is not None:
+            self._cache[batch] = kept
         if batch not in self._cache and batch not in session.concrete and not session.ensure_symbolic(max(2, batch)):
             return None  # no symbolic trace can be had: at() falls back to the fit, not a trace per batch
         if batch not in self._cache:
@@ -385,14 +403,19 @@ class ExactPeaks:
                 self._cache[batch] = None
             else:
                 self._cache[batch] = self._replayed(trace)
+                self._keep("peaks", batch, None, (), _encode_peaks(self._cache[batch]))
         return self._cache[batch]
 
     def _at_length(self, batch: int, seq_len: int) -> tuple[PhasePeak, ...]:
         """Another sequence length: no fit to fall back on, so a failure is the caller's to see."""
         key = (batch, seq_len)
         if key not in self._lengths:
-            trace, _ = self._session.trace_at(batch, seq_len)
-            self._lengths[key] = self._replayed(trace)
+            kept = self._kept("peaks", batch, seq_len, (), _decode_peaks)
+            if kept is None:
+                trace, _ = self._session.trace_at(batch, seq_len)
+                kept = self._replayed(trace)
+                self._keep("peaks", batch, seq_len, (), _encode_peaks(kept))
+            self._lengths[key] = kept
         return self._lengths[key]
 
     def estimate_at_length(self, batch: int, seq_len: int) -> Any:
@@ -421,14 +444,44 @@ class ExactPeaks:
         ``None`` on a CPU target or where the step cannot be traced at that batch."""
         key = (batch, seq_len, config)
         if key not in self._least:
-            replayer = self._replayer(batch, seq_len, config)
-            self._least[key] = None if replayer is None else replayer.least()
+            least = self._kept("least", batch, seq_len, (config,), int)
+            if least is None:
+                replayer = self._replayer(batch, seq_len, config)
+                least = None if replayer is None else replayer.least()
+                if least is not None:
+                    self._keep("least", batch, seq_len, (config,), least)
+            self._least[key] = least
         return self._least[key]
 
     def at_limit(self, batch: int, seq_len: int | None, limit_bytes: int, config: AllocatorConfig) -> LimitFit | None:
         """The step at ``batch`` replayed with the allocator held to ``limit_bytes`` (``replay_at_limit``)."""
-        replayer = self._replayer(batch, seq_len, config)
-        return None if replayer is None else replayer.at(limit_bytes)
+        fit = self._kept("limit", batch, seq_len, (config, limit_bytes), lambda data: LimitFit(**data))
+        if fit is None:
+            replayer = self._replayer(batch, seq_len, config)
+            fit = None if replayer is None else replayer.at(limit_bytes)
+            if fit is not None:
+                self._keep("limit", batch, seq_len, (config, limit_bytes), dataclasses.asdict(fit))
+        return fit
+
+    # A replay's result is a function of the trace at the batch (the session's key and the batch), the runtime and
+    # the replay's own arguments, so it is kept beside the traces: a question asked again skips the replays too.
+    # A sharded rank's rewrite of the log (``transform``) is code, not data, so its replays are not kept.
+
+    def _replay_part(self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...]) -> str:
+        return f"replay:{batch}:{name}:{seq_len}:{self._runtime!r}:{':'.join(map(repr, arguments))}"
+
+    def _kept(
+        self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...], decode: Callable[[Any], Any]
+    ) -> Any:
+        cached = getattr(self._session, "_cached", None)
+        if self._transform is not None or cached is None:
+            return None
+        return cached(self._replay_part(name, batch, seq_len, arguments), decode)
+
+    def _keep(self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...], value: Any) -> None:
+        keep = getattr(self._session, "_keep", None)
+        if self._transform is None and keep is not None:
+            keep(self._replay_part(name, batch, seq_len, arguments), lambda: value)
 
     def _replayer(self, batch: int, seq_len: int | None, config: AllocatorConfig) -> LimitReplayer | None:
         """The step's replays at limits, kept for the last few batches asked about (a planner asks each several)."""
@@ -451,6 +504,22 @@ class ExactPeaks:
             trace = self._transform(trace)
         resize_workspace(trace, self._runtime.workspace_bytes)
         return trace
+
+
+def _encode_peaks(peaks: Sequence[PhasePeak]) -> list[dict[str, Any]]:
+    return [
+        {"step": p.step, "phase": p.phase.name, "allocated": p.allocated_bytes, "reserved": p.reserved_bytes,
+         "breakdown": {c.name: n for c, n in p.breakdown.items()}, "tensor": p.tensor_bytes}
+        for p in peaks
+    ]  # fmt: skip
+
+
+def _decode_peaks(data: list[dict[str, Any]]) -> tuple[PhasePeak, ...]:
+    return tuple(
+        PhasePeak(p["step"], Phase[p["phase"]], p["allocated"], p["reserved"],
+                  {Category[c]: n for c, n in p["breakdown"].items()}, p["tensor"])
+        for p in data
+    )  # fmt: skip
 
 
 class _AtLength:

@@ -16,6 +16,9 @@ What makes an entry safe:
   fixed table of sympy and torch classes; nothing in an entry is imported, evaluated or unpickled. An entry whose
   key differs from the question's (a collision, a copy from elsewhere), that cannot be read, or that names a class
   outside the table is ignored with one warning, deleted, and traced again.
+* **Replays are kept too.** What the allocator's replays read off a kept trace (``ExactPeaks``: phase peaks, a
+  limit's verdict, the least reserve) is a function of that trace, the runtime and the replay's arguments, so it is
+  kept under the step's key with those in its part.
 * **It is only a cache.** Deleting the folder at any time is safe (``memfit cache --clear``).
 
 Location: ``MEMFIT_CACHE_DIR``, else the platform's user cache folder (``platformdirs``: ``~/.cache/memfit`` on
