@@ -251,3 +251,20 @@ def test_from_kept_traces_the_planner_replays_nothing_and_answers_the_same(
     clear_sessions()
     again = _ask(capsys, argv)
     assert again == first and replayers == []
+
+
+def test_a_warning_about_a_damaged_cache_entry_is_not_kept_with_the_answer(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def answer() -> int:
+        warnings.warn("memfit ignored the trace cache entry /x.json.gz (EOFError) and traces again", stacklevel=1)
+        print("the table")
+        return 0
+
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            answers.answered(_namespace(), ["plan"], answer)
+        seen = [str(w.message) for w in caught]
+    assert capsys.readouterr().out == "the table\n" * 2
+    assert seen == []  # the replay is quiet: the damage was the first run's

@@ -5,13 +5,14 @@ importing transformers alone takes seconds. A question on the command line names
 on, so the whole answer can be kept, keyed by:
 
 * the command line as given and as parsed, the working folder, and the bytes of the ``--hf-config`` file;
-* the environment (every variable but a shell's own bookkeeping), whether standard output is a terminal and its
-  size (the tables are drawn for it), whether a CUDA device is visible, and this machine's physical RAM (which the
-  sharded answer compares host RAM with);
+* the environment (every variable but a shell's and a login's own bookkeeping, such as ``SSH_CLIENT``), whether
+  standard output is a terminal and its size (the tables are drawn for it), whether a CUDA device is visible, and
+  this machine's physical RAM (which the sharded answer compares host RAM with);
 * the versions of Python and of every installed distribution, and memfit's own source by content.
 
 What is live stays live: the host RAM line's "available here" (and its verdict) is measured again when an answer
-is replayed, in text and in ``--json``; warnings the answer raised are raised again. An answer is not kept when it
+is replayed, in text and in ``--json``; warnings the answer raised are raised again (not those about a damaged
+cache entry, which was the first run's to see). An answer is not kept when it
 comes from user code (``--model``), writes a file (``--plot``), plans for a GPU this machine would have to be asked
 about (no ``--gpu`` or ``--budget``), ends with an error, or printed to standard error anything but warnings.
 
@@ -43,7 +44,15 @@ from memfit.cache_identity import CACHE_ENV, cache_root, enabled, installed_dist
 __all__ = ["answer_dir", "answered", "clear", "host_line", "json_answer"]
 
 FORMAT = 1
-_SHELL_BOOKKEEPING = {"_", "SHLVL", "OLDPWD", "PWD", "PS1", "PS2", "HISTFILE", "LS_COLORS"}
+# a shell's and a login's own bookkeeping, which differ from one terminal or login to the next and reach no answer
+_SHELL_BOOKKEEPING = {
+    "_", "SHLVL", "OLDPWD", "PWD", "PS1", "PS2", "HISTFILE", "LS_COLORS", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY",
+    "SSH_AUTH_SOCK", "TMUX", "TMUX_PANE", "STY", "WINDOW", "WINDOWID", "TERM_SESSION_ID", "XDG_SESSION_ID",
+    "XDG_RUNTIME_DIR", "SHELL_SESSION_ID", "KITTY_WINDOW_ID", "ITERM_SESSION_ID", "VSCODE_GIT_IPC_HANDLE",
+    "GPG_TTY", "MAIL", "LOGNAME", "MOTD_SHOWN",
+}  # fmt: skip
+# warnings about the cache itself are about the run that read it, not part of the answer
+_ABOUT_THE_CACHE = ("memfit ignored the trace cache entry",)
 # set by torch (``KMP_*`` as it loads, the inductor's cache folder as a trace runs) in the process itself
 _SET_BY_TORCH = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"}
 _WARNINGS = {cls.__name__: cls for cls in (UserWarning, RuntimeWarning, FutureWarning, DeprecationWarning)}
@@ -179,6 +188,7 @@ def answered(args: Any, argv: list[str], run: Callable[[], int]) -> int:
             sys.stdout, sys.stderr, _recording = stdout, stderr, None
     shown = [[str(w.message), type(w.message).__name__, w.filename, w.lineno] for w in caught]
     _show(shown)
+    shown = [warning for warning in shown if not warning[0].startswith(_ABOUT_THE_CACHE)]
     terminal_stderr = stderr.isatty()  # there the spinner draws on standard error; elsewhere nothing else may
     if code in (0, 1) and (terminal_stderr or not recording.stderr_written):
         _store(key, {"code": code, "stdout": recording.stdout.getvalue(), "host": recording.host,

@@ -414,13 +414,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     cache = subparsers.add_parser(
         "cache",
-        help="where kept traces live, how many; --clear deletes them",
-        description="memfit keeps each trace on disk, so a question asked again (another GPU, budget or batch) "
-        "skips the trace. The key is everything the trace reads, the versions of the code that runs it "
-        "included; models whose code is outside an installed package are never kept. Deleting the folder "
-        "is always safe. MEMFIT_CACHE=off turns the cache off, MEMFIT_CACHE_DIR moves it.",
+        help="where kept traces and answers live, how many; --clear deletes them",
+        description="memfit keeps each trace (and its replays) on disk, so a question asked again (another GPU, "
+        "budget or batch) skips the trace, and each `memfit plan --hf-config` answer, so the same question asked "
+        "again prints it at once. The key is everything the trace or the answer reads, the versions of the code "
+        "that runs it included; models whose code is outside an installed package are never kept. Deleting the "
+        "folder is always safe. MEMFIT_CACHE=off turns the cache off, MEMFIT_CACHE_DIR moves it.",
     )
-    cache.add_argument("--clear", action="store_true", help="delete every kept trace")
+    cache.add_argument("--clear", action="store_true", help="delete every kept trace and answer")
     cache.set_defaults(handler=_cmd_cache)
 
     plan = subparsers.add_parser(
