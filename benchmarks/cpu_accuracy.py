@@ -43,7 +43,7 @@ def main() -> None:
     for name, make in zoo.CASES.items():
         case = make()
         estimate = memfit.estimate(
-            case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn
+            case.model, case.batch, target=memfit.Target("cpu"), loss_fn=case.loss_fn, forward_fn=case.forward_fn
         )
         saved = zoo.saved_activation_bytes(make())
         tracked = memtracker_peak(make())

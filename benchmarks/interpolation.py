@@ -23,7 +23,7 @@ def main() -> None:
     model = GPT2LMHeadModel(config)
     ids = torch.zeros(12, 128, dtype=torch.long)
     sample = {"input_ids": ids, "labels": ids}
-    kwargs = {"device": "cpu", "gradient_checkpointing": True}
+    kwargs = {"target": memfit.Target("cpu"), "gradient_checkpointing": True}
     fitted = memfit.estimate(model, sample, **kwargs)
     print(f"{'batch':>5} {'interpolated':>14} {'traced':>14} {'error %':>8}")
     for batch in (1, 2, 4, 8, 12, 24, 48):

@@ -67,8 +67,8 @@ def mlp_tracer(model: nn.Module) -> Callable[[int, bool, int], memfit.MemoryEsti
 
     def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
         return memfit.estimate(
-            model, torch.zeros(micro, 256), optimizer="adamw", device="cpu", batch_size=micro,
-            gradient_checkpointing=checkpointing, accumulation_steps=accumulation,
+            model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
+            gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
         )  # fmt: skip
 

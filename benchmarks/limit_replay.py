@@ -91,7 +91,7 @@ def zoo() -> list[dict[str, Any]]:
         started = time.perf_counter()
         estimate = memfit.estimate(model, config.family.batch("gpu"), batch_size=2, optimizer=cls,
                                    optimizer_kwargs=kwargs, precision=config.precision, loss_fn=config.family.loss_fn,
-                                   forward_fn=config.family.forward_fn, device="cuda")  # fmt: skip
+                                   forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
         traced = time.perf_counter() - started
         for label, capacity in CAPACITIES.items():
             started = time.perf_counter()

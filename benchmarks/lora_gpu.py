@@ -35,7 +35,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def predict(name: str) -> dict[str, Any]:
     model = build(name, "meta")
     started = time.perf_counter()
-    estimate = memfit.estimate(model, batch, batch_size=BATCH, optimizer="adamw", precision="fp32", device="cuda")
+    estimate = memfit.estimate(
+        model, batch, batch_size=BATCH, optimizer="adamw", precision="fp32", target=memfit.Target("cuda")
+    )
     data = estimate.to_dict()
     return {
         "estimate_seconds": round(time.perf_counter() - started, 3),

@@ -58,7 +58,8 @@ def main() -> None:
         sys.exit("needs a CUDA GPU: on CPU nothing runs out of memory")
     free, total = torch.cuda.mem_get_info()
     probe = GPT(batch_size=4, samples=4)
-    estimate = memfit.estimate(probe, (torch.zeros(4, SEQ, dtype=torch.long),), batch_size=4, device="cuda",
+    estimate = memfit.estimate(probe, (torch.zeros(4, SEQ, dtype=torch.long),), batch_size=4,
+                               target=memfit.Target("cuda"),
                                forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]))  # fmt: skip
     naive = next(b for b in range(4, 4096, 4) if estimate.at(b).reserved_bytes > 1.6 * free)
     module = GPT(batch_size=naive, samples=naive * args.steps)

@@ -146,7 +146,7 @@ def predict(config: Config) -> dict[str, Any]:
         gradient_checkpointing=config.checkpointing,
         loss_fn=config.loss_fn,
         forward_fn=config.forward_fn,
-        device="cuda",
+        target=memfit.Target("cuda"),
     )
     return {
         "config": config.name,

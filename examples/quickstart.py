@@ -27,7 +27,7 @@ def main() -> None:
     tokens = torch.randint(0, model.config.vocab_size, (8, SEQ_LEN))
     sample = {"input_ids": tokens, "labels": tokens}
 
-    estimate = memfit.estimate(model, sample, optimizer="adamw", precision="bf16-mixed", device="cuda")
+    estimate = memfit.estimate(model, sample, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"))
     console.print(estimate_table(estimate))
     console.print(phases_table(estimate))
     console.print(f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes))

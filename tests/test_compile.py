@@ -97,7 +97,7 @@ def test_estimate_of_a_compiled_module_leaves_its_compilation_alone() -> None:
     def train(with_memfit: bool) -> None:
         model = torch.compile(MLP(), backend="inductor")
         if with_memfit:
-            memfit.estimate(model, x, loss_fn=sum_loss, device="cpu")
+            memfit.estimate(model, x, loss_fn=sum_loss, target=memfit.Target("cpu"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(3):
             model(x).sum().backward()

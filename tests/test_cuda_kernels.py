@@ -145,7 +145,7 @@ class _Attention(nn.Module):
 def _activations(model: nn.Module, batch: int, length: int, precision: str = "fp32") -> int:
     sample = torch.randn(batch, length, 64)
     estimate = memfit.estimate(
-        model, sample, optimizer="sgd", precision=precision, loss_fn=lambda out, _: out, device="cuda"
+        model, sample, optimizer="sgd", precision=precision, loss_fn=lambda out, _: out, target=memfit.Target("cuda")
     )
     return estimate.activation_bytes
 
@@ -179,7 +179,9 @@ def test_dropout_keeps_a_one_byte_mask_as_cudas_fused_kernel_does() -> None:
     x = torch.randn(8, 64)
 
     def activations(m: nn.Module) -> int:
-        return memfit.estimate(m, x, optimizer="sgd", loss_fn=lambda out, _: out.sum(), device="cuda").activation_bytes
+        return memfit.estimate(
+            m, x, optimizer="sgd", loss_fn=lambda out, _: out.sum(), target=memfit.Target("cuda")
+        ).activation_bytes
 
     # the second linear keeps the dropout's output instead of the first one's, and the dropout its 1-byte mask (CPU's
     # dropout would keep an fp32 noise tensor: 4 bytes an element)
@@ -264,11 +266,11 @@ def test_a_symbolic_batch_sizes_the_staging_buffer_at_every_batch(monkeypatch: p
         return torch.randn(batch, 197, 768)
 
     symbolic = memfit.estimate(model, sample, batch_size=2, optimizer="sgd", precision="bf16-mixed", loss_fn=loss,
-                               device="cuda")  # fmt: skip
+                               target=memfit.Target("cuda"))  # fmt: skip
     monkeypatch.setenv("MEMFIT_TRACE", "concrete")
     for batch in (2, 32):
         concrete = memfit.estimate(model, sample, batch_size=batch, optimizer="sgd", precision="bf16-mixed",
-                                   loss_fn=loss, device="cuda")  # fmt: skip
+                                   loss_fn=loss, target=memfit.Target("cuda"))  # fmt: skip
         assert symbolic.at(batch).allocated_bytes == concrete.peak_allocated_bytes, batch
 
 

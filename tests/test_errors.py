@@ -71,7 +71,9 @@ def test_a_guarded_value_read_is_traced_through_the_branch_kept_for_torch_compil
     ids, mask = torch.randint(0, 50, (4, 32)), torch.ones(4, 32, dtype=torch.long)
 
     def traced(guard: str) -> memfit.MemoryEstimate:
-        return memfit.estimate(MaskedScores(guard), (ids, mask), loss_fn=lambda out, _b: out, device="cpu")
+        return memfit.estimate(
+            MaskedScores(guard), (ids, mask), loss_fn=lambda out, _b: out, target=memfit.Target("cpu")
+        )
 
     guarded, expanded = traced("compiling"), traced("always")
     assert any("torch.compile" in note for note in guarded.notes)
@@ -120,7 +122,6 @@ def test_frozen_model_has_nothing_to_train() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"device": "tpu"}, "device must be 'cuda' or 'cpu'"),
         ({"precision": "fp8"}, "unknown precision 'fp8'"),
         ({"batch_size": 0}, "batch_size must be a positive integer"),
         ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
@@ -133,6 +134,11 @@ def test_bad_arguments_raise_clear_errors(kwargs: dict, match: str) -> None:
     kwargs.setdefault("loss_fn", lambda out, batch: out.sum())
     with pytest.raises(InvalidInputError, match=match):
         memfit.estimate(nn.Linear(4, 2), torch.randn(3, 4), **kwargs)
+
+
+def test_a_bad_device_raises_a_clear_error() -> None:
+    with pytest.raises(InvalidInputError, match="device must be 'cuda' or 'cpu'"):
+        memfit.estimate(nn.Linear(4, 2), torch.randn(3, 4), target=memfit.Target("tpu"), loss_fn=lambda o, b: o.sum())
 
 
 def test_not_a_module_and_no_batch_dimension() -> None:
@@ -174,7 +180,7 @@ def test_a_failing_op_is_one_error_not_a_logged_torch_traceback(caplog: pytest.L
     """torch's fake-tensor module logs a traceback for an op that fails on fake tensors; memfit says it in one error."""
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(5, 2))  # the second layer does not take the first's output
     with caplog.at_level("DEBUG", logger="torch._subclasses.fake_tensor"), pytest.raises(TraceError, match="forward"):
-        memfit.estimate(model, torch.zeros(2, 8), device="cpu", loss_fn=lambda out, batch: out.sum())
+        memfit.estimate(model, torch.zeros(2, 8), target=memfit.Target("cpu"), loss_fn=lambda out, batch: out.sum())
     logged = [r for r in caplog.records if r.name.startswith("torch._subclasses") and r.levelname == "ERROR"]
     assert not logged
 

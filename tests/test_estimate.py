@@ -50,7 +50,7 @@ def _assert_same(before: dict, after: dict) -> None:
 
 def test_reports_a_breakdown_that_adds_up_at_the_peak() -> None:
     case = zoo.gpt2_case()
-    estimate = memfit.estimate(case.model, case.batch, device="cpu")
+    estimate = memfit.estimate(case.model, case.batch, target=memfit.Target("cpu"))
     assert estimate.peak_allocated_bytes == sum(estimate.breakdown.values())
     assert estimate.breakdown[Category.PARAMETERS] == _param_bytes(case.model)
     assert estimate.peak_phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
@@ -61,7 +61,9 @@ def test_reports_a_breakdown_that_adds_up_at_the_peak() -> None:
 
 def test_optimizer_state_of_adamw_is_two_moments_and_a_step_counter_per_parameter() -> None:
     case = zoo.resnet_case()
-    estimate = memfit.estimate(case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn)
+    estimate = memfit.estimate(
+        case.model, case.batch, target=memfit.Target("cpu"), loss_fn=case.loss_fn, forward_fn=case.forward_fn
+    )
     steady = _phase(estimate, 2, Phase.OPTIMIZER)
     n_params = len(list(case.model.parameters()))
     assert steady.breakdown[Category.OPTIMIZER_STATE] == 2 * _param_bytes(case.model) + 4 * n_params
@@ -82,7 +84,7 @@ def test_optimizer_given_by_name_class_or_none(optimizer, kwargs, moments) -> No
     estimate = memfit.estimate(
         case.model,
         case.batch,
-        device="cpu",
+        target=memfit.Target("cpu"),
         optimizer=optimizer,
         optimizer_kwargs=kwargs,
         loss_fn=case.loss_fn,
@@ -103,7 +105,7 @@ def test_optimizer_instance_is_rebuilt_with_its_hyperparameters_and_left_alone()
     estimate = memfit.estimate(
         case.model,
         case.batch,
-        device="cpu",
+        target=memfit.Target("cpu"),
         optimizer=optimizer,
         loss_fn=case.loss_fn,
         forward_fn=case.forward_fn,
@@ -117,12 +119,14 @@ def test_optimizer_instance_is_rebuilt_with_its_hyperparameters_and_left_alone()
 
 def test_factory_sample_gives_the_same_estimate_as_a_batch() -> None:
     case = zoo.resnet_case(batch=4)
-    from_batch = memfit.estimate(case.model, case.batch, device="cpu", loss_fn=case.loss_fn, forward_fn=case.forward_fn)
+    from_batch = memfit.estimate(
+        case.model, case.batch, target=memfit.Target("cpu"), loss_fn=case.loss_fn, forward_fn=case.forward_fn
+    )
     from_factory = memfit.estimate(
         case.model,
         lambda b: (torch.randn(b, 3, 16, 16), torch.zeros(b, dtype=torch.long)),
         batch_size=4,
-        device="cpu",
+        target=memfit.Target("cpu"),
         loss_fn=case.loss_fn,
         forward_fn=case.forward_fn,
     )
@@ -169,7 +173,7 @@ def test_checkpointing_keeps_fewer_activations_for_hf_and_plain_models() -> None
 
 def test_cuda_target_rounds_blocks_adds_workspace_and_simulates_reserved() -> None:
     case = zoo.gpt2_case()
-    estimate = memfit.estimate(case.model, case.batch, device="cuda")
+    estimate = memfit.estimate(case.model, case.batch, target=memfit.Target("cuda"))
     assert estimate.device == "cuda"
     assert estimate.breakdown[Category.WORKSPACE] == 2 * cublas_workspace_bytes((9, 0))
     assert estimate.peak_allocated_bytes % 512 == 0
@@ -180,8 +184,8 @@ def test_cuda_target_rounds_blocks_adds_workspace_and_simulates_reserved() -> No
 
 def test_cuda_target_models_foreach_adam_temporaries() -> None:
     case = zoo.gpt2_case()
-    cuda = memfit.estimate(case.model, case.batch, device="cuda")
-    cpu = memfit.estimate(case.model, case.batch, device="cpu")
+    cuda = memfit.estimate(case.model, case.batch, target=memfit.Target("cuda"))
+    cpu = memfit.estimate(case.model, case.batch, target=memfit.Target("cpu"))
     # foreach AdamW (CUDA's default) holds a temporary as large as all parameters; CPU's per-parameter
     # loop holds two temporaries of the largest parameter (sqrt, then the division) at most
     assert _phase(cuda, 2, Phase.OPTIMIZER).breakdown[Category.TEMPORARIES] >= _param_bytes(case.model)
@@ -192,9 +196,9 @@ def test_cuda_target_models_foreach_adam_temporaries() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only emulation of CUDA kernels")
 def test_cuda_attention_and_autocast_are_substituted_on_a_cpu_only_torch() -> None:
     case = zoo.gpt2_case(batch=2, seq=128)
-    fp32 = memfit.estimate(case.model, case.batch, device="cuda")
-    cpu = memfit.estimate(case.model, case.batch, device="cpu")
-    mixed = memfit.estimate(case.model, case.batch, device="cuda", precision="bf16-mixed")
+    fp32 = memfit.estimate(case.model, case.batch, target=memfit.Target("cuda"))
+    cpu = memfit.estimate(case.model, case.batch, target=memfit.Target("cpu"))
+    mixed = memfit.estimate(case.model, case.batch, target=memfit.Target("cuda"), precision="bf16-mixed")
     assert any(note.startswith("efficient_attention") for note in fp32.notes)
     assert any(note.startswith("flash_attention") for note in mixed.notes)
     # no seq x seq attention matrix on CUDA: fewer activations than CPU's math path
@@ -207,7 +211,7 @@ def test_cuda_attention_and_autocast_are_substituted_on_a_cpu_only_torch() -> No
 
 def test_pure_half_precision_halves_weights() -> None:
     case = zoo.resnet_case()
-    kwargs = {"device": "cpu", "loss_fn": case.loss_fn, "forward_fn": case.forward_fn}
+    kwargs = {"target": memfit.Target("cpu"), "loss_fn": case.loss_fn, "forward_fn": case.forward_fn}
     half = memfit.estimate(case.model, case.batch, precision="bf16", **kwargs)
     assert half.breakdown[Category.PARAMETERS] == _param_bytes(case.model, element_size=2)
     assert half.precision is memfit.Precision.BF16_TRUE
@@ -230,7 +234,7 @@ class _PatchClassifier(nn.Module):
 def test_true_half_precision_casts_floating_inputs_as_lightning_does(precision: str, dtype: torch.dtype) -> None:
     """Lightning's and Fabric's HalfPrecision.convert_input cast a batch's floating tensors (not its ids)."""
     images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
-    half = memfit.estimate(_PatchClassifier(), (images, labels), precision=precision, device="cpu")
+    half = memfit.estimate(_PatchClassifier(), (images, labels), precision=precision, target=memfit.Target("cpu"))
     assert half.breakdown[Category.INPUTS] == images.numel() * dtype.itemsize + labels.numel() * labels.element_size()
 
     from transformers import ViTConfig, ViTForImageClassification
@@ -240,10 +244,11 @@ def test_true_half_precision_casts_floating_inputs_as_lightning_does(precision: 
     vit = ViTForImageClassification(config)
     batch = {"pixel_values": images, "labels": labels}
     pixels = images.numel() * dtype.itemsize
-    assert memfit.estimate(vit, batch, precision=precision, device="cpu").breakdown[Category.INPUTS] == (
+    assert memfit.estimate(vit, batch, precision=precision, target=memfit.Target("cpu")).breakdown[Category.INPUTS] == (
         pixels + labels.numel() * labels.element_size()
     )
-    mixed = memfit.estimate(vit, batch, precision="bf16-mixed", device="cpu")  # autocast leaves the batch alone
+    # autocast leaves the batch alone
+    mixed = memfit.estimate(vit, batch, precision="bf16-mixed", target=memfit.Target("cpu"))
     assert mixed.breakdown[Category.INPUTS] == images.numel() * 4 + labels.numel() * labels.element_size()
 
 
@@ -327,12 +332,12 @@ def test_value_free_loss_from_output_dict_and_tuple() -> None:
         def forward(self, x: torch.Tensor) -> dict:
             return {"loss": self.inner(x).square().mean()}
 
-    estimate = memfit.estimate(DictOut(), torch.randn(4, 8), device="cpu")
+    estimate = memfit.estimate(DictOut(), torch.randn(4, 8), target=memfit.Target("cpu"))
     assert estimate.peak_allocated_bytes > 0
     estimate = memfit.estimate(
         model,
         torch.randn(4, 8),
-        device="cpu",
+        target=memfit.Target("cpu"),
         loss_fn=lambda out, batch: F.mse_loss(out, torch.zeros_like(out)),
     )
     assert estimate.batch_size == 4
@@ -343,12 +348,15 @@ def _mlp_step(**kwargs: object) -> memfit.MemoryEstimate:
     return memfit.estimate(model, torch.randn(4, 16), optimizer="sgd", loss_fn=lambda out, _b: out.sum(), **kwargs)
 
 
-def test_training_loop_and_target_objects_give_what_the_keywords_give() -> None:
+def test_training_loop_and_target_objects_spelled_with_keywords_give_the_same_estimate() -> None:
     by_objects = _mlp_step(
         loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=2, extra_batches=1),
         target=memfit.Target("cpu"),
     )
-    by_keywords = _mlp_step(zero_grad="before_backward", accumulation_steps=2, extra_batches=1, device="cpu")
+    by_keywords = _mlp_step(
+        loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=2, extra_batches=1),
+        target=memfit.Target(device="cpu"),
+    )
     assert by_objects.to_dict() | {"trace_seconds": 0} == by_keywords.to_dict() | {"trace_seconds": 0}
     assert by_objects.loop == memfit.TrainingLoop("before_backward", 2, 1)
     assert by_objects.device == "cpu" and by_objects.accumulation_steps == 2
@@ -368,6 +376,34 @@ def test_a_setting_given_both_as_keyword_and_in_its_object_is_refused(kwargs: di
     with pytest.raises(memfit.InvalidInputError) as error:
         _mlp_step(**kwargs)
     assert all(name in str(error.value) for name in names)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value", "moved"),
+    [
+        ("zero_grad", "before_backward", "loop=memfit.TrainingLoop(zero_grad=...)"),
+        ("accumulation_steps", 2, "loop=memfit.TrainingLoop(accumulation_steps=...)"),
+        ("extra_batches", 1, "loop=memfit.TrainingLoop(extra_batches=...)"),
+        ("ddp", True, "loop=memfit.TrainingLoop(ddp=...)"),
+        ("device", "cpu", "target=memfit.Target(device=...)"),
+        ("cuda_runtime", memfit.CudaRuntime(), "target=memfit.Target(runtime=...)"),
+    ],
+)
+def test_a_keyword_that_moved_into_the_loop_or_target_names_its_new_place(
+    keyword: str, value: object, moved: str
+) -> None:
+    with pytest.raises(memfit.InvalidInputError) as error:
+        _mlp_step(**{keyword: value})
+    assert str(error.value) == f"estimate({keyword}=...) moved: pass {moved}"
+
+
+def test_moved_keywords_given_together_are_named_in_one_line() -> None:
+    with pytest.raises(memfit.InvalidInputError) as error:
+        _mlp_step(device="cpu", accumulation_steps=2)
+    assert str(error.value) == (
+        "estimate(accumulation_steps=..., device=...) moved: pass loop=memfit.TrainingLoop(accumulation_steps=...), "
+        "target=memfit.Target(device=...)"
+    )
 
 
 def test_the_settings_objects_check_their_fields_when_built() -> None:

@@ -150,11 +150,11 @@ def test_formula_state_agrees_with_the_trace(name: str, precision: str) -> None:
     info = optimizer_info(name)
     if info.untraceable is not None:
         with pytest.raises(InvalidInputError, match="estimate_from_counts"):
-            memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision, device="cpu")
+            memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision, target=memfit.Target("cpu"))
         assert formula == parameters * info.state_bytes(2 if precision == "bf16-true" else 4)
         return
-    traced = memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision, device="cpu",
-                             loss_fn=lambda out, _batch: out.sum())  # fmt: skip
+    traced = memfit.estimate(model, torch.randn(4, 32), optimizer=name, precision=precision,
+                             target=memfit.Target("cpu"), loss_fn=lambda out, _batch: out.sum())  # fmt: skip
     last_step = [p for p in traced.phases if p.phase is Phase.OPTIMIZER][-1]
     state = last_step.breakdown.get(Category.OPTIMIZER_STATE, 0)
     if info.approximate:  # the formula's figure is a stand-in; tests/test_optimizers.py checks the trace is exact
@@ -375,8 +375,8 @@ def test_frozen_weights_under_mixed_precision_count_as_the_trace_does(precision:
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
     for layer in list(model)[:-1]:
         layer.weight.requires_grad_(False)
-    traced = memfit.estimate(model, torch.randn(2, 64), precision=precision, optimizer="sgd", device="cpu",
-                             loss_fn=lambda out, batch: out.float().sum())  # fmt: skip
+    traced = memfit.estimate(model, torch.randn(2, 64), precision=precision, optimizer="sgd",
+                             target=memfit.Target("cpu"), loss_fn=lambda out, batch: out.float().sum())  # fmt: skip
     counted = memfit.estimate_from_counts(parameters=8 * 64 * 64, precision=precision, trainable_fraction=1 / 8)
     # the trace's fp32 weights: the frozen ones, and the trainable ones the formula calls master weights
     half_working_copies = counted.trainable_parameters * 2

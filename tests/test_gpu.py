@@ -31,7 +31,7 @@ def _measure(case: zoo.Case, steps: int = 2) -> tuple[int, int]:
 
 def test_native_fake_cuda_trace_is_within_ten_percent_of_measured() -> None:
     case = zoo.gpt2_case(batch=8, seq=128)
-    estimate = memfit.estimate(case.model, case.batch, device="cuda", optimizer="adamw")
+    estimate = memfit.estimate(case.model, case.batch, target=memfit.Target("cuda"), optimizer="adamw")
     assert not any("fake CPU" in note for note in estimate.notes)  # the native path
     allocated, reserved = _measure(case)
     assert abs(estimate.peak_allocated_bytes - allocated) <= 0.1 * allocated, (
@@ -62,7 +62,7 @@ def test_an_lstm_traces_on_fake_cuda_tensors() -> None:
     estimate = memfit.estimate(
         model,
         batch,
-        device="cuda",
+        target=memfit.Target("cuda"),
         forward_fn=lambda m, b: m(b[0]),
         loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out, b[1]),
     )

@@ -60,7 +60,7 @@ def test_what_is_collected_is_what_the_trainers_prediction_step_returns(tmp_path
     model, rows = tiny_gpt2(), token_rows(24)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, use_cpu=True, report_to=[])
     training = memfit.estimate(model, {"input_ids": torch.zeros(4, 16, dtype=torch.long)}, optimizer="adamw",
-                               device="cpu", loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
+                               target=memfit.Target("cpu"), loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
 
     def metrics(prediction: object) -> dict[str, float]:
         return {}
@@ -186,7 +186,7 @@ def test_evaluation_input_errors(tmp_path: Path) -> None:
     model, rows = tiny_gpt2(), token_rows(8)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, use_cpu=True, report_to=[])
     training = memfit.estimate(model, {"input_ids": torch.zeros(4, 16, dtype=torch.long)}, optimizer="sgd",
-                               device="cpu", loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
+                               target=memfit.Target("cpu"), loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
 
     def needs_values(logits: torch.Tensor, _labels: object) -> object:
         return logits.cpu().numpy()
@@ -209,9 +209,9 @@ def test_evaluation_input_errors(tmp_path: Path) -> None:
 def test_collection_arithmetic_and_the_largest_window() -> None:
     """Concatenation holds twice the grown collection; the window found is the largest that fits."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    training = memfit.estimate(model, torch.randn(8, 64), optimizer="adamw", device="cpu",
+    training = memfit.estimate(model, torch.randn(8, 64), optimizer="adamw", target=memfit.Target("cpu"),
                                loss_fn=lambda out, _b: out.mean())  # fmt: skip
-    forward = memfit.estimate(model, torch.randn(8, 64), inference=True, device="cpu")
+    forward = memfit.estimate(model, torch.randn(8, 64), inference=True, target=memfit.Target("cpu"))
     collected = CollectedOutputs({"predictions": 256.0}, samples=80, samples_per_batch=8)
     concatenated = evaluation_peak(training, forward, collected=collected)
     listed = evaluation_peak(training, forward, collected=CollectedOutputs({"predictions": 256.0}, 80, 8,
@@ -241,7 +241,7 @@ def test_collection_arithmetic_and_the_largest_window() -> None:
 def test_end_of_pass_copies_are_made_one_collection_at_a_time() -> None:
     """bf16 predictions get a float32 copy for numpy while still held; the labels, already int64, none."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    forward = memfit.estimate(model, torch.randn(8, 64), inference=True, device="cpu")
+    forward = memfit.estimate(model, torch.randn(8, 64), inference=True, target=memfit.Target("cpu"))
     fixed = sum(forward.breakdown.get(c, 0) for c in (memfit.Category.PARAMETERS, memfit.Category.BUFFERS))
     one_input = forward.breakdown[memfit.Category.INPUTS]
     sizes = {"predictions": 1024.0, "labels": 8.0}
@@ -300,5 +300,5 @@ def test_trainer_pass_reads_the_trainer_and_says_what_it_lacks(tmp_path: Path) -
     with pytest.raises(InvalidInputError, match="add MemoryPlannerCallback"):
         hf.predict_trainer_pass(trainer, rows, loop="predict")
     training = memfit.estimate(model, {"input_ids": rows[0]["input_ids"][None].repeat(8, 1)}, optimizer="adamw",
-                               device="cpu", loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
+                               target=memfit.Target("cpu"), loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
     assert hf.predict_trainer_pass(trainer, rows, loop="predict", training=training).carried_bytes > 0

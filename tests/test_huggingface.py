@@ -123,7 +123,13 @@ def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> N
     args = training_args(tmp_path, max_steps=1)
     plain = accumulating_estimate(model, args, data)  # micro batch 1 or 2 of 12: accumulation either way
     sample = {"input_ids": data.ids[:12], "labels": data.ids[:12]}
-    checkpointed = memfit.estimate(model, sample, device="cpu", gradient_checkpointing=True, accumulation_steps=4)
+    checkpointed = memfit.estimate(
+        model,
+        sample,
+        target=memfit.Target("cpu"),
+        gradient_checkpointing=True,
+        loop=memfit.TrainingLoop(accumulation_steps=4),
+    )
     budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
     planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
     assert planned.plan.gradient_checkpointing and getattr(planned.args, checkpointing_switch(args))

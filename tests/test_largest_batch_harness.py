@@ -59,7 +59,8 @@ def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> No
     cls, kwargs = optimizer_spec("adamw")
     torch.manual_seed(0)
     estimate = memfit.estimate(family.build("cpu"), family.batch("cpu"), batch_size=1, optimizer=cls,
-                               optimizer_kwargs=kwargs, precision="bf16-mixed", device="cuda")  # fmt: skip
+                               optimizer_kwargs=kwargs, precision="bf16-mixed",
+                               target=memfit.Target("cuda"))  # fmt: skip
     expected = memfit.plan(estimate, 2 * 1024**3, target_batch_size="max", allow_checkpointing=False,
                            max_batch_size=8192).micro_batch_size  # fmt: skip
     assert row["memfit"]["batch_size"] == expected > 6

@@ -109,7 +109,9 @@ def _traced(name: str, micro: int, accumulation: int) -> memfit.MemoryEstimate:
     model, sample, loss, optimizer = small_model(name)
     loop = TrainingLoop(accumulation_steps=accumulation)
     if micro == 1:
-        return memfit.estimate(model, sample, batch_size=1, device="cpu", loss_fn=loss, optimizer=optimizer, loop=loop)
+        return memfit.estimate(
+            model, sample, batch_size=1, target=memfit.Target("cpu"), loss_fn=loss, optimizer=optimizer, loop=loop
+        )
     (estimate,) = estimate_for_runtimes(
         model, sample, batch_size=micro, loss_fn=loss, optimizer=optimizer, loop=loop, target=Target("cpu"),
         batch_fits=[_traced(name, 1, accumulation)],
@@ -134,8 +136,8 @@ def test_a_plain_mlp_is_not_planned_at_micro_batch_1_when_16_x_16_fits() -> None
 
     def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
         return memfit.estimate(
-            model, torch.zeros(micro, 256), optimizer="adamw", device="cpu", batch_size=micro,
-            gradient_checkpointing=checkpointing, accumulation_steps=accumulation,
+            model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
+            gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
         )  # fmt: skip
 

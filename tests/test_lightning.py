@@ -29,11 +29,11 @@ DRIFT_KEYS = {"memfit/predicted_peak_allocated_bytes", "memfit/measured_peak_rss
 
 def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12, **loop: Any) -> int:
     """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``, in
-    Lightning's loop (``loop``: more of ``memfit.estimate``'s loop arguments, accumulation, DDP)."""
+    Lightning's loop (``loop``: more of ``memfit.TrainingLoop``'s fields, accumulation, DDP)."""
     ids = torch.zeros(configured, SEQ, dtype=torch.long)
     estimate = memfit.estimate(
-        module, (ids,), device="cpu", forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
-        zero_grad="before_backward", **loop,
+        module, (ids,), target=memfit.Target("cpu"), forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
+        loop=memfit.TrainingLoop(zero_grad="before_backward", **loop),
     )  # fmt: skip
     low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
     assert low < high
@@ -164,10 +164,10 @@ def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> 
     module = TinyGPT(batch_size=12, n_layer=4)
     ids = torch.zeros(12, SEQ, dtype=torch.long)
     kwargs = {
-        "device": "cpu",
+        "target": memfit.Target("cpu"),
         "forward_fn": lambda m, b: m.model(input_ids=b[0], labels=b[0]),
-        "zero_grad": "before_backward",
-        "accumulation_steps": 12,  # micro batch 1 or 2 of 12: accumulation either way
+        # micro batch 1 or 2 of 12: accumulation either way
+        "loop": memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=12),
     }
     plain = memfit.estimate(module, (ids,), **kwargs)
     checkpointed = memfit.estimate(module, (ids,), gradient_checkpointing=True, **kwargs)

@@ -61,7 +61,7 @@ def _traced_log() -> object:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32))
     ids = torch.zeros(2, 32, dtype=torch.long)
-    memfit.estimate(model, {"input_ids": ids, "labels": ids}, batch_size=6, device="cuda")
+    memfit.estimate(model, {"input_ids": ids, "labels": ids}, batch_size=6, target=memfit.Target("cuda"))
     return kept_sessions()[0].trace_at(6)[0].recorder
 
 

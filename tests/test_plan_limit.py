@@ -25,7 +25,8 @@ def resnet50() -> memfit.MemoryEstimate:
     torch.manual_seed(0)
     model = RESNET50.build("gpu")
     return memfit.estimate(model, RESNET50.batch("gpu"), batch_size=16, optimizer="adamw", precision="bf16-mixed",
-                           loss_fn=RESNET50.loss_fn, forward_fn=RESNET50.forward_fn, device="cuda")  # fmt: skip
+                           loss_fn=RESNET50.loss_fn, forward_fn=RESNET50.forward_fn,
+                           target=memfit.Target("cuda"))  # fmt: skip
 
 
 def test_resnet50_under_an_allocator_limit_runs_out_where_it_did_on_an_h100() -> None:
@@ -91,7 +92,7 @@ def test_the_run_environments_allocator_options_are_planned_for(monkeypatch: pyt
 
 def test_a_cpu_target_is_planned_on_its_peak_as_before() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-    estimate = memfit.estimate(model, torch.randn(8, 64), loss_fn=lambda out, _: out.sum(), device="cpu")
+    estimate = memfit.estimate(model, torch.randn(8, 64), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
     assert estimate.least_device_bytes(8) is None and estimate.at_limit(8, 1 << 30) is None
     capacity = estimate.at(40).device_bytes
     assert (

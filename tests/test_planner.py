@@ -420,7 +420,7 @@ def test_a_hopeless_verdict_quotes_the_optimizer_step_at_the_batch_it_judges() -
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(), nn.Linear(512, 512))
-    traced = memfit.estimate(model, torch.randn(1024, 512), optimizer="adamw", device="cpu",
+    traced = memfit.estimate(model, torch.randn(1024, 512), optimizer="adamw", target=memfit.Target("cpu"),
                              loss_fn=lambda out, batch: out.pow(2).mean())  # fmt: skip
     with pytest.raises(InsufficientMemoryError) as verdict:
         plan(traced, 40 * MiB, target_batch_size=1024, include_context=False)

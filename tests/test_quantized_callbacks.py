@@ -131,7 +131,7 @@ def test_lightning_plans_and_trains_a_quantized_lora(checkpoint: Path, quantizat
     ids = token_ids(CONFIGURED)
     by_hand = memfit.estimate(module, (ids,), precision=precision, target=memfit.Target("cpu"),
                               forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
-                              zero_grad="before_backward", accumulation_steps=4)  # fmt: skip
+                              loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=4))  # fmt: skip
     callback = MemoryPlanner(budget=budget_for(by_hand, MICRO), margin=MARGIN)
     before, stored = snapshot(module.model), weight_bytes(module.model)
     fit = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[callback], logger=False, precision=precision,

@@ -97,7 +97,7 @@ def _masks_seen(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> list[
 
     handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
     try:
-        memfit.estimate(model, batch, optimizer="adamw", precision="bf16-mixed", device="cuda")
+        memfit.estimate(model, batch, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"))
     finally:
         for handle in handles:
             handle.remove()

@@ -38,8 +38,8 @@ def traced_mlp() -> tuple[nn.Module, list[tuple[int, bool, int]]]:
     def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
         calls.append((micro, checkpointing, accumulation))
         return memfit.estimate(
-            model, torch.zeros(micro, 256), optimizer="adamw", device="cpu", batch_size=micro,
-            gradient_checkpointing=checkpointing, accumulation_steps=accumulation,
+            model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
+            gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
         )  # fmt: skip
 
@@ -177,7 +177,7 @@ def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
         sample = torch.zeros(4, 256)
 
         def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-            return memfit.estimate(model, sample, device="cpu", batch_size=micro, optimizer="sgd",
+            return memfit.estimate(model, sample, target=memfit.Target("cpu"), batch_size=micro, optimizer="sgd",
                                    loss_fn=lambda out, batch: out.sum())  # fmt: skip
 
         PlanningSession(trace_at, batch_size=4).decide(PlanRequest(capacity_bytes=1 * GiB, max_batch_size=8))
@@ -194,7 +194,7 @@ def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
 
 def test_a_cpu_run_planned_for_a_gpu_names_what_its_prediction_is() -> None:
     """A plan for a named GPU on a CPU box: the final line must not call the GPU's reserved peak "tensors"."""
-    estimate = memfit.estimate(mlp(), torch.zeros(8, 256), device="cuda", optimizer="adamw",
+    estimate = memfit.estimate(mlp(), torch.zeros(8, 256), target=memfit.Target("cuda"), optimizer="adamw",
                                loss_fn=lambda out, batch: out.float().pow(2).mean())  # fmt: skip
     peak = estimate.at(8)
     drift = DriftMonitor(predicted_allocated_bytes=peak.allocated_bytes, predicted_reserved_bytes=peak.reserved_bytes,

@@ -70,7 +70,7 @@ def test_the_log_read_at_a_batch_is_the_concrete_log_event_by_event(family: str)
         torch.manual_seed(0)
         ids = torch.randint(0, 1000, (2, 128))
         case = Case("gpt2", GPT2LMHeadModel(GPT2Config(n_layer=2)), {"input_ids": ids, "labels": ids}, None, None)
-    _estimate(case, device="cuda", precision="bf16-mixed")
+    _estimate(case, target=memfit.Target("cuda"), precision="bf16-mixed")
     (session,) = kept_sessions()
     (symbolic,) = session.symbolic
     for batch in (3, 21):
@@ -260,7 +260,7 @@ def test_one_trace_answers_other_sequence_lengths_to_the_byte(family: str) -> No
     points = ((2, 17), (7, 64), (5, 128), (1, 33))
     expected = {(batch, seq): _peak_of(build(batch=batch, seq=seq), batch) for batch, seq in points}
     clear_sessions()
-    estimate = _estimate(build(batch=2, seq=64), device="cuda", precision="bf16-mixed")
+    estimate = _estimate(build(batch=2, seq=64), target=memfit.Target("cuda"), precision="bf16-mixed")
     assert estimate.seq_len == 64
     (session,) = kept_sessions()
     assert session.with_length is None  # the sample's own length needs no second symbol

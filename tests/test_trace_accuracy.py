@@ -12,7 +12,12 @@ from harness.accuracy import reference
 
 def _cpu_estimate(case: zoo.Case) -> memfit.MemoryEstimate:
     return memfit.estimate(
-        case.model, case.batch, device="cpu", optimizer="adamw", loss_fn=case.loss_fn, forward_fn=case.forward_fn
+        case.model,
+        case.batch,
+        target=memfit.Target("cpu"),
+        optimizer="adamw",
+        loss_fn=case.loss_fn,
+        forward_fn=case.forward_fn,
     )
 
 

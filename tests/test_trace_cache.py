@@ -65,7 +65,9 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _estimate(model: torch.nn.Module, batch: dict | None = None, **options) -> memfit.MemoryEstimate:
     clear_sessions()  # the process's own kept traces would answer first: only the disk may
-    return memfit.estimate(model, batch or _batch(), batch_size=4, optimizer="adamw", device="cuda", **options)
+    return memfit.estimate(
+        model, batch or _batch(), batch_size=4, optimizer="adamw", target=memfit.Target("cuda"), **options
+    )
 
 
 def _answers(estimate: memfit.MemoryEstimate) -> list[tuple[int, int]]:
@@ -111,7 +113,7 @@ def test_anything_the_trace_reads_changes_the_key(cache: Path, traces: list[int]
         batch = {k: v[:, : SEQ // 2] for k, v in _batch().items()}
     if change == "optimizer":
         clear_sessions()
-        memfit.estimate(model, _batch(), batch_size=4, optimizer="sgd", device="cuda")
+        memfit.estimate(model, _batch(), batch_size=4, optimizer="sgd", target=memfit.Target("cuda"))
     else:
         _estimate(model, batch, **options)
     assert traces
@@ -130,7 +132,7 @@ class ScriptModel(torch.nn.Module):
 
 
 def test_code_outside_an_installed_distribution_is_never_cached(cache: Path) -> None:
-    memfit.estimate(ScriptModel(), torch.zeros(2, 8), batch_size=2, device="cuda")
+    memfit.estimate(ScriptModel(), torch.zeros(2, 8), batch_size=2, target=memfit.Target("cuda"))
     assert not cache.exists() or not list(cache.glob("*.json.gz"))
 
 
@@ -234,7 +236,9 @@ def test_an_optimizer_instance_is_keyed_by_its_groups_and_state(cache: Path, tra
         rest = [p for n, p in model.named_parameters() if "ln" in n]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest}], lr=lr)
         clear_sessions()
-        return _answers(memfit.estimate(model, _batch(), batch_size=4, optimizer=optimizer, device="cuda"))
+        return _answers(
+            memfit.estimate(model, _batch(), batch_size=4, optimizer=optimizer, target=memfit.Target("cuda"))
+        )
 
     first = run(1e-3, 0.1)
     traces.clear()

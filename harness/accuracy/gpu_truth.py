@@ -149,7 +149,12 @@ def _estimate(row: TruthRow) -> memfit.MemoryEstimate:
     if row.kind == "lora":
         model = lora_llama.build(row.config, "meta")
         return memfit.estimate(
-            model, lora_llama.batch, batch_size=row.batch_size, optimizer="adamw", precision="fp32", device="cuda"
+            model,
+            lora_llama.batch,
+            batch_size=row.batch_size,
+            optimizer="adamw",
+            precision="fp32",
+            target=memfit.Target("cuda"),
         )
     return predict_zoo(_zoo_config(row.config), row.batch_size, "gpu", "cuda")[0]
 

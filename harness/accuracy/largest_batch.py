@@ -138,7 +138,7 @@ def memfit_plan(
     started = time.perf_counter()
     estimate = memfit.estimate(model, config.family.batch(size), batch_size=1, optimizer=cls, optimizer_kwargs=kwargs,
                                precision=config.precision, loss_fn=config.family.loss_fn,
-                               forward_fn=config.family.forward_fn, device="cuda")  # fmt: skip
+                               forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
     limit = estimate.max_batch_size(capacity, include_context=include_context, at_limit=True)
     try:
         chosen = memfit.plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False,

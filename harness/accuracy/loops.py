@@ -381,7 +381,7 @@ def lightning_fit_variable_lengths(
         trainer.fit(LanguageModel())
 
     def first_batch() -> memfit.MemoryEstimate:
-        return memfit.estimate(small_gpt2(), pad_to_longest(rows[:8]), device=device, optimizer="sgd")
+        return memfit.estimate(small_gpt2(), pad_to_longest(rows[:8]), target=memfit.Target(device), optimizer="sgd")
 
     return fit, callback, first_batch
 

@@ -75,7 +75,7 @@ def predict(config: Config, batch: int, size: str, device: str) -> tuple[memfit.
         gradient_checkpointing=config.checkpointing,
         loss_fn=config.family.loss_fn,
         forward_fn=config.family.forward_fn,
-        device=device,
+        target=memfit.Target(device),
     )
     return estimate, time.perf_counter() - started
 

@@ -11,11 +11,12 @@ that cannot be done, tracing at two batch sizes gives, for each phase, ``fixed +
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -60,6 +61,8 @@ from memfit.units import format_bytes
 __all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "Target", "TrainingLoop", "estimate", "estimate_for_runtimes"]
 
 _MAX_BATCH = 1 << 31
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # said of a model that runs under torch.compile (traced eagerly; a framework that compiles it later says so too)
 COMPILED_NOTE = (
@@ -364,6 +367,45 @@ class MemoryEstimate:
         }
 
 
+# estimate's keywords that are fields of its loop= and target= objects now: (keyword, object, class, field)
+_MOVED_KEYWORDS = (
+    ("zero_grad", "loop", "TrainingLoop", "zero_grad"),
+    ("accumulation_steps", "loop", "TrainingLoop", "accumulation_steps"),
+    ("extra_batches", "loop", "TrainingLoop", "extra_batches"),
+    ("ddp", "loop", "TrainingLoop", "ddp"),
+    ("device", "target", "Target", "device"),
+    ("cuda_runtime", "target", "Target", "runtime"),
+)
+
+
+def _moved_keywords_message(function: str, given: Iterable[str]) -> str | None:
+    """The one line that says where ``function``'s moved keywords among ``given`` go now; ``None`` if none is."""
+    names = set(given)
+    moved = [entry for entry in _MOVED_KEYWORDS if entry[0] in names]
+    if not moved:
+        return None
+    objects: dict[tuple[str, str], list[str]] = {}
+    for _, argument, cls, name in moved:
+        objects.setdefault((argument, cls), []).append(f"{name}=...")
+    passed = ", ".join(f"{keyword}=..." for keyword, *_ in moved)
+    goes = ", ".join(f"{argument}=memfit.{cls}({', '.join(fields)})" for (argument, cls), fields in objects.items())
+    return f"{function}({passed}) moved: pass {goes}"
+
+
+def _refuse_moved_keywords(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function`` answers a keyword that moved into ``TrainingLoop`` or ``Target`` with one line saying where."""
+
+    @functools.wraps(function)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        message = _moved_keywords_message(function.__name__, kwargs)
+        if message is not None:
+            raise InvalidInputError(message)
+        return function(*args, **kwargs)
+
+    return checked
+
+
+@_refuse_moved_keywords
 def estimate(
     model: nn.Module,
     sample: Sample | Callable[[int], Sample],
@@ -379,12 +421,6 @@ def estimate(
     forward_fn: ForwardFn | None = None,
     optimizer_kwargs: Mapping[str, Any] | None = None,
     inference: bool = False,
-    zero_grad: ZeroGrad | None = None,
-    accumulation_steps: int | None = None,
-    extra_batches: int | None = None,
-    ddp: DDPConfig | bool | None = None,
-    device: str | torch.device | None = None,
-    cuda_runtime: CudaRuntime | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` without running it for real.
 
@@ -411,48 +447,23 @@ def estimate(
             activations; the outputs, including a KV cache, are kept to the end of the pass). Labels
             are dropped from a dict sample unless ``forward_fn`` is given (an evaluation step). Of the
             loop only ``extra_batches`` applies.
-        zero_grad, accumulation_steps, extra_batches, ddp: the fields of ``loop``, accepted one by one
-            as before ``TrainingLoop`` existed; give either these or ``loop``.
-        device, cuda_runtime: the fields of ``target`` (``device`` and ``runtime``), likewise.
 
     Raises:
-        InvalidInputError: an argument cannot be used.
+        InvalidInputError: an argument cannot be used (``zero_grad=``, ``accumulation_steps=``,
+            ``extra_batches=``, ``ddp=``, ``device=`` and ``cuda_runtime=`` are fields of ``loop`` and ``target``:
+            the error names where each one goes).
         TraceError: the model, loss or optimizer failed on the traced step (the message names where).
         ValueDependentError: the model reads tensor values, which fake tensors do not have.
     """
-    loop, target = _settings_objects(
-        loop, target, zero_grad=zero_grad, accumulation_steps=accumulation_steps, extra_batches=extra_batches,
-        ddp=ddp, device=device, cuda_runtime=cuda_runtime,
-    )  # fmt: skip
+    if loop is not None and not isinstance(loop, TrainingLoop):
+        raise InvalidInputError(f"loop must be a memfit.TrainingLoop, got {loop!r}")
+    if target is not None and not isinstance(target, Target):
+        raise InvalidInputError(f"target must be a memfit.Target, got {target!r}")
     return estimate_for_runtimes(
         model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules, loop=loop,
         target=target, loss_fn=loss_fn, forward_fn=forward_fn, optimizer_kwargs=optimizer_kwargs, inference=inference,
     )[0]  # fmt: skip
-
-
-def _settings_objects(loop: TrainingLoop | None, target: Target | None, **keywords: Any) -> tuple[TrainingLoop, Target]:
-    """Fold the loop and target keywords of ``estimate`` into ``TrainingLoop`` and ``Target``: the one place
-    both spellings meet. A keyword left at ``None`` was not given."""
-    given = {name: value for name, value in keywords.items() if value is not None}
-    loop_keywords = {k: v for k, v in given.items() if k in ("zero_grad", "accumulation_steps", "extra_batches", "ddp")}
-    target_keywords = {k: v for k, v in given.items() if k in ("device", "cuda_runtime")}
-    for name, obj, spelled in (("loop", loop, loop_keywords), ("target", target, target_keywords)):
-        if obj is not None and spelled:
-            raise InvalidInputError(
-                f"give {name}= or {', '.join(f'{k}=' for k in spelled)}, not both: {', '.join(spelled)} "
-                f"{'is a field' if len(spelled) == 1 else 'are fields'} of {name}"
-            )
-    if loop is None:
-        loop = TrainingLoop(**loop_keywords)
-    elif not isinstance(loop, TrainingLoop):
-        raise InvalidInputError(f"loop must be a memfit.TrainingLoop, got {loop!r}")
-    if target is None:
-        device, runtime = target_keywords.get("device", "cuda"), target_keywords.get("cuda_runtime")
-        target = Target(device=device, runtime=runtime)
-    elif not isinstance(target, Target):
-        raise InvalidInputError(f"target must be a memfit.Target, got {target!r}")
-    return loop, target
 
 
 def estimate_for_runtimes(

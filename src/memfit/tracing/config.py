@@ -88,7 +88,7 @@ class Target:
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", str(self.torch_device))
         if self.runtime is not None and not isinstance(self.runtime, CudaRuntime):
-            raise InvalidInputError(f"cuda_runtime must be a memfit.CudaRuntime, got {self.runtime!r}")
+            raise InvalidInputError(f"runtime must be a memfit.CudaRuntime, got {self.runtime!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -22,6 +22,7 @@ from memfit.integrations.huggingface.arguments import (
 )
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.units import format_bytes
 
 
@@ -115,8 +116,9 @@ def predict_evaluation(
     )  # fmt: skip
     precision = run_precision(args) if during_training else _evaluation_precision(args)
     forward = estimate(
-        model, sample, batch_size=batch, inference=True, precision=precision, device=device.type,
-        forward_fn=step, extra_batches=1 if device.type == "cpu" else 0,  # the loader reads one batch ahead
+        model, sample, batch_size=batch, inference=True, precision=precision, target=Target(device.type),
+        forward_fn=step,
+        loop=TrainingLoop(extra_batches=1 if device.type == "cpu" else 0),  # the loader reads one batch ahead
     )  # fmt: skip
     collected = None
     if step.bytes_per_sample and not args.batch_eval_metrics:

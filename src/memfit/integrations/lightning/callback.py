@@ -423,7 +423,7 @@ class MemoryPlannerBase(ControlledRun):
             device = trainer.strategy.root_device
             forward = functools.partial(_validation_step, device=device, internals=self._internals)
             evaluation = estimate(pl_module, sample, inference=True, precision=Precision.parse(str(trainer.precision)),
-                                  device=training.device, forward_fn=forward)  # fmt: skip
+                                  target=Target(training.device), forward_fn=forward)  # fmt: skip
             self.validation = evaluation_peak(training, evaluation)
         except Exception as error:  # the plan stands; only this check is lost
             degrade(f"memfit could not check the validation pass ({type(error).__name__}: {error})", error, quiet=True)
