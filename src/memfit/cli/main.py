@@ -369,7 +369,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_estimate_command(subparsers)
+    _add_gpus_command(subparsers)
+    _add_cache_command(subparsers)
+    _add_plan_command(subparsers)
+    return parser
 
+
+def _add_estimate_command(subparsers: argparse._SubParsersAction) -> None:
+    """``memfit estimate``: the formula tier, for a model that is only a parameter count."""
     estimate = subparsers.add_parser(
         "estimate",
         help="estimate from parameter and activation counts (no model needed)",
@@ -403,6 +411,9 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     estimate.set_defaults(handler=_cmd_estimate)
 
+
+def _add_gpus_command(subparsers: argparse._SubParsersAction) -> None:
+    """``memfit gpus``: the catalog ``--gpu`` names come from."""
     gpus = subparsers.add_parser(
         "gpus",
         help="list the GPUs memfit knows by name (for --gpu)",
@@ -412,6 +423,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gpus.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     gpus.set_defaults(handler=_cmd_gpus)
 
+
+def _add_cache_command(subparsers: argparse._SubParsersAction) -> None:
+    """``memfit cache``: where kept traces live, and a way to delete them."""
     cache = subparsers.add_parser(
         "cache",
         help="where kept traces and answers live, how many; --clear deletes them",
@@ -424,6 +438,9 @@ def _build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true", help="delete every kept trace and answer")
     cache.set_defaults(handler=_cmd_cache)
 
+
+def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
+    """``memfit plan``: trace a model and plan its batch, the command most questions go to."""
     plan = subparsers.add_parser(
         "plan",
         help="will it fit? trace a model and plan its batch for one or more GPUs",
@@ -481,7 +498,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help="also draw the step's timeline and peak vs batch (needs matplotlib)"
     )
     plan.set_defaults(handler=with_loss(_cmd_plan))
-    return parser
 
 
 def _reader_gone() -> int:
