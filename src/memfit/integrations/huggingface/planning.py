@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -28,14 +29,14 @@ from memfit.integrations.huggingface.arguments import (
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
 from memfit.integrations.huggingface.internals import changed_arguments
-from memfit.integrations.huggingface.sharding import run_layout
-from memfit.planning.gpus import planning_target
+from memfit.integrations.huggingface.sharding import RunLayout, run_layout
+from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
-from memfit.tracing.config import TrainingLoop
+from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 
@@ -120,64 +121,27 @@ def plan_training_arguments(
     planning = planning_target(target, budget, runs_on)
     device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
     precision = run_precision(args)
-    try:
-        layout = run_layout(args, model, precision=precision,
-                            elsewhere_on_gpus=device.type == "cuda" and runs_on.type != "cuda")  # fmt: skip
-    except ShardingNotModelledError as error:
-        raise ShardingNotModelledError(
-            f"memfit cannot predict one rank's memory under {error}, so it cannot plan these arguments: set the "
-            "batch size yourself; MemoryPlannerCallback, attached, still logs the measured peaks"
-        ) from error
+    layout = _layout(args, model, precision, elsewhere_on_gpus=device.type == "cuda" and runs_on.type != "cuda")
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)
     sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
                              notes=sample_notes, max_length=max_length)  # fmt: skip
-    ids = sample.get("input_ids") if isinstance(sample, dict) else None
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-        check_sequence_length(model, ids.shape[1], fix="truncate them (the tokenizer's or collator's max_length="
-                              "{positions}), or pass max_length= for a stream")  # fmt: skip
-    optimizer = trainer_optimizer(args, model)
-    ddp = ddp_config(args, model, sharded=layout.sharding is not None)
-
-    def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-        held = held_batches(accumulation_steps, device)
-        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
-                            sharding=layout.sharding)  # fmt: skip
-        with trainer_model_config(model, args):  # use_cache as the Trainer will set it
-            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                              gradient_checkpointing=checkpointing, loop=loop, target=planning.target,
-                              checkpoint_modules=layout.units)  # fmt: skip
-        return traced.with_notes(*sample_notes)
-
+    _check_sample_length(model, sample)
+    trace_at = _step_tracer(model, args, sample, precision, planning.target, layout, sample_notes)
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
     if restored is not None:
-        chosen = Plan.from_dict(restored).with_reason("restored from the checkpoint")
-        planned = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
-                                   chosen.accumulate_grad_batches)  # fmt: skip
+        chosen, planned = _restored(session, restored)
     else:
-        capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args)
-        ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
-        if capacity <= 0:
-            raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
-        decision = session.decide(PlanRequest(
-            capacity_bytes=capacity, margin=margin,
-            target_batch_size=target_batch_size or configured * accumulation * ranks,
-            world_size=ranks, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-            allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
-            include_context=include_context,
-        ))  # fmt: skip
+        request = _plan_request(planning, args, layout, configured * accumulation, margin=margin,
+                                target_batch_size=target_batch_size, min_batch_size=min_batch_size,
+                                max_batch_size=max_batch_size, allow_checkpointing=allow_checkpointing)  # fmt: skip
+        decision = session.decide(request)
         chosen, planned = decision.plan, decision.estimate
     for note in sample_notes:  # what the plan rests on that the user should read: it can change the answer
         chosen = chosen.with_reason(note)
-    switch = checkpointing_switch(args)
-    changes: dict[str, Any] = {
-        "per_device_train_batch_size": chosen.micro_batch_size,
-        "gradient_accumulation_steps": chosen.accumulate_grad_batches,
-        # FSDP's own activation checkpointing excludes the Trainer's: the Trainer refuses both
-        switch: (chosen.gradient_checkpointing and not layout.checkpointing) or bool(getattr(args, switch)),
-    }
+    changes = _planned_changes(args, chosen, layout.checkpointing)
     evaluation = None
     if eval_dataset is not None:
         evaluation, flush_every = planned_evaluation(
@@ -190,6 +154,98 @@ def plan_training_arguments(
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
     return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, layout.sharding)
+
+
+def _layout(args: TrainingArguments, model: torch.nn.Module, precision: str, *, elsewhere_on_gpus: bool) -> RunLayout:
+    """The run's layout as accelerate will run it; one memfit cannot predict per rank is refused with what to do."""
+    try:
+        return run_layout(args, model, precision=precision, elsewhere_on_gpus=elsewhere_on_gpus)
+    except ShardingNotModelledError as error:
+        raise ShardingNotModelledError(
+            f"memfit cannot predict one rank's memory under {error}, so it cannot plan these arguments: set the "
+            "batch size yourself; MemoryPlannerCallback, attached, still logs the measured peaks"
+        ) from error
+
+
+def _check_sample_length(model: torch.nn.Module, sample: Any) -> None:
+    """Refuse token ids longer than the model's positions before the trace fails on them."""
+    ids = sample.get("input_ids") if isinstance(sample, dict) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        check_sequence_length(model, ids.shape[1], fix="truncate them (the tokenizer's or collator's max_length="
+                              "{positions}), or pass max_length= for a stream")  # fmt: skip
+
+
+def _step_tracer(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    sample: Any,
+    precision: str,
+    target: Target,
+    layout: RunLayout,
+    sample_notes: list[str],
+) -> Callable[[int, bool, int], MemoryEstimate]:
+    """``trace_at(micro, checkpointing, accumulation)``: the step the Trainer will run, with its optimizer, DDP
+    buckets and the batches it holds, on one rank of ``layout``."""
+    device = target.torch_device
+    optimizer = trainer_optimizer(args, model)
+    ddp = ddp_config(args, model, sharded=layout.sharding is not None)
+
+    def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+        held = held_batches(accumulation_steps, device)
+        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
+                            sharding=layout.sharding)  # fmt: skip
+        with trainer_model_config(model, args):  # use_cache as the Trainer will set it
+            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
+                              gradient_checkpointing=checkpointing, loop=loop, target=target,
+                              checkpoint_modules=layout.units)  # fmt: skip
+        return traced.with_notes(*sample_notes)
+
+    return trace_at
+
+
+def _restored(session: PlanningSession, saved: dict[str, Any]) -> tuple[Plan, MemoryEstimate]:
+    """A resumed run keeps the plan it started with, and the trace of the step that plan runs."""
+    chosen = Plan.from_dict(saved).with_reason("restored from the checkpoint")
+    return chosen, session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
+                                    chosen.accumulate_grad_batches)  # fmt: skip
+
+
+def _plan_request(
+    planning: PlanningTarget,
+    args: TrainingArguments,
+    layout: RunLayout,
+    window: int,
+    *,
+    margin: float,
+    target_batch_size: int | Literal["max"] | None,
+    min_batch_size: int,
+    max_batch_size: int | None,
+    allow_checkpointing: bool,
+) -> PlanRequest:
+    """What every rank asks alike: the smallest capacity of all ranks, and by default the effective batch the
+    arguments run (``window`` samples a rank's accumulation window) over the data-parallel ranks."""
+    device = planning.target.torch_device
+    capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args)
+    ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
+    if capacity <= 0:
+        raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
+    return PlanRequest(
+        capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size or window * ranks,
+        world_size=ranks, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+        allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
+        include_context=planning.include_context,
+    )  # fmt: skip
+
+
+def _planned_changes(args: TrainingArguments, chosen: Plan, layout_checkpoints: bool) -> dict[str, Any]:
+    """The arguments the plan sets; FSDP's own activation checkpointing excludes the Trainer's (the Trainer
+    refuses both)."""
+    switch = checkpointing_switch(args)
+    return {
+        "per_device_train_batch_size": chosen.micro_batch_size,
+        "gradient_accumulation_steps": chosen.accumulate_grad_batches,
+        switch: (chosen.gradient_checkpointing and not layout_checkpoints) or bool(getattr(args, switch)),
+    }
 
 
 def _smallest_of_all_ranks(capacity: int, args: TrainingArguments) -> int:
