@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,15 +198,10 @@ def plan_for_gpus(
     micro batch is fitted where the allocator, freeing its cache and retrying, really runs out of memory."""
     if not gpus and budget is None:
         raise InvalidInputError("name at least one --gpu (e.g. h100) or give a --budget (e.g. 20GiB)")
-    targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
-    if budget is not None:
-        targets.append((f"budget {budget}", parse_budget(budget), None))
+    targets = _targets(gpus, budget)
     default = _default_precision(precision, inference)
     precisions = [_card_precision(gpu, precision, default, inference) for _, _, gpu in targets]
-    with _progress(show_progress, "building the model on the meta device"):
-        spec = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
-            from_factory(model, seq_len=seq_len)
-        )  # fmt: skip
+    spec = _meta_spec(hf_config, model, seq_len, image_size, layers, show_progress)
     check_sequence_length(spec.model, max((seq_len, *more_seq_lens)), fix="use --seq-len {positions} or less")
     parameters = sum(p.numel() for p in spec.model.parameters())
     finetune = from_config_quantization(spec, finetune or FinetuneSpec())
@@ -215,26 +210,12 @@ def plan_for_gpus(
     # One trace serves every GPU of a precision. Confirmations at a chosen batch take their fit in the
     # batch from the search's trace at batch 1, so they trace once instead of twice.
     loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if world_size > 1 else None)
-
-    def build_at(depth: int) -> ModelSpec:
-        with _progress(show_progress, f"building {spec.name} at {depth} blocks"):
-            shallow = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=depth)
-            return apply_finetune(shallow, finetune, default, inference=inference)
-
     whole_only = not hf_config or exact or layers is not None
+    build_at = _shallow_builder(spec.name, hf_config, finetune, default, inference, seq_len, image_size, show_progress)
     deep = DeepModel.of(spec, None if whole_only else build_at, large=parameters >= EXTRAPOLATION_MIN_PARAMETERS)
     probe = checkpointing == "on" and not inference
-
-    @functools.cache
-    def traces_in(precision: Precision) -> tuple[Any, Any]:
-        """``(search trace, full trace)`` in ``precision``, over the runtimes of the cards planned in it."""
-        group = [runtime for runtime, p in zip(runtimes, precisions, strict=True) if p is precision]
-
-        def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
-            return _tracer(model_spec, precision, optimizer, group, inference, loop, **keywords)
-
-        return deep.tracers(tracer, probe)
-
+    traces_in = _tracers_by_precision(deep, runtimes, precisions, optimizer, inference, loop, probe)
+    allow = "off" if inference else checkpointing
     rows = []
     for position, ((name, capacity, gpu), row_precision) in enumerate(zip(targets, precisions, strict=True)):
         if not isinstance(row_precision, Precision):  # the card cannot run the precision asked for
@@ -242,16 +223,8 @@ def plan_for_gpus(
                                 approximate=bool(gpu and gpu.approximate)))  # fmt: skip
             continue
         with _progress(show_progress, f"tracing {spec.name} and planning for {name}"):
-            allow = "off" if inference else checkpointing
             index = sum(p is row_precision for p in precisions[:position])  # its place among its precision's cards
-            trace, full_trace = traces_in(row_precision)
-
-            def for_gpu(
-                batch: int, checkpointing: bool, accumulation: int = 1, index: int = index, source: Any = trace
-            ) -> MemoryEstimate:
-                return source(batch, checkpointing, accumulation)[index]
-
-            whole = functools.partial(for_gpu, source=full_trace)
+            for_gpu, whole = _card_traces(*traces_in(row_precision), index)
             request = PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size,
                                   world_size=world_size, allow_checkpointing=allow == "auto",
                                   always_checkpoint=allow == "on", allocator=allocator)  # fmt: skip
@@ -267,6 +240,71 @@ def plan_for_gpus(
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def _meta_spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None, layers: int | None,
+               show_progress: bool) -> ModelSpec:  # fmt: skip
+    """The model on the meta device: a config's (a preset or a ``config.json``) or the factory's."""
+    with _progress(show_progress, "building the model on the meta device"):
+        return from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=layers) if hf_config else (
+            from_factory(model, seq_len=seq_len)
+        )  # fmt: skip
+
+
+def _shallow_builder(
+    name: str,
+    hf_config: str | None,
+    finetune: FinetuneSpec,
+    default: Precision,
+    inference: bool,
+    seq_len: int,
+    image_size: int | None,
+    show_progress: bool,
+) -> Callable[[int], ModelSpec]:
+    """``build_at(depth)``: the config at ``depth`` blocks, fine-tuned as the whole model is, for the traces a deep
+    model's log is built (or extrapolated) from."""
+
+    def build_at(depth: int) -> ModelSpec:
+        with _progress(show_progress, f"building {name} at {depth} blocks"):
+            shallow = from_hf_config(hf_config, seq_len=seq_len, image_size=image_size, layers=depth)
+            return apply_finetune(shallow, finetune, default, inference=inference)
+
+    return build_at
+
+
+def _targets(gpus: list[str], budget: str | None) -> list[tuple[str, int, GPU | None]]:
+    """``(name, capacity, card)`` of each row: every GPU named, then the budget (no card) if one was given."""
+    targets: list[tuple[str, int, GPU | None]] = [(g.name, g.memory_bytes, g) for g in map(gpu_by_name, gpus)]
+    if budget is not None:
+        targets.append((f"budget {budget}", parse_budget(budget), None))
+    return targets
+
+
+def _tracers_by_precision(deep: DeepModel, runtimes: list[CudaRuntime], precisions: list[Precision | str],
+                          optimizer: str, inference: bool, loop: TrainingLoop,
+                          probe: bool) -> Callable[[Precision], tuple[Any, Any]]:  # fmt: skip
+    """``traces_in(precision)``: ``(search trace, full trace)`` in ``precision``, over the runtimes of the cards
+    planned in it, made once however many cards share it."""
+
+    @functools.cache
+    def traces_in(precision: Precision) -> tuple[Any, Any]:
+        group = [runtime for runtime, p in zip(runtimes, precisions, strict=True) if p is precision]
+
+        def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
+            return _tracer(model_spec, precision, optimizer, group, inference, loop, **keywords)
+
+        return deep.tracers(tracer, probe)
+
+    return traces_in
+
+
+def _card_traces(trace: Any, full_trace: Any, index: int) -> tuple[Any, Any]:
+    """``(search, whole)`` of one card: its estimate (the ``index``-th of its precision's runtimes) from each."""
+
+    def for_gpu(batch: int, checkpointing: bool, accumulation: int = 1, source: Any = trace) -> MemoryEstimate:
+        return source(batch, checkpointing, accumulation)[index]
+
+    return for_gpu, functools.partial(for_gpu, source=full_trace)
 
 
 def _at_length(name: str, gpu: GPU | None, search: Any, whole: Any, request: PlanRequest, deep: DeepModel,
