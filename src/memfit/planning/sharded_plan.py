@@ -13,7 +13,6 @@ screen figure is that estimate's own, so the screen line, the table and the brea
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +34,7 @@ from memfit.planning.gpu_report import (
     _progress,
     _tracer,
 )
-from memfit.planning.gpus import gpu_by_name
+from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
@@ -238,7 +237,6 @@ def plan_sharded(
         raise InvalidInputError("a per-rank plan is for one kind of GPU: give one --gpu (e.g. h100) or a --budget")
     card = gpu_by_name(gpu) if gpu else None
     capacity = card.memory_bytes if card else parse_budget(budget or "")
-    name = card.name if card else f"budget {budget}"
     default = _default_precision(precision, False)
     row_precision = _card_precision(card, precision, default, False)
     if not isinstance(row_precision, Precision):
@@ -247,7 +245,6 @@ def plan_sharded(
         spec = apply_finetune(_spec(hf_config, model, seq_len, image_size, layers), finetune, default, inference=False)
     parameters = sum(p.numel() for p in spec.model.parameters())
     trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-    runtime = card.runtime if card else CudaRuntime()
 
     def build_at(depth: int) -> ModelSpec:
         with _progress(show_progress, f"building {spec.name} at {depth} blocks"):
@@ -256,66 +253,115 @@ def plan_sharded(
 
     whole_only = not hf_config or exact or layers is not None
     deep = DeepModel.of(spec, None if whole_only else build_at, large=parameters >= EXTRAPOLATION_MIN_PARAMETERS)
+    planner = _RankPlanner(
+        spec=spec, parameters=parameters, trainable=trainable, deep=deep, card=card,
+        runtime=card.runtime if card else CudaRuntime(), capacity=capacity,
+        name=card.name if card else f"budget {budget}", default=default, precision=row_precision,
+        optimizer=optimizer, zero_grad=zero_grad, allow=checkpointing, margin=margin,
+        target_batch_size=target_batch_size, micro_batch_size=micro_batch_size,
+        gpus_per_node=gpus_per_node, seq_len=seq_len, show_progress=show_progress, auto=gpus is None,
+    )  # fmt: skip
+    if gpus is not None:
+        option = options[0]
+        per_node = gpus // nodes if nodes else min(gpus, gpus_per_node)
+        row, config = planner.planned(option, gpus, per_node)
+        return planner.finish(row, config, option, ())
+    return planner.fewest_gpus(options, hints, max_gpus)
 
-    @functools.cache
-    def traces(kind: bool | ShardingConfig) -> tuple[Any, Any]:
+
+@dataclass
+class _RankPlanner:
+    """What every count and option of one per-rank plan shares: the model, the card, the question asked, and
+    the traces already made (one per layout: a count's search and its confirmation trace each layout once)."""
+
+    spec: ModelSpec
+    parameters: int
+    trainable: int
+    deep: DeepModel
+    card: GPU | None
+    runtime: CudaRuntime
+    capacity: int
+    name: str
+    default: Precision
+    precision: Precision
+    optimizer: str
+    zero_grad: ZeroGrad
+    allow: str  # checkpointing: auto, on or off
+    margin: float
+    target_batch_size: int | str
+    micro_batch_size: int
+    gpus_per_node: int
+    seq_len: int
+    show_progress: bool
+    auto: bool
+    _traced: dict[bool | ShardingConfig, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.capacity * (1 - self.margin))
+
+    def traces(self, kind: bool | ShardingConfig) -> tuple[Any, Any]:
         """``(search, whole)`` traces of the step: one rank's under a ``ShardingConfig``, else in DDP's loop
         (``True``) or a plain one (``False``, the screen every count reads)."""
-        if isinstance(kind, ShardingConfig):
-            loop = TrainingLoop(zero_grad=zero_grad, sharding=kind)
-        else:
-            loop = TrainingLoop(zero_grad=zero_grad, ddp=DDPConfig() if kind else None)
+        if kind not in self._traced:
+            if isinstance(kind, ShardingConfig):
+                loop = TrainingLoop(zero_grad=self.zero_grad, sharding=kind)
+            else:
+                loop = TrainingLoop(zero_grad=self.zero_grad, ddp=DDPConfig() if kind else None)
 
-        def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
-            return _tracer(model_spec, row_precision, optimizer, [runtime], False, loop, **keywords)
+            def tracer(model_spec: ModelSpec, **keywords: Any) -> Any:
+                return _tracer(model_spec, self.precision, self.optimizer, [self.runtime], False, loop, **keywords)
 
-        return deep.tracers(tracer, checkpointing == "on")
+            self._traced[kind] = self.deep.tracers(tracer, self.allow == "on")
+        return self._traced[kind]
 
-    def screen(option: Option, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
+    def screen(self, option: Option, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
         """The rank's search estimate under ``config``: one GPU's own, or read off the strategy's per-rank
         estimate at its reference count (``rescaled``)."""
         if config.world_size == 1 and option.strategy == "ddp":
-            return ranked(config)[0]
-        reference = Option(option.strategy).config(*_reference_count(option, gpus_per_node), row_precision)
-        search = ranked(reference)[0]
+            return self.ranked(config)[0]
+        reference = Option(option.strategy).config(*_reference_count(option, self.gpus_per_node), self.precision)
+        search = self.ranked(reference)[0]
         return lambda b, c, a: rescaled(search(b, c, a), config)
 
-    def ranked(config: ShardingConfig) -> tuple[Any, Any]:
+    def ranked(self, config: ShardingConfig) -> tuple[Any, Any]:
         """``(search, whole)`` of one rank under ``config``, from ``memfit.estimate``'s per-rank estimate."""
-        search, whole = traces(config if config.world_size > 1 or config.strategy != "ddp" else False)
+        search, whole = self.traces(config if config.world_size > 1 or config.strategy != "ddp" else False)
         return (lambda b, c, a: search(b, c, a)[0]), (lambda b, c, a: whole(b, c, a)[0])
 
-    budget_bytes = int(capacity * (1 - margin))
-    allow = checkpointing
+    def request(self, count: int) -> PlanRequest:
+        return PlanRequest(capacity_bytes=self.capacity, margin=self.margin, target_batch_size=self.target_batch_size,
+                           world_size=count, min_batch_size=self.micro_batch_size,
+                           allow_checkpointing=self.allow == "auto", always_checkpoint=self.allow == "on")  # fmt: skip
 
-    def request(count: int) -> PlanRequest:
-        return PlanRequest(capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size,
-                           world_size=count, min_batch_size=micro_batch_size, allow_checkpointing=allow == "auto",
-                           always_checkpoint=allow == "on")  # fmt: skip
-
-    def planned(option: Option, count: int, per_node: int, candidate: bool = False) -> tuple[GpuPlan, ShardingConfig]:
+    def planned(
+        self, option: Option, count: int, per_node: int, candidate: bool = False
+    ) -> tuple[GpuPlan, ShardingConfig]:
         """One rank's plan; a ``candidate`` of the ``--gpus auto`` search takes a "no" from the search's
         (depth-extrapolated) estimate as final instead of deciding it again on whole-model traces."""
-        config = option.config(count, per_node, row_precision)
-        search, whole = ranked(config)
-        label = f"{name} x{count} {option.label} (per rank)"
-        with _progress(show_progress, f"planning {describe(config)}"):
+        config = option.config(count, per_node, self.precision)
+        search, whole = self.ranked(config)
+        label = f"{self.name} x{count} {option.label} (per rank)"
+        with _progress(self.show_progress, f"planning {describe(config)}"):
             if candidate:
                 session = PlanningSession(whole, batch_size=START_BATCH, search_at=search)
                 try:
-                    decision = session.decide(request(count))
-                    row = GpuPlan(label, capacity, decision.plan, decision.estimate,
-                                  base=session.search_at(START_BATCH, allow == "on", 1))  # fmt: skip
+                    decision = session.decide(self.request(count))
+                    row = GpuPlan(label, self.capacity, decision.plan, decision.estimate,
+                                  base=session.search_at(START_BATCH, self.allow == "on", 1))  # fmt: skip
                 except InsufficientMemoryError as error:
-                    row = GpuPlan(label, capacity, None, None, error=str(error))
+                    row = GpuPlan(label, self.capacity, None, None, error=str(error))
             else:
-                row = _plan_one(label, card, search, request(count), whole, deep.extrapolated)
-        return _in_precision(row, row_precision, default, card), config
+                row = _plan_one(label, self.card, search, self.request(count), whole, self.deep.extrapolated)
+        return _in_precision(row, self.precision, self.default, self.card), config
 
-    def finish(row: GpuPlan, config: ShardingConfig | None, option: Option | None,
+    def finish(self, row: GpuPlan, config: ShardingConfig | None, option: Option | None,
                considered: tuple[CountCheck, ...]) -> ShardedReport:  # fmt: skip
-        report = PlanReport(spec.name, parameters, default.value, optimizer, seq_len, (row,),
-                            depth_extrapolated_from=deep.extrapolated, depth_built_from=deep.built)  # fmt: skip
+        """The report of the plan found: the rank's model states from its estimate (or, without a plan on
+        several ranks, the whole model's), and the host RAM its offload takes."""
+        report = PlanReport(self.spec.name, self.parameters, self.default.value, self.optimizer, self.seq_len, (row,),
+                            depth_extrapolated_from=self.deep.extrapolated,
+                            depth_built_from=self.deep.built)  # fmt: skip
         states: dict[str, int] = {}
         host = 0
         estimate = row.estimate  # a whole-model trace (a depth-extrapolated one carries its shallow terms)
@@ -323,59 +369,66 @@ def plan_sharded(
             states = dict(estimate.rank_terms)
             host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
         elif config is not None:  # one GPU, or no plan: the states of the whole model
-            states = _held_states(ranked(config)[0](micro_batch_size, False, 1))
-        return ShardedReport(report, config, option, trainable, states, host, considered, budget_bytes,
-                             auto=gpus is None)  # fmt: skip
+            states = _held_states(self.ranked(config)[0](self.micro_batch_size, False, 1))
+        return ShardedReport(report, config, option, self.trainable, states, host, considered, self.budget_bytes,
+                             auto=self.auto)  # fmt: skip
 
-    if gpus is not None:
-        option = options[0]
-        per_node = gpus // nodes if nodes else min(gpus, gpus_per_node)
-        row, config = planned(option, gpus, per_node)
-        return finish(row, config, option, ())
+    def fewest_gpus(self, options: Sequence[Option], hints: Sequence[Option], max_gpus: int) -> ShardedReport:
+        """``--gpus auto``: the counts in order, each screened, then planned with the options the screen passes
+        until one fits; past ``AUTO_MAX_REFUSED`` counts the estimate refused, or past ``max_gpus``, why not."""
+        considered: list[CountCheck] = []
+        refused = 0  # counts the screen passed and the per-rank estimate did not
+        allocator = AllocatorConfig.from_environment()
+        micro, allow, budget_bytes = self.micro_batch_size, self.allow, self.budget_bytes
+        for count in candidate_gpu_counts(self.gpus_per_node, max_gpus):
+            per_node = min(count, self.gpus_per_node)
+            screened, host = self._screened(count, per_node, (*options, *hints))
+            peaks = {option: (figure, ckpt, figure <= budget_bytes, False) for option, figure, ckpt, _ in screened}
+            rejected: list[str] = []
+            for option in [o for o, _, _, could in screened if could and o in options]:  # in order of preference
+                row, config = self.planned(option, count, per_node, candidate=True)
+                own = _needed(self.ranked(config)[0], micro, allow, budget_bytes, allocator)
+                peaks[option] = (*own, own[0] <= budget_bytes, True)  # the figure the plan itself compares
+                if row.plan is not None:
+                    check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host)
+                    return self.finish(row, config, option, (*considered, check))
+                rejected.append(option.label)
+            considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None,
+                                         tuple(rejected), host))  # fmt: skip
+            refused += bool(rejected)
+            if refused >= AUTO_MAX_REFUSED:
+                raise NoCountFitsError(
+                    f"the screen's lower bound says {self.spec.name} may fit {micro} sample(s) per rank from "
+                    f"{considered[-AUTO_MAX_REFUSED].gpus} x {self.name}, but the per-rank estimate refuses it at "
+                    f"{' and '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with --gpus N "
+                    "--strategy S to see its figures. Per count: "
+                    + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+                )
+        tried = ", ".join(o.label for o in options)
+        raise NoCountFitsError(
+            f"{self.spec.name} does not fit {micro} sample(s) per rank on up to {max_gpus} x {self.name} with any of "
+            f"{tried}; try --offload all, checkpointing, a shorter --seq-len or a larger --max-gpus. Per count: "
+            + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+        )
 
-    considered: list[CountCheck] = []
-    refused = 0  # counts the screen passed and the per-rank estimate did not
-    allocator = AllocatorConfig.from_environment()
-    for count in candidate_gpu_counts(gpus_per_node, max_gpus):
-        per_node = min(count, gpus_per_node)
-        screened = []  # (option, screen figure, checkpointing, could fit)
-        for option in (*options, *hints):
+    def _screened(
+        self, count: int, per_node: int, weighed: Sequence[Option]
+    ) -> tuple[list[tuple[Option, int, bool, bool]], tuple[tuple[str, int], ...]]:
+        """The screen at ``count``: ``(option, figure, checkpointing, could fit)`` of each option that can run
+        there, and the host RAM a node needs under each of them that offloads."""
+        screened = []
+        for option in weighed:
             if option.strategy == "ddp" and count > 1:
                 continue  # DDP holds on each rank what one GPU holds, and its buckets besides
-            if option.strategy == "fsdp-hybrid" and count <= gpus_per_node:
+            if option.strategy == "fsdp-hybrid" and count <= self.gpus_per_node:
                 continue  # within one node hybrid sharding is fsdp
-            config = option.config(count, per_node, row_precision)
-            screened.append((option, *_screened(screen(option, config), micro_batch_size, allow, budget_bytes)))
-        peaks = {option: (figure, ckpt, figure <= budget_bytes, False) for option, figure, ckpt, _ in screened}
-        host = tuple((option.label, screen(option, option.config(count, per_node, row_precision))(
-            micro_batch_size, False, 1).host_bytes_per_node or 0) for option, *_ in screened
+            config = option.config(count, per_node, self.precision)
+            screened.append((option, *_screened(self.screen(option, config), self.micro_batch_size, self.allow,
+                                                self.budget_bytes)))  # fmt: skip
+        host = tuple((option.label, self.screen(option, option.config(count, per_node, self.precision))(
+            self.micro_batch_size, False, 1).host_bytes_per_node or 0) for option, *_ in screened
             if option.offload != "none")  # fmt: skip
-        rejected: list[str] = []
-        for option in [o for o, _, _, could in screened if could and o in options]:  # in order of preference
-            row, config = planned(option, count, per_node, candidate=True)
-            own = _needed(ranked(config)[0], micro_batch_size, allow, budget_bytes, allocator)
-            peaks[option] = (*own, own[0] <= budget_bytes, True)  # the figure the plan itself compares
-            if row.plan is not None:
-                check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host)
-                return finish(row, config, option, (*considered, check))
-            rejected.append(option.label)
-        considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None, tuple(rejected),
-                                     host))  # fmt: skip
-        refused += bool(rejected)
-        if refused >= AUTO_MAX_REFUSED:
-            raise NoCountFitsError(
-                f"the screen's lower bound says {spec.name} may fit {micro_batch_size} sample(s) per rank from "
-                f"{considered[-AUTO_MAX_REFUSED].gpus} x {name}, but the per-rank estimate refuses it at "
-                f"{' and '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with --gpus N "
-                "--strategy S to see its figures. Per count: "
-                + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
-            )
-    tried = ", ".join(o.label for o in options)
-    raise NoCountFitsError(
-        f"{spec.name} does not fit {micro_batch_size} sample(s) per rank on up to {max_gpus} x {name} with any of "
-        f"{tried}; try --offload all, checkpointing, a shorter --seq-len or a larger --max-gpus. Per count: "
-        + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
-    )
+        return screened, host
 
 
 def _reference_count(option: Option, gpus_per_node: int) -> tuple[int, int]:
