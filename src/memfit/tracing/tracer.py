@@ -164,19 +164,10 @@ def trace_steps(
     """
     refuse_unsupported_quantization(model)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-    recorder = StorageRecorder(
-        workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0,
-        cuda_target=CudaTarget(
-            settings.runtime.compute_capability,
-            GridLimits(settings.runtime.multiprocessors, settings.runtime.max_threads_per_multiprocessor),
-        ),
-    )
-    if fake_mode.shape_env is not None:
-        recorder.decompositions = symbolic_decompositions()
+    recorder = _recorder(settings, symbolic=fake_mode.shape_env is not None)
     autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
     build = CudaBuild(compute_capability=settings.runtime.compute_capability)
     semantics = CudaSemantics(autocast_dtype, build) if settings.emulate_cuda else None
-    checkpointing: str | None = None
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample = _call_sample_factory(sample, batch_size)
         sample_batch = batch_size
@@ -208,14 +199,7 @@ def trace_steps(
             inference.substitutions.update(rnn_calls)
             return inference
         model.train()
-        already_on = _hf_checkpointing_on(model)
-        if settings.gradient_checkpointing or (already_on and semantics is not None):
-            # Emulated CUDA semantics must reach checkpointing's recomputation, so a model that
-            # already checkpoints gets its checkpoint function re-wired for the trace.
-            recompute = semantics.recomputation if semantics is not None else lstms.again if lstms is not None else None
-            checkpointing = enable_checkpointing(model, settings.checkpoint_modules, recompute_context=recompute)
-        elif already_on:
-            checkpointing = "the model's own checkpointing, as configured"
+        checkpointing = _checkpointing(model, settings, semantics, lstms)
         paths = module_path_tracker(model)
         paths.foreign_tensor_types = _foreign_tensor_types(model)
         blocks = _repeated_blocks(model, recorder) if settings.record_blocks else []
@@ -257,6 +241,36 @@ def trace_steps(
         blocks=len(blocks),
         seq_len=sequence_length(sample, sample_batch),
     )
+
+
+def _recorder(settings: TraceSettings, *, symbolic: bool) -> StorageRecorder:
+    """The log the step is recorded into, with the target's cuBLAS workspace and kernel launch limits; a
+    symbolic trace decomposes the ops whose fake kernels cannot take a symbolic size."""
+    recorder = StorageRecorder(
+        workspace_bytes=settings.workspace_bytes if settings.targets_cuda else 0,
+        cuda_target=CudaTarget(
+            settings.runtime.compute_capability,
+            GridLimits(settings.runtime.multiprocessors, settings.runtime.max_threads_per_multiprocessor),
+        ),
+    )
+    if symbolic:
+        recorder.decompositions = symbolic_decompositions()
+    return recorder
+
+
+def _checkpointing(
+    model: nn.Module, settings: TraceSettings, semantics: CudaSemantics | None, lstms: CudnnRNNs | None
+) -> str | None:
+    """Turn on the checkpointing asked for, and say which runs (``None``: none)."""
+    already_on = _hf_checkpointing_on(model)
+    if settings.gradient_checkpointing or (already_on and semantics is not None):
+        # Emulated CUDA semantics must reach checkpointing's recomputation, so a model that
+        # already checkpoints gets its checkpoint function re-wired for the trace.
+        recompute = semantics.recomputation if semantics is not None else lstms.again if lstms is not None else None
+        return enable_checkpointing(model, settings.checkpoint_modules, recompute_context=recompute)
+    if already_on:
+        return "the model's own checkpointing, as configured"
+    return None
 
 
 def _sequenced(shape: tuple, sequence: tuple[int, Any] | None) -> tuple:
