@@ -70,39 +70,12 @@ def replay(
     steady one) is therefore run again until a run reserves nothing new (at most ``MAX_STEADY_REPEATS`` times); its
     phases' peaks are the highest of all its runs (``_steady_step``)."""
     allocator = CachingAllocatorSimulator() if simulate_cuda_allocator else None
-    categories = recorder.categories
-    sizes = recorder.sizes
-    held: dict[int, int] = {}
-    by_category: dict[Category, int] = dict.fromkeys(Category, 0)
-    allocated = 0
-    tensors = 0
+    ledger = _Ledger(recorder, allocator)
+    apply = ledger.apply
+    by_category = ledger.by_category
     marks = recorder.marks
     boundaries = [mark.event_index for mark in marks[1:]] + [len(recorder.events)]
     peaks: list[PhasePeak] = []
-    position = 0
-
-    def apply(event: int, key: int | None = None) -> None:
-        """One event of storage ``abs(event)``, held under ``key`` (the storage itself unless a repeated step's)."""
-        nonlocal allocated, tensors
-        sid = abs(event)
-        key = sid if key is None else key
-        category = categories.get(sid, Category.TEMPORARIES)
-        if event > 0:
-            size = allocator.malloc(key, sizes[sid]) if allocator else sizes[sid]
-            held[key] = size
-            allocated += size
-            tensors += round_size(sizes[sid]) if allocator else sizes[sid]
-            by_category[category] += size
-        else:
-            size = held.pop(key, None)
-            if size is None:
-                return
-            if allocator:
-                allocator.free(key)
-            allocated -= size
-            tensors -= round_size(sizes[sid]) if allocator else sizes[sid]
-            by_category[category] -= size
-
     events = recorder.events
     first = marks[0].event_index if marks else len(events)
     for event in events[:first]:  # parameters, buffers and inputs made before the first step
@@ -113,24 +86,24 @@ def replay(
 
     def sample(index: int, mark: PhaseMark) -> None:
         if timeline is not None:
-            reserved = allocator.reserved_bytes if allocator else allocated
+            reserved = allocator.reserved_bytes if allocator else ledger.allocated
             snapshot = tuple(by_category[c] for c in categories_order)
             timeline.append(TimelinePoint(index, mark.step, mark.phase, snapshot, reserved))
 
     for mark, end in zip(marks, boundaries, strict=True):
-        peak_allocated = allocated
-        peak_tensors = tensors
-        peak_reserved = allocator.reserved_bytes if allocator else allocated
+        peak_allocated = ledger.allocated
+        peak_tensors = ledger.tensors
+        peak_reserved = allocator.reserved_bytes if allocator else ledger.allocated
         breakdown = dict(by_category)
         for index in range(position, end):
             apply(events[index])
-            if allocated > peak_allocated:
-                peak_allocated = allocated
+            if ledger.allocated > peak_allocated:
+                peak_allocated = ledger.allocated
                 breakdown = dict(by_category)
                 sample(index, mark)
             elif index % every == 0:
                 sample(index, mark)
-            peak_tensors = max(peak_tensors, tensors)
+            peak_tensors = max(peak_tensors, ledger.tensors)
             if allocator:
                 peak_reserved = max(peak_reserved, allocator.reserved_bytes)
         if not allocator:
@@ -138,22 +111,74 @@ def replay(
         peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown, peak_tensors))
         position = end
     steady = _steady_step(recorder) if allocator else None
-    if steady is None or allocator is None:
-        return peaks
+    if steady is not None and allocator is not None:
+        _settle(ledger, allocator, recorder, boundaries, peaks, steady)
+    return peaks
+
+
+class _Ledger:
+    """What the replay holds after each event: each live storage's size, the bytes by category, the allocated and
+    tensor totals; with ``allocator``, sizes are its blocks."""
+
+    __slots__ = ("allocated", "allocator", "by_category", "categories", "held", "sizes", "tensors")
+
+    def __init__(self, recorder: StorageRecorder, allocator: CachingAllocatorSimulator | None) -> None:
+        self.allocator = allocator
+        self.categories = recorder.categories
+        self.sizes = recorder.sizes
+        self.held: dict[int, int] = {}
+        self.by_category: dict[Category, int] = dict.fromkeys(Category, 0)
+        self.allocated = 0
+        self.tensors = 0
+
+    def apply(self, event: int, key: int | None = None) -> None:
+        """One event of storage ``abs(event)``, held under ``key`` (the storage itself unless a repeated step's)."""
+        allocator, sizes = self.allocator, self.sizes
+        sid = abs(event)
+        key = sid if key is None else key
+        category = self.categories.get(sid, Category.TEMPORARIES)
+        if event > 0:
+            size = allocator.malloc(key, sizes[sid]) if allocator else sizes[sid]
+            self.held[key] = size
+            self.allocated += size
+            self.tensors += round_size(sizes[sid]) if allocator else sizes[sid]
+            self.by_category[category] += size
+        else:
+            size = self.held.pop(key, None)
+            if size is None:
+                return
+            if allocator:
+                allocator.free(key)
+            self.allocated -= size
+            self.tensors -= round_size(sizes[sid]) if allocator else sizes[sid]
+            self.by_category[category] -= size
+
+
+def _settle(
+    ledger: _Ledger,
+    allocator: CachingAllocatorSimulator,
+    recorder: StorageRecorder,
+    boundaries: list[int],
+    peaks: list[PhasePeak],
+    steady: tuple[int, dict[int, int]],
+) -> None:
+    """Run the steady step again until a run reserves nothing new (at most ``MAX_STEADY_REPEATS`` times), raising
+    each of its phases' peaks in ``peaks`` to the highest of all its runs."""
+    marks, events = recorder.marks, recorder.events
     start, successors = steady
-    stride = max(sizes, default=0) + 1  # keys of a repeated run's storages, apart from every traced one
+    stride = max(recorder.sizes, default=0) + 1  # keys of a repeated run's storages, apart from every traced one
     first = next(i for i, mark in enumerate(marks) if mark.event_index >= start)
     for run in range(1, MAX_STEADY_REPEATS + 1):
         reserved_before = allocator.reserved_bytes
         made: set[int] = set()
         for index in range(first, len(marks)):
-            mark, end = marks[index], boundaries[index]
-            peak_allocated, peak_tensors, breakdown = allocated, tensors, None
+            end = boundaries[index]
+            peak_allocated, peak_tensors, breakdown = ledger.allocated, ledger.tensors, None
             for event, key in _run_again(events[marks[index].event_index : end], made, successors, run, stride):
-                apply(event, key)
-                if allocated > peak_allocated:
-                    peak_allocated, breakdown = allocated, dict(by_category)
-                peak_tensors = max(peak_tensors, tensors)
+                ledger.apply(event, key)
+                if ledger.allocated > peak_allocated:
+                    peak_allocated, breakdown = ledger.allocated, dict(ledger.by_category)
+                peak_tensors = max(peak_tensors, ledger.tensors)
             old = peaks[index]
             peaks[index] = PhasePeak(
                 old.step, old.phase, max(old.allocated_bytes, peak_allocated),
@@ -163,7 +188,6 @@ def replay(
             )  # fmt: skip
         if allocator.reserved_bytes == reserved_before:
             break
-    return peaks
 
 
 def _run_again(
