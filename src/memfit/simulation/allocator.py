@@ -308,6 +308,46 @@ class _Pool:
         i = bisect_left(self.free, (size,))
         return None if i == len(self.free) else self.by_address[self.free[i][1]]
 
+    def split(self, block: _Block, size: int) -> None:
+        """Keep ``size`` bytes of ``block``; the rest becomes a free block of its own, after it."""
+        rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
+        _link_after(block, rest)
+        block.size = size
+        self.insert(rest)
+
+    def merged(self, block: _Block) -> _Block:
+        """``block`` merged with free neighbours in the same mapping state; the caller inserts the result."""
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.mapped == block.mapped:
+            self.remove(prev)
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            block = prev
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.mapped == block.mapped:
+            self.remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        return block
+
+
+def _link_after(block: _Block, new: _Block) -> None:
+    new.prev, new.next = block, block.next
+    if block.next is not None:
+        block.next.prev = new
+    block.next = new
+
+
+def _link_before(block: _Block, new: _Block) -> None:
+    new.prev, new.next = block.prev, block
+    if block.prev is not None:
+        block.prev.next = new
+    block.prev = new
+
 
 class _Segment:
     __slots__ = ("base", "expandable", "head", "index", "pool", "size")
@@ -319,6 +359,37 @@ class _Segment:
         self.pool = pool
         self.expandable = expandable
         self.head = _Block(index, base, 0, size, mapped=not expandable)
+
+    def copy(self, pools: dict[int, _Pool], blocks: dict[int, _Block]) -> _Segment:
+        """An independent copy of the segment and its chain of blocks, in the copied ``pools`` (by the original's
+        id); ``blocks`` receives each copied block under its original's id."""
+        copied = object.__new__(_Segment)
+        copied.index, copied.base, copied.size = self.index, self.base, self.size
+        copied.pool, copied.expandable = pools[id(self.pool)], self.expandable
+        previous, block = None, self.head
+        while block is not None:
+            twin_block = object.__new__(_Block)
+            for slot in _Block.__slots__:
+                setattr(twin_block, slot, getattr(block, slot))
+            twin_block.prev, twin_block.next = previous, None
+            if previous is None:
+                copied.head = twin_block
+            else:
+                previous.next = twin_block
+            blocks[id(block)] = previous = twin_block
+            block = block.next
+        return copied
+
+    def info(self) -> SegmentInfo:
+        """The segment and its blocks as torch describes them: an expandable one by its mapped blocks."""
+        blocks = []
+        block: _Block | None = self.head
+        while block is not None:
+            if block.mapped:
+                blocks.append(BlockInfo(block.address - self.base, block.size, block.allocated))
+            block = block.next
+        size = sum(b.size for b in blocks) if self.expandable else self.size
+        return SegmentInfo(self.index, self.pool.name, size, tuple(blocks))
 
 
 class CachingAllocatorSimulator:
@@ -365,22 +436,7 @@ class CachingAllocatorSimulator:
         blocks: dict[int, _Block] = {}
         twin._segments = {}
         for key, segment in self._segments.items():
-            copied = object.__new__(_Segment)
-            copied.index, copied.base, copied.size = segment.index, segment.base, segment.size
-            copied.pool, copied.expandable = pools[id(segment.pool)], segment.expandable
-            previous, block = None, segment.head
-            while block is not None:
-                twin_block = object.__new__(_Block)
-                for slot in _Block.__slots__:
-                    setattr(twin_block, slot, getattr(block, slot))
-                twin_block.prev, twin_block.next = previous, None
-                if previous is None:
-                    copied.head = twin_block
-                else:
-                    previous.next = twin_block
-                blocks[id(block)] = previous = twin_block
-                block = block.next
-            twin._segments[key] = copied
+            twin._segments[key] = segment.copy(pools, blocks)
         for old in (self._small, self._large):
             new = pools[id(old)]
             new.free = list(old.free)
@@ -456,17 +512,7 @@ class CachingAllocatorSimulator:
     def snapshot(self) -> list[SegmentInfo]:
         """Describe every segment and its blocks, in creation order, for inspection and tests. An expandable
         segment is described by its mapped blocks, as torch describes it."""
-        result = []
-        for segment in self._segments.values():
-            blocks = []
-            block: _Block | None = segment.head
-            while block is not None:
-                if block.mapped:
-                    blocks.append(BlockInfo(block.address - segment.base, block.size, block.allocated))
-                block = block.next
-            size = sum(b.size for b in blocks) if segment.expandable else segment.size
-            result.append(SegmentInfo(segment.index, segment.pool.name, size, tuple(blocks)))
-        return result
+        return [segment.info() for segment in self._segments.values()]
 
     # -- events -------------------------------------------------------------------------------------------
 
@@ -490,7 +536,7 @@ class CachingAllocatorSimulator:
         else:
             pool.remove(block)
         if self._should_split(pool, block, size):
-            self._split(pool, block, size)
+            pool.split(block, size)
         block.allocated = True
         self._live[key] = block
         self._allocated += block.size
@@ -509,7 +555,7 @@ class CachingAllocatorSimulator:
         self._allocated -= block.size
         block.allocated = False
         pool = self._segments[block.segment].pool
-        pool.insert(self._merged(pool, block))
+        pool.insert(pool.merged(block))
 
     def empty_cache(self) -> None:
         """Give every cached block back to the driver, like ``torch.cuda.empty_cache``."""
@@ -629,12 +675,12 @@ class CachingAllocatorSimulator:
         if mapped < block.size:
             rest = _Block(block.segment, block.address - block.offset, block.offset + mapped, block.size - mapped,
                           mapped=False)  # fmt: skip
-            self._link_after(block, rest)
+            _link_after(block, rest)
             block.size = mapped
             pool.insert(rest)
         block.mapped = True
         self._grow_reserved(mapped)
-        merged = self._merged(pool, block)
+        merged = pool.merged(block)
         pool.insert(merged)
         return merged
 
@@ -649,15 +695,15 @@ class CachingAllocatorSimulator:
         base = block.address - block.offset
         if first > block.offset:
             before = _Block(block.segment, base, block.offset, first - block.offset)
-            self._link_before(block, before)
+            _link_before(block, before)
             pool.insert(before)
         if last < block.offset + block.size:
             after = _Block(block.segment, base, last, block.offset + block.size - last)
-            self._link_after(block, after)
+            _link_after(block, after)
             pool.insert(after)
         block.offset, block.address, block.size, block.mapped = first, base + first, last - first, False
         self._reserved -= block.size
-        pool.insert(self._merged(pool, block))
+        pool.insert(pool.merged(block))
 
     # -- releasing cached memory --------------------------------------------------------------------------
 
@@ -730,43 +776,3 @@ class CachingAllocatorSimulator:
             return remaining >= MIN_BLOCK_SIZE
         limit = self.config.max_split_size
         return (limit is None or size < limit) and remaining > SMALL_SIZE
-
-    def _split(self, pool: _Pool, block: _Block, size: int) -> None:
-        rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
-        self._link_after(block, rest)
-        block.size = size
-        pool.insert(rest)
-
-    @staticmethod
-    def _link_after(block: _Block, new: _Block) -> None:
-        new.prev, new.next = block, block.next
-        if block.next is not None:
-            block.next.prev = new
-        block.next = new
-
-    @staticmethod
-    def _link_before(block: _Block, new: _Block) -> None:
-        new.prev, new.next = block.prev, block
-        if block.prev is not None:
-            block.prev.next = new
-        block.prev = new
-
-    @staticmethod
-    def _merged(pool: _Pool, block: _Block) -> _Block:
-        """``block`` merged with free neighbours in the same mapping state; the caller inserts the result."""
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.mapped == block.mapped:
-            pool.remove(prev)
-            prev.size += block.size
-            prev.next = block.next
-            if block.next is not None:
-                block.next.prev = prev
-            block = prev
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.mapped == block.mapped:
-            pool.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-        return block
