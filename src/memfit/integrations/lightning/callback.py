@@ -28,6 +28,7 @@ from memfit.errors import (
     ValueDependentError,
 )
 from memfit.integrations.lightning.internals import LightningInternals
+from memfit.integrations.lightning.recovery import RecoveringStep
 from memfit.integrations.lightning.sharding import StrategyLayout, sharding_strategy_name, strategy_layout
 from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.monitoring.recovery import (
@@ -211,19 +212,8 @@ class MemoryPlannerBase(ControlledRun):
         self.budget_bytes = parse_budget(budget)
         self.target = check_target(target, budget)
         self._budget = budget
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
-        if target_batch_size is not None and target_batch_size != "max":
-            _check_positive("target_batch_size", target_batch_size, extra=", 'max' or None")
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise InvalidInputError(f"`batch_arg_name` must be an attribute name, got {batch_arg_name!r}")
-        if mode not in ("plan", "observe"):
-            raise InvalidInputError(f"`mode` must be one of 'plan', 'observe', got {mode!r}")
-        _check_positive("min_batch_size", min_batch_size)
-        if max_batch_size is not None:
-            _check_positive("max_batch_size", max_batch_size)
-        if log_every_n_steps is not None:
-            _check_positive("log_every_n_steps", log_every_n_steps)
+        _check_arguments(margin, target_batch_size, batch_arg_name, mode, min_batch_size, max_batch_size,
+                         log_every_n_steps)  # fmt: skip
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.margin = float(margin)
@@ -249,7 +239,7 @@ class MemoryPlannerBase(ControlledRun):
         self._steps_seen = 0
         self._last_logged_step = -1
         self._hparams_logged = False
-        self._closure_finished = False
+        self._recovering: RecoveringStep | None = None  # the training step while recovery is on
         self._measuring = False  # every rank measures (the broadcast decision says so): logging steps gather
         self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
 
@@ -267,7 +257,8 @@ class MemoryPlannerBase(ControlledRun):
         self.controller.agree_across_ranks()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.recovery is not None and self._closure_finished and is_out_of_memory(exception):
+        closure_finished = self._recovering is not None and self._recovering.closure_finished
+        if self.recovery is not None and closure_finished and is_out_of_memory(exception):
             self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
         self.teardown(trainer, pl_module, "fit")  # Lightning skips callbacks' teardown after an exception
 
@@ -415,18 +406,8 @@ class MemoryPlannerBase(ControlledRun):
         self, trainer: Any, pl_module: Any, training: MemoryEstimate, capacity: int, include_context: bool
     ) -> None:
         """Warn when the validation pass, beside the optimizer state, would not fit where training does."""
-        self.validation = None
-        try:
-            sample = self._validation_sample(trainer, pl_module)
-            if sample is None:
-                return
-            device = trainer.strategy.root_device
-            forward = functools.partial(_validation_step, device=device, internals=self._internals)
-            evaluation = estimate(pl_module, sample, inference=True, precision=Precision.parse(str(trainer.precision)),
-                                  target=Target(training.device), forward_fn=forward)  # fmt: skip
-            self.validation = evaluation_peak(training, evaluation)
-        except Exception as error:  # the plan stands; only this check is lost
-            degrade(f"memfit could not check the validation pass ({type(error).__name__}: {error})", error, quiet=True)
+        self.validation = _validation_peak(self._pl, self._internals, trainer, pl_module, training)
+        if self.validation is None:
             return
         budget = int(capacity * (1 - self.margin))
         needed = self.validation.device_bytes if include_context else self.validation.reserved_bytes
@@ -436,23 +417,6 @@ class MemoryPlannerBase(ControlledRun):
                 f"the {format_bytes(budget)} budget ({format_bytes(capacity)} with a {format_margin(self.margin)} "
                 "margin). "
                 "Lower the validation batch size.")  # fmt: skip
-
-    def _validation_sample(self, trainer: Any, pl_module: Any) -> Any:
-        """One batch of the first validation dataloader, or ``None`` when the fit runs no validation."""
-        overridden = self._pl.utilities.model_helpers.is_overridden("validation_step", pl_module)
-        if not trainer.limit_val_batches or not overridden:
-            return None
-        loaders = self._internals.val_dataloaders(trainer)
-        loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
-        if isinstance(loader, dict):
-            loader = next(iter(loader.values()), None)
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            return None
-        with preserved_rng_state():
-            try:
-                return longest_batch(loader)
-            except StopIteration:  # an empty loader: no batch to check
-                return None
 
     def _ddp_config(self, strategy: Any) -> DDPConfig | None:
         """DDP's bucket options when the strategy wraps the model in ``DistributedDataParallel``."""
@@ -562,45 +526,8 @@ class MemoryPlannerBase(ControlledRun):
             ),
             checkpointing_on=bool(self.mode == "plan" and self.plan and self.plan.gradient_checkpointing),
         )
-        self._internals.install_step(trainer, functools.partial(self._recovering_step, trainer, pl_module))
-
-    def _recovering_step(self, trainer: Any, pl_module: Any, kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
-        """Zero grad (first micro batch of a window), then forward and backward of each chunk."""
-        internals, recovery = self._internals, self.recovery
-        self._closure_finished = False
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            recovery.start_window()
-        zero_grad, backward = internals.zero_grad_and_backward(trainer, batch_idx, optimizer)
-        if zero_grad is not None:
-            zero_grad()
-        strategy = trainer.strategy
-        wrapper = strategy.model if strategy.model is not pl_module else None
-
-        def step_of(through_wrapper: bool) -> Any:
-            def run(chunk: Any, weight: float) -> Any:
-                step_kwargs = kwargs.copy()
-                step_kwargs["batch"] = chunk
-                if through_wrapper:  # the strategy (the DDP wrapper): its all-reduce
-                    result = internals.loop_training_step(trainer, step_kwargs)
-                else:
-                    result = internals.bare_training_step(trainer, pl_module, step_kwargs)
-                if result.closure_loss is None:
-                    return None
-                loss = result.closure_loss * weight if weight != 1.0 else result.closure_loss
-                recovery.backward_started()
-                if backward is not None:
-                    backward(loss)
-                return loss.detach(), result.extra
-
-            return run
-
-        run_chunk = RunController.chunk_runner(wrapper, through_wrapper=step_of(True), bare=step_of(False))
-        sync = not internals.should_accumulate(trainer)
-        done = [r for r in recovery.run_batch(kwargs["batch"], run_chunk, step=trainer.global_step, sync=sync) if r]
-        self._closure_finished = True
-        if not done:
-            return internals.closure_result()
-        return internals.closure_result(sum(loss for loss, _ in done), extra=done[-1][1])
+        self._recovering = RecoveringStep(trainer, pl_module, self._internals, self.controller)
+        self._internals.install_step(trainer, self._recovering)
 
     # -------------------------------------------------------------- measuring
     def _start_measuring(self, trainer: Any, pl_module: Any) -> None:
@@ -622,15 +549,7 @@ class MemoryPlannerBase(ControlledRun):
                                    capacity_bytes=capacity), self._internals.logging_step(trainer))  # fmt: skip
         if decision.plan is not None and not self._hparams_logged:
             self._hparams_logged = True
-            params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
-            params["memfit/mode"] = self.mode
-            for logger in trainer.loggers:
-                try:
-                    logger.log_hyperparams(params)
-                except Exception as error:
-                    name = type(logger).__name__
-                    degrade(f"memfit could not log its plan to {name} ({error})", error, key=f"hparams-{name}",
-                            seen=self.controller.warned)  # fmt: skip
+            _log_plan(trainer, decision.plan, self.mode, self.controller.warned)
 
     def _maybe_log_drift(self, trainer: Any) -> None:
         """After an optimizer step, on the steps Lightning logs the module's metrics at: it logs when the batches
@@ -722,6 +641,55 @@ class _LightningPort:
         self.callback._pl.utilities.rank_zero_info(message)
 
 
+def _validation_peak(pl: ModuleType, internals: LightningInternals, trainer: Any, pl_module: Any,
+                     training: MemoryEstimate) -> EvaluationPeak | None:  # fmt: skip
+    """The validation pass's peak beside what training leaves, or ``None`` when the fit runs none or it could not
+    be estimated (the plan stands; only this check is lost)."""
+    try:
+        sample = _validation_sample(pl, internals, trainer, pl_module)
+        if sample is None:
+            return None
+        device = trainer.strategy.root_device
+        forward = functools.partial(_validation_step, device=device, internals=internals)
+        evaluation = estimate(pl_module, sample, inference=True, precision=Precision.parse(str(trainer.precision)),
+                              target=Target(training.device), forward_fn=forward)  # fmt: skip
+        return evaluation_peak(training, evaluation)
+    except Exception as error:
+        degrade(f"memfit could not check the validation pass ({type(error).__name__}: {error})", error, quiet=True)
+        return None
+
+
+def _validation_sample(pl: ModuleType, internals: LightningInternals, trainer: Any, pl_module: Any) -> Any:
+    """One batch of the first validation dataloader, or ``None`` when the fit runs no validation."""
+    overridden = pl.utilities.model_helpers.is_overridden("validation_step", pl_module)
+    if not trainer.limit_val_batches or not overridden:
+        return None
+    loaders = internals.val_dataloaders(trainer)
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return None
+    with preserved_rng_state():
+        try:
+            return longest_batch(loader)
+        except StopIteration:  # an empty loader: no batch to check
+            return None
+
+
+def _log_plan(trainer: Any, plan: dict[str, Any], mode: str, warned: set[str]) -> None:
+    """The plan as each logger's hyperparameters; a logger that refuses them is named once, and the run goes on."""
+    params = {f"memfit/{k}": v for k, v in plan.items() if k != "reasons"}
+    params["memfit/mode"] = mode
+    for logger in trainer.loggers:
+        try:
+            logger.log_hyperparams(params)
+        except Exception as error:
+            name = type(logger).__name__
+            degrade(f"memfit could not log its plan to {name} ({error})", error, key=f"hparams-{name}",
+                    seen=warned)  # fmt: skip
+
+
 def _plot(function: str, *args: Any, **kwargs: Any) -> Any:
     from memfit.reporting import plots
 
@@ -768,6 +736,24 @@ def _all_gather_ints(strategy: Any, value: int) -> Sequence[int]:
         return [value]
     gathered = strategy.all_gather(torch.tensor([value], dtype=torch.int64, device=strategy.root_device))
     return [int(v) for v in gathered.flatten().tolist()]
+
+
+def _check_arguments(margin: Any, target_batch_size: Any, batch_arg_name: Any, mode: Any, min_batch_size: Any,
+                     max_batch_size: Any, log_every_n_steps: Any) -> None:  # fmt: skip
+    """Refuse a bad argument when the callback is made, not at the first batch."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
+    if target_batch_size is not None and target_batch_size != "max":
+        _check_positive("target_batch_size", target_batch_size, extra=", 'max' or None")
+    if not isinstance(batch_arg_name, str) or not batch_arg_name:
+        raise InvalidInputError(f"`batch_arg_name` must be an attribute name, got {batch_arg_name!r}")
+    if mode not in ("plan", "observe"):
+        raise InvalidInputError(f"`mode` must be one of 'plan', 'observe', got {mode!r}")
+    _check_positive("min_batch_size", min_batch_size)
+    if max_batch_size is not None:
+        _check_positive("max_batch_size", max_batch_size)
+    if log_every_n_steps is not None:
+        _check_positive("log_every_n_steps", log_every_n_steps)
 
 
 def _check_positive(name: str, value: Any, extra: str = "") -> None:
