@@ -163,7 +163,7 @@ def test_lstms_run_cudnns_stand_in_on_fake_cuda_tensors_too() -> None:
     fake = FakeTensorMode()
     with fake:
         swap_tensors_in(lstm, lambda t, is_param: nn.Parameter(fake.from_tensor(t)) if is_param else t)
-        mode = cudnn_rnn.CudnnLSTMs()
+        mode = cudnn_rnn.CudnnRNNs()
         with mode:
             out, (h, c) = lstm(torch.randn(4, 5, 8))
         out.sum().backward()

@@ -64,13 +64,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "CudnnLSTMs",
     "CudnnRNNs",
-    "cudnn_lstm",
     "cudnn_rnn",
     "cudnn_rnn_mode",
     "flatten_rnn_weights",
-    "is_cudnn_lstm",
     "reserve_bytes",
     "workspace_bytes",
 ]
@@ -100,11 +97,6 @@ def cudnn_rnn_mode(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     if any(s.shape[-1] != hidden for s in states) or params[1].shape != (_MODES[mode][0] * hidden, hidden):
         return None  # projections: w_hh is (gates H, P)
     return mode
-
-
-def is_cudnn_lstm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
-    """Whether ``func(*args)`` is ``torch.lstm`` on a padded (not packed) batch that this module stands in for."""
-    return cudnn_rnn_mode(func, args, kwargs) == "lstm"
 
 
 def flatten_rnn_weights(model: nn.Module, track: Callable[[torch.Tensor], Any]) -> int:
@@ -200,27 +192,6 @@ def cudnn_rnn(
     else:
         outputs = _CudnnRNN.apply(layout, input, *states, None, *weights)
     return tuple(outputs)
-
-
-def cudnn_lstm(
-    input: torch.Tensor,
-    hx: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    has_biases: bool,
-    num_layers: int,
-    dropout: float,
-    train: bool,
-    bidirectional: bool,
-    batch_first: bool,
-    *,
-    autocast: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.lstm``'s result, allocated as cuDNN allocates it (``autocast``: inside ``torch.autocast("cuda")``)."""
-    output, hy, cy = cudnn_rnn(
-        "lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
-        autocast=autocast,
-    )  # fmt: skip
-    return output, hy, cy
 
 
 def _cast(tensor: torch.Tensor) -> torch.Tensor:
@@ -343,6 +314,3 @@ class CudnnRNNs(TorchFunctionMode):
             self.calls += 1
             return cudnn_rnn(mode, *args, autocast=torch.is_autocast_enabled("cuda"))
         return func(*args, **(kwargs or {}))
-
-
-CudnnLSTMs = CudnnRNNs  # the name it had while only LSTMs ran on it
