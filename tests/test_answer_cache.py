@@ -32,18 +32,23 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     clear_sessions()
 
 
-@pytest.fixture
-def planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many times the model was built and planned: a kept answer plans nothing."""
+def _calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """One entry per call of ``module.name`` from now on (it still runs)."""
     calls: list[int] = []
-    original = gpu_report.plan_for_gpus
+    original = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gpu_report, "plan_for_gpus", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.fixture
+def planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the model was built and planned: a kept answer plans nothing."""
+    return _calls(monkeypatch, gpu_report, "plan_for_gpus")
 
 
 def _available(monkeypatch: pytest.MonkeyPatch, value: int) -> None:
@@ -235,14 +240,7 @@ def test_from_kept_traces_the_planner_replays_nothing_and_answers_the_same(
     import memfit.prediction.exact as exact
 
     _available(monkeypatch, 20 * 2**30)
-    replayers: list[int] = []
-    original = exact.LimitReplayer
-
-    def counted(*args, **kwargs):
-        replayers.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(exact, "LimitReplayer", counted)
+    replayers = _calls(monkeypatch, exact, "LimitReplayer")
     argv = [*QUESTION, "--hf-config", _config(tmp_path, n_layer=6), "--target-batch-size", "24", "--json"]
     first = _ask(capsys, argv)
     assert replayers, "the first answer replays at the allocator's limit"
