@@ -1,6 +1,6 @@
 """What cuDNN's recurrent kernels allocate, over a grid of shapes, on a real CUDA GPU.
 
-    python benchmarks/gpu_cudnn_rnn.py OUT.json.gz
+    python benchmarks/gpu_cudnn_rnn.py OUT.json.gz [--grid base|workspace]
 
 cuDNN sizes its RNN workspace and reserve space itself (``cudnnGetRNNTempSpaceSizes``), in a closed library, so
 the only way to know how they scale is to ask it at many shapes. For each shape (mode LSTM/GRU/RNN, precision,
@@ -8,6 +8,10 @@ input and hidden width, sequence length, batch, layers, direction, batch-first) 
 backward of a fresh ``nn.LSTM``/``nn.GRU``/``nn.RNN`` under the allocator's history and writes every allocation
 and free of each phase, in order, with its byte size: ``[[action, size], ...]``. Written as it goes, so a run cut
 short keeps the shapes it finished. ``tests/test_cudnn_rnn.py`` holds memfit's traced requests to these.
+
+``--grid workspace`` measures where the base grid left the workspace unexplained: GRU and tanh RNNs varied one
+field at a time from their own base, LSTMs outside the region the workspace formula is exact on (two directions,
+narrow states, short and long sequences, inputs wider than the state), and dropout between layers.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 
 BASE = {"mode": "LSTM", "precision": "fp32", "input": 1024, "hidden": 1024, "steps": 128, "batch": 8, "layers": 2,
-        "bidirectional": False, "batch_first": True}  # fmt: skip
+        "bidirectional": False, "batch_first": True, "dropout": 0.0}  # fmt: skip
 VARIATIONS = {
     "mode": ["GRU", "RNN_TANH"],
     "precision": ["16-mixed", "bf16-mixed"],
@@ -56,10 +60,42 @@ def shapes() -> list[dict[str, Any]]:
     return out
 
 
+WORKSPACE_VARIATIONS = {
+    "input": [64, 300, 2048],
+    "hidden": [128, 256, 512, 1000, 2048],
+    "steps": [1, 8, 16, 64, 256],
+    "batch": [1, 4, 32],
+    "layers": [1, 3],
+    "bidirectional": [True],
+    "precision": ["16-mixed", "bf16-mixed"],
+}
+LSTM_OUTSIDE = [
+    {"bidirectional": True, "hidden": 512}, {"bidirectional": True, "layers": 1}, {"hidden": 256}, {"hidden": 640},
+    {"steps": 8}, {"steps": 16}, {"steps": 256}, {"steps": 1024}, {"input": 2048, "hidden": 1024},
+    {"input": 4096, "hidden": 2048}, {"batch": 128}, {"hidden": 512, "precision": "bf16-mixed"},
+    {"hidden": 1536, "steps": 64}, {"hidden": 1024, "layers": 4, "batch_first": False},
+]  # fmt: skip
+
+
+def workspace_shapes() -> list[dict[str, Any]]:
+    """GRU and tanh-RNN grids from their own base, LSTMs outside the exact region, and dropout between layers."""
+    out: list[dict[str, Any]] = []
+    for mode in ("GRU", "RNN_TANH"):
+        base = {**BASE, "mode": mode}
+        out.append(base)
+        for field, values in WORKSPACE_VARIATIONS.items():
+            out += [{**base, field: value} for value in values]
+    out += [{**BASE, **change} for change in LSTM_OUTSIDE]
+    for mode in ("LSTM", "GRU", "RNN_TANH"):
+        out += [{**BASE, "mode": mode, "dropout": 0.1}, {**BASE, "mode": mode, "dropout": 0.5, "layers": 3}]
+    return out
+
+
 def module_for(shape: dict[str, Any]) -> nn.Module:
     kinds = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}
     return kinds[shape["mode"]](shape["input"], shape["hidden"], num_layers=shape["layers"],
-                                bidirectional=shape["bidirectional"], batch_first=shape["batch_first"])  # fmt: skip
+                                bidirectional=shape["bidirectional"], batch_first=shape["batch_first"],
+                                dropout=shape.get("dropout", 0.0))  # fmt: skip
 
 
 def events() -> list[list[Any]]:
@@ -91,12 +127,12 @@ def measure(shape: dict[str, Any]) -> dict[str, Any]:
     return {"shape": shape, "forward": forward, "backward": backward}
 
 
-def main(path: Path) -> None:
+def main(path: Path, grid_name: str = "base") -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"),
-            "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count}  # fmt: skip
+            "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count, "grid": grid_name}  # fmt: skip
     results: list[dict[str, Any]] = []
-    grid = shapes()
+    grid = workspace_shapes() if grid_name == "workspace" else shapes()
     for index, shape in enumerate(grid):
         try:
             results.append(measure(shape))
@@ -110,4 +146,4 @@ def main(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[3] if sys.argv[2:3] == ["--grid"] else "base")
