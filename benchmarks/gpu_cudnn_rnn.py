@@ -130,7 +130,8 @@ def measure(shape: dict[str, Any]) -> dict[str, Any]:
 def main(path: Path, grid_name: str = "base") -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"),
-            "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count, "grid": grid_name}  # fmt: skip
+            "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count,
+            "grid": grid_name}  # fmt: skip
     results: list[dict[str, Any]] = []
     grid = workspace_shapes() if grid_name == "workspace" else shapes()
     for index, shape in enumerate(grid):
