@@ -110,5 +110,11 @@ def test_a_run_cut_short_is_rebuilt_from_its_logged_trials(tmp_path: Path) -> No
         fits = {p["batch_size"]: p.get("ok") for p in row["probes"]}
         assert fits[row["true_max"]] is True and fits[row["true_max"] + 1] is False
         assert row["memfit"]["batch_size"] <= row["true_max"] and row["memfit"]["check_ok"] is True
-    assert rows["vit"]["hf_auto_find"] == {"cut_short": True}
     assert rows["gpt2"]["hf_auto_find"]["check_ok"] is False  # HF's choice ran out of memory in the check run
+    # vit's HF trial was cut short in the first run; a later run of HF's finder alone, from 512, ended
+    assert rows["vit"]["hf_auto_find"]["start"] == 512 and rows["vit"]["hf_auto_find"]["check_ok"] is True
+    first_run = [log for log in logs if not log.name.endswith("-hf.log")]
+    assert main(["--from-logs", *map(str, first_run), "--output", str(output)]) == 0
+    rows = {row["family"]: row for row in json.loads(output.read_text())["rows"]}
+    assert rows["vit"]["hf_auto_find"] == {"cut_short": True}
+    assert rows["gpt2"]["hf_auto_find"]["start"] == 4096

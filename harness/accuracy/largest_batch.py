@@ -386,7 +386,9 @@ def rows_from_logs(paths: list[Path], search_steps: int) -> list[dict[str, Any]]
         row: dict[str, Any] = {"family": family, "precision": job["precision"], "optimizer": job["optimizer"],
                                "cap_bytes": job.get("cap_bytes")}  # fmt: skip
         for method in METHODS:
-            row[method] = next((dict(r) for j, r in done if j["kind"] == method), {"cut_short": True})
+            found = [dict(r, **({"start": j["hf_start"]} if "hf_start" in j else {})) for j, r in done
+                     if j["kind"] == method]  # fmt: skip
+            row[method] = found[0] if found else {"cut_short": True}
         probes = [r for j, r in done if j["kind"] == "probe" and j["steps"] == search_steps]
         fits = {p["batch_size"]: bool(p.get("ok")) for p in probes}
         bracketed = [b for b, ok in fits.items() if ok and fits.get(b + 1) is False]

@@ -294,12 +294,22 @@ def _capped(results: Path) -> list[str]:
         [row["family"], true_max_cell(row), *(chosen_cell(row[method], oom=", **OOM**") for method in _METHOD_NAMES)]
         for row in data["rows"]
     ]
+    starts = {row["family"]: row["hf_auto_find"].get("start") for row in data["rows"]}
+    ends = sorted({start for start in starts.values() if start})
+    others = [f"{' and '.join(sorted(f for f, s in starts.items() if s == start))}: {start}" for start in ends[:-1]]
+    start_note = (
+        f" HF's `auto_find_batch_size` started from `per_device_train_batch_size` {ends[-1]}"
+        f"{f' ({chr(59).join(others)})' if others else ''}; it multiplies the batch by 0.9 after each "
+        "out-of-memory error."
+        if ends
+        else ""
+    )
     return [
         "",
         f"**With the allocator capped at 12 GiB** (`--cap-gib 12`, `benchmarks/results/{name}`, rebuilt from the "
         f"run's trial logs; {meta['device']}; bf16-mixed adamw; {meta['steps']}-step probes, "
         f"{meta['check_steps']}-step check runs; *cut short*: the run's deadline ended the trial first), memfit at "
-        "its current margin:",
+        f"its current margin.{start_note}",
         "",
         *_table(["family", "true max", *_METHOD_NAMES.values()], rows),
     ]
