@@ -187,8 +187,8 @@ _MODES = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh"}
 MiB = 2**20
 
 
-def _grid() -> list[dict]:
-    with gzip.open(GRID) as file:
+def _grid(path: Path = GRID) -> list[dict]:
+    with gzip.open(path) as file:
         return json.load(file)["results"]
 
 
@@ -203,7 +203,8 @@ def _traced_phases(shape: dict) -> tuple[list[list], list[list]]:
     fake, recorder, semantics = FakeTensorMode(), StorageRecorder(), CudaSemantics(dtype)
     n, t, width = shape["batch"], shape["steps"], shape["input"]
     with fake, recorder:
-        options = {"bidirectional": shape["bidirectional"], "batch_first": shape["batch_first"]}
+        options = {"bidirectional": shape["bidirectional"], "batch_first": shape["batch_first"],
+                   "dropout": shape.get("dropout", 0.0)}  # fmt: skip
         rnn = _MODULES[shape["mode"]](width, shape["hidden"], num_layers=shape["layers"], **options)
         cudnn_rnn.flatten_rnn_weights(rnn, recorder.track)
         x = torch.randn((n, t, width) if shape["batch_first"] else (t, n, width), requires_grad=True)
@@ -298,3 +299,34 @@ def test_grus_and_rnns_run_cudnns_stand_in_too() -> None:
             and h.shape == (module.num_layers, 4 if module.batch_first else 5, 16)
         )
         assert all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters())
+
+
+def test_the_workspace_grid_and_dropout_between_layers() -> None:
+    """64 more shapes measured on the H100 where the first grid left the workspace unexplained: GRU and tanh RNNs
+    varied from their own base, LSTMs outside the formula's exact region, and dropout between layers. Allocations
+    in order and frees match on every shape; the reserve space is exact, dropout's mask (one bit per value of each
+    layer's output but the last) included; an LSTM's workspace is exact in the formula's region, dropout's extra
+    sequence buffer included. Elsewhere the workspace is under by at most 17 MiB and over by at most 31 MiB (an LSTM
+    at T = 1024, where cuDNN's sequence term stops growing linearly). cuDNN's dropout state, allocated once per
+    process at the first RNN with dropout, is left out: it is the one allocation the trace lacks."""
+    results = _grid(GRID.with_name("cudnn_rnn-workspace.json.gz"))
+    assert len(results) == 64 and not any("error" in r for r in results)
+    dropout_state = 6_488_064  # cudnnDropoutGetStatesSize on this H100 (132 multiprocessors)
+    exact = 0
+    for result in results:
+        shape = result["shape"]
+        forward, backward = _traced_phases(shape)
+        real_forward = [e for e in result["forward"] if e[1] != dropout_state and e[1] != 8]
+        real = [e for e in real_forward if e[0] == "alloc"]
+        traced = [e for e in forward if e[0] == "alloc"]
+        assert real[-1] == traced[-1], shape  # the reserve space, dropout's mask included
+        real_workspace, workspace = real[-2][1], traced[-2][1]
+        for measured, ours in ((real_forward, forward), (result["backward"], backward)):
+            assert _allocations_and_frees(ours, workspace) == _allocations_and_frees(measured, real_workspace), shape
+        if _workspace_is_exact(shape):
+            assert workspace == real_workspace, shape
+        assert -17 * MiB <= workspace - real_workspace <= 31 * MiB, shape
+        exact += workspace == real_workspace
+    first_dropout = next(r for r in results if r["shape"].get("dropout"))
+    assert [e[1] for e in first_dropout["forward"] if e[0] == "alloc"].count(dropout_state) == 1
+    assert sum(bool(r["shape"].get("dropout")) for r in results) == 6 and exact == 7

@@ -49,8 +49,15 @@ L 1-4, one or two directions D, batch- or sequence-first). With e the element si
 What bounds the error: the workspace lives only while a kernel runs, and the step's peak is in the backward-weight
 kernel, so an error in it moves the peak byte for byte.
 
-Known limitations: packed sequences and projections (``proj_size``) keep the trace's own kernels; cuDNN's dropout
-state between layers (allocated once per process) is left out.
+Dropout between layers (``dropout > 0`` in training; 64 more shapes, ``cudnn_rnn-workspace.json.gz``): the reserve
+space holds its mask, one bit per value of each layer's output but the last (exact on all six dropout shapes). The
+workspace then grows by N T H e for the LSTM (exact on both; the stand-in adds it), by 2.0-2.5 MiB for the GRU
+(left out) and not at all for the RNN, at the base shape.
+
+Known limitations: packed sequences and projections (``proj_size``) keep the trace's own kernels. cuDNN's dropout
+state (``cudnnDropoutGetStatesSize``, allocated once per process at the first RNN with dropout) is left out: the one
+card measured, an H100 with 132 multiprocessors, took 6,488,064 bytes, and how that size scales with a card is
+unknown.
 """
 
 from __future__ import annotations
@@ -127,12 +134,21 @@ def flatten_rnn_weights(model: nn.Module, track: Callable[[torch.Tensor], Any]) 
 
 
 def reserve_bytes(
-    batch: Any, steps: Any, hidden: int, layers: int, directions: int, element: int, mode: str = "lstm"
+    batch: Any,
+    steps: Any,
+    hidden: int,
+    layers: int,
+    directions: int,
+    element: int,
+    mode: str = "lstm",
+    dropout: bool = False,
 ) -> Any:
     """cuDNN's reserve space: per step, sample, layer and direction what backward needs of the gates (5 H-wide
-    values for the LSTM, 6 for the GRU, 1 for the RNN), and the hidden output of every layer but the last."""
+    values for the LSTM, 6 for the GRU, 1 for the RNN), and the hidden output of every layer but the last; with
+    dropout between layers, also its mask, one bit per value of every layer's output but the last."""
     kept = _MODES[mode][1]
-    return batch * steps * hidden * directions * element * ((kept + 1) * layers - 1) + 256
+    mask = batch * steps * hidden * directions * (layers - 1) // 8 if dropout else 0
+    return batch * steps * hidden * directions * element * ((kept + 1) * layers - 1) + mask + 256
 
 
 def workspace_bytes(
@@ -144,13 +160,17 @@ def workspace_bytes(
     directions: int,
     element: int,
     mode: str = "lstm",
+    dropout: bool = False,
 ) -> Any:
-    """cuDNN's training workspace (``cudnnGetRNNTempSpaceSizes``, forward and both backward kernels alike)."""
+    """cuDNN's training workspace (``cudnnGetRNNTempSpaceSizes``, forward and both backward kernels alike); an
+    LSTM with dropout between layers takes one more sequence-long buffer of a layer's output."""
     gates = _MODES[mode][0]
     widths = [input_size] + [hidden * directions] * (layers - 1)
     weights = sum(gates * hidden * (width + hidden) * directions for width in widths)
     buffers = 5 if mode == "lstm" else 4
     sequence = (buffers * directions + (buffers - 1) * (directions - 1)) * batch * steps * hidden * element
+    if dropout and mode == "lstm" and layers > 1:
+        sequence += batch * steps * hidden * directions * element
     states = (10 * layers + (layers == 1) if directions == 1 else 24 * layers) * batch * hidden * element
     per_sample = -(-8 * batch // 32) * 32 if isinstance(batch, int) else 8 * batch
     return (
@@ -182,7 +202,7 @@ def cudnn_rnn(
     (``autocast``: inside ``torch.autocast("cuda")``): ``(output, hy, cy)`` for the LSTM, ``(output, hy)`` else."""
     weights = list(params)
     states = list(hx) if mode == "lstm" else [hx]
-    layout = (mode, has_biases, num_layers, bidirectional, batch_first, train)
+    layout = (mode, has_biases, num_layers, bidirectional, batch_first, train, train and dropout > 0)
     half = autocast and weights[0].dtype != torch.float16 and weights[0].dtype != torch.float64
     if half:
         flat = _FlatCast.apply(*weights)
@@ -229,9 +249,9 @@ class _CudnnRNN(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, layout: tuple[str, bool, int, bool, bool, bool], input: torch.Tensor, *rest: Any
+        ctx: Any, layout: tuple[str, bool, int, bool, bool, bool, bool], input: torch.Tensor, *rest: Any
     ) -> tuple[torch.Tensor, ...]:
-        mode, _has_biases, layers, bidirectional, batch_first, train = layout
+        mode, _has_biases, layers, bidirectional, batch_first, train, dropout = layout
         count = 2 if mode == "lstm" else 1
         states: list[torch.Tensor] = list(rest[:count])
         flat: torch.Tensor | None = rest[count]
@@ -246,8 +266,8 @@ class _CudnnRNN(torch.autograd.Function):
         output = input.new_empty((steps, batch, hidden * directions))
         finals = [state.new_empty(state.shape) for state in states]
         sizes = (batch, steps, input_size, hidden, layers, directions, element)
-        workspace = input.new_empty(workspace_bytes(*sizes, mode=mode), dtype=torch.uint8)
-        reserve_size = reserve_bytes(batch, steps, hidden, layers, directions, element, mode) if train else 0
+        workspace = input.new_empty(workspace_bytes(*sizes, mode=mode, dropout=dropout), dtype=torch.uint8)
+        reserve_size = reserve_bytes(batch, steps, hidden, layers, directions, element, mode, dropout) if train else 0
         reserve = input.new_empty(reserve_size, dtype=torch.uint8)
         del workspace, x
         if batch_first:
@@ -262,7 +282,7 @@ class _CudnnRNN(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor | None, *grad_finals: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         *states, input, output, _reserve, flat = ctx.saved_tensors
-        mode, _has_biases, _layers, _bidirectional, batch_first, _train = ctx.layout
+        mode, _has_biases, _layers, _bidirectional, batch_first, _train, dropout = ctx.layout
         if grad_output is None:
             grad_output = torch.zeros_like(output)
         grads = [torch.zeros_like(s) if g is None else g for s, g in zip(states, grad_finals, strict=True)]
@@ -276,14 +296,14 @@ class _CudnnRNN(torch.autograd.Function):
         dx = input.new_empty(seq_major(input).shape)
         _dfinals = [g.contiguous() for g in grads]  # held, with the zeros, until the backward returns
         dstates = [s.new_empty(s.shape) for s in states]
-        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode), dtype=torch.uint8)
+        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode, dropout=dropout), dtype=torch.uint8)
         del workspace, dy, x
         if batch_first:
             dx = dx.transpose(0, 1)
         # _cudnn_rnn_backward_weight: the flat gradient, whose slices are the weights' gradients
         x = seq_major(input).contiguous()
         dw = input.new_zeros(ctx.flat_numel, dtype=ctx.flat_dtype)
-        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode), dtype=torch.uint8)
+        workspace = input.new_empty(workspace_bytes(*ctx.sizes, mode=mode, dropout=dropout), dtype=torch.uint8)
         del workspace, x
         if flat is not None:
             return (None, dx, *dstates, dw, *[None] * len(ctx.weights))
