@@ -22,7 +22,7 @@ from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.planning.gpus import check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
@@ -139,24 +139,15 @@ class MemoryPlanner(ControlledRun):
             return traced.with_notes(*notes)
 
         session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-        if self._restored is not None:
-            chosen = Plan.from_dict(self._restored).with_reason("restored from the checkpoint")
-            traced = session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
-                                      chosen.accumulate_grad_batches)  # fmt: skip
-        else:
-            capacity = planning.capacity_bytes(device)
-            if capacity <= 0:
-                raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
-            ranks = accelerator.num_processes
-            decision = session.decide(PlanRequest(
-                capacity_bytes=capacity, margin=self.margin,
-                target_batch_size=self.target_batch_size or configured * accumulation * ranks, world_size=ranks,
-                min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
-                allow_checkpointing=self.allow_checkpointing, include_context=planning.include_context,
-            ))  # fmt: skip
-            chosen, traced = decision.plan, decision.estimate
-            for note in notes:
-                chosen = chosen.with_reason(note)
+        ranks = accelerator.num_processes
+        request = PlanRequest(
+            capacity_bytes=planning.capacity_bytes(device) if self._restored is None else 0, margin=self.margin,
+            target_batch_size=effective_batch(self.target_batch_size, configured, accumulation, ranks),
+            world_size=ranks, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
+            allow_checkpointing=self.allow_checkpointing, include_context=planning.include_context,
+        )  # fmt: skip
+        decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
+        chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced
         accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
         if chosen.gradient_checkpointing:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan, plan
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.simulation.allocator import AllocatorConfig
 
-__all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
+__all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt", "effective_batch"]
 
 # trace_at(micro_batch, checkpointing, accumulation_steps) -> the step traced at that configuration
 TraceAt = Callable[[int, bool, int], MemoryEstimate]
@@ -147,3 +148,41 @@ class PlanningSession:
             chosen = dataclasses.replace(chosen, gradient_checkpointing=True)
         exact = self.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing, chosen.accumulate_grad_batches)
         return Decision(chosen, exact)
+
+    def decide_run(
+        self,
+        request: PlanRequest,
+        *,
+        device: object,
+        notes: Sequence[str] = (),
+        restored: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """What a training run takes, whichever framework runs it: the plan it saved when it resumes (``restored``,
+        a ``Plan.to_dict()``) with the trace of its step, else the plan for ``request``; each note the plan rests on
+        (what the sample or the device could not tell) becomes one of its reasons.
+
+        Raises:
+            InvalidInputError: ``request`` has no capacity (the free memory of ``device`` could not be measured).
+            InsufficientMemoryError: as ``decide``.
+        """
+        if restored is not None:
+            chosen = Plan.from_dict(dict(restored)).with_reason("restored from the checkpoint")
+            traced = self.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
+                                   chosen.accumulate_grad_batches)  # fmt: skip
+        else:
+            if request.capacity_bytes <= 0:
+                raise InvalidInputError(
+                    f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
+                )
+            decision = self.decide(request)
+            chosen, traced = decision.plan, decision.estimate
+        for note in notes:
+            chosen = chosen.with_reason(note)
+        return Decision(chosen, traced)
+
+
+def effective_batch(target_batch_size: int | Literal["max"] | None, configured: int, accumulation: int,
+                    ranks: int) -> int | Literal["max"]:  # fmt: skip
+    """The effective batch a run keeps: the one asked for, else what it is configured to run (micro batch x
+    accumulation x data-parallel ranks)."""
+    return target_batch_size or configured * accumulation * ranks

@@ -33,7 +33,7 @@ from memfit.integrations.huggingface.sharding import RunLayout, run_layout
 from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.tracing.config import Target, TrainingLoop
@@ -131,16 +131,11 @@ def plan_training_arguments(
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
-    if restored is not None:
-        chosen, planned = _restored(session, restored)
-    else:
-        request = _plan_request(planning, args, layout, configured * accumulation, margin=margin,
-                                target_batch_size=target_batch_size, min_batch_size=min_batch_size,
-                                max_batch_size=max_batch_size, allow_checkpointing=allow_checkpointing)  # fmt: skip
-        decision = session.decide(request)
-        chosen, planned = decision.plan, decision.estimate
-    for note in sample_notes:  # what the plan rests on that the user should read: it can change the answer
-        chosen = chosen.with_reason(note)
+    request = _plan_request(planning, args, layout, configured, accumulation, measure=restored is None,
+                            margin=margin, target_batch_size=target_batch_size, min_batch_size=min_batch_size,
+                            max_batch_size=max_batch_size, allow_checkpointing=allow_checkpointing)  # fmt: skip
+    decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
+    chosen, planned = decision.plan, decision.estimate
     changes = _planned_changes(args, chosen, layout.checkpointing)
     evaluation = None
     if eval_dataset is not None:
@@ -203,34 +198,28 @@ def _step_tracer(
     return trace_at
 
 
-def _restored(session: PlanningSession, saved: dict[str, Any]) -> tuple[Plan, MemoryEstimate]:
-    """A resumed run keeps the plan it started with, and the trace of the step that plan runs."""
-    chosen = Plan.from_dict(saved).with_reason("restored from the checkpoint")
-    return chosen, session.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
-                                    chosen.accumulate_grad_batches)  # fmt: skip
-
-
 def _plan_request(
     planning: PlanningTarget,
     args: TrainingArguments,
     layout: RunLayout,
-    window: int,
+    configured: int,
+    accumulation: int,
     *,
+    measure: bool,
     margin: float,
     target_batch_size: int | Literal["max"] | None,
     min_batch_size: int,
     max_batch_size: int | None,
     allow_checkpointing: bool,
 ) -> PlanRequest:
-    """What every rank asks alike: the smallest capacity of all ranks, and by default the effective batch the
-    arguments run (``window`` samples a rank's accumulation window) over the data-parallel ranks."""
+    """What every rank asks alike: the smallest capacity of all ranks (measured only when a plan is to be made),
+    and by default the effective batch the arguments run over the data-parallel ranks."""
     device = planning.target.torch_device
-    capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args)
+    capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args) if measure else 0
     ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
-    if capacity <= 0:
-        raise InvalidInputError(f"could not measure free memory on {device}; pass budget=")
     return PlanRequest(
-        capacity_bytes=capacity, margin=margin, target_batch_size=target_batch_size or window * ranks,
+        capacity_bytes=capacity, margin=margin,
+        target_batch_size=effective_batch(target_batch_size, configured, accumulation, ranks),
         world_size=ranks, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
         allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
         include_context=planning.include_context,

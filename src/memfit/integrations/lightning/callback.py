@@ -44,7 +44,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -352,20 +352,14 @@ class MemoryPlannerBase(ControlledRun):
                 for note in self._sample_notes:
                     self._info(f"memfit: {note}")
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
-        if capacity <= 0:
-            raise InvalidInputError(
-                f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
-            )
         ranks = layout.data_parallel_size
-        target = self.target_batch_size or configured * trainer.accumulate_grad_batches * ranks
-        decision = session.decide(PlanRequest(
+        target = effective_batch(self.target_batch_size, configured, trainer.accumulate_grad_batches, ranks)
+        decision = session.decide_run(PlanRequest(
             capacity_bytes=capacity, margin=self.margin, target_batch_size=target, world_size=ranks,
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
             allow_checkpointing=self.allow_checkpointing, always_checkpoint=always, include_context=include_context,
-        ))  # fmt: skip
+        ), device=device, notes=self._sample_notes)  # fmt: skip
         self.plan, self.estimate = decision.plan, decision.estimate
-        for note in self._sample_notes:  # printed with the plan: what it rests on can change the answer
-            self.plan = self.plan.with_reason(note)
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
         return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
 
