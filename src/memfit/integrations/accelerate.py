@@ -163,17 +163,11 @@ class MemoryPlanner(ControlledRun):
         """After an optimizer step (``accelerator.sync_gradients``), on every process: every ``log_every_n_steps``
         the window's peaks go to the accelerator's trackers (``accelerator.log``)."""
         self._steps = self._steps + 1 if step is None else step
-        if self.monitor is not None and self._steps % self.log_every_n_steps == 0:
-            self.controller.end_window(self._steps)
+        self.controller.optimizer_step_ended(self._steps, every=self.log_every_n_steps)
 
     def end(self) -> None:
         """After training: the last window, the drift picture and the final line."""
-        if self.monitor is None:
-            return
-        if self._steps % self.log_every_n_steps:
-            self.controller.end_window(self._steps)
-        if self.accelerator.is_main_process:
-            self.controller.finish(self._steps)
+        self.controller.training_ended(self._steps, speaker=self.accelerator.is_main_process)
 
     # ``accelerator.register_for_checkpointing(planner)`` saves the plan with the run; ``load_state`` before
     # ``plan()`` makes a resumed run keep it.

@@ -90,6 +90,8 @@ class RunController:
         self.monitor: RunMonitor | None = None
         self.recovery: OOMRecovery | None = None
         self.warned: set[str] = set()
+        self.measuring = False  # every rank measures once the decision says so: window ends then gather
+        self._last_window = -1
 
     # ------------------------------------------------------------------ saying things
     def warn(self, key: str, message: str) -> None:
@@ -110,7 +112,9 @@ class RunController:
         estimate: MemoryEstimate | None,
     ) -> bool:
         """Start measuring windows against these predicted peaks (``None``: measured peaks only). A device memfit
-        cannot measure costs one warning and ``False``; the run goes on."""
+        cannot measure costs one warning and ``False``; the run goes on, and its windows still end on every rank
+        (their gather is a collective)."""
+        self.measuring, self._last_window = True, -1
         try:
             self.monitor = RunMonitor.start(
                 self.port.device(),
@@ -135,6 +139,30 @@ class RunController:
         if metrics:
             self.port.log_scalars(metrics, step)
         return metrics
+
+    def optimizer_step_ended(self, step: int, *, every: int, counted: int | None = None) -> None:
+        """After an optimizer step, on every rank: end the window when ``counted`` (default ``step``; a loop that
+        counts its logging steps otherwise passes its own count) is a multiple of ``every``."""
+        if (
+            not self.measuring
+            or step == 0
+            or step == self._last_window
+            or (step if counted is None else counted) % every
+        ):
+            return
+        self._last_window = step
+        self.end_window(step)
+
+    def training_ended(self, step: int, *, speaker: bool, figure_step: int | None = None) -> None:
+        """After training, on every rank: the last window if it has not ended at ``step``; then, on the rank that
+        speaks for the run, the drift picture (at ``figure_step``, default ``step``) and the final line."""
+        if not self.measuring:
+            return
+        if step != self._last_window:
+            self._last_window = step
+            self.end_window(step)
+        if speaker:
+            self.finish(step if figure_step is None else figure_step)
 
     def figure(self, name: str, make: Callable[[], Any], step: int) -> None:
         """Draw (with matplotlib, else nothing) and send to the port's trackers; a drawing that fails warns once."""

@@ -291,6 +291,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         model = kwargs.get("model")
         self._args = args
         self.controller.monitor = self.controller.recovery = None
+        self.controller.measuring = False
         if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
             _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
@@ -325,8 +326,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         self.controller.end_accumulation_window()  # after the optimizer step
         self.controller.agree_across_ranks()
         every = max(1, int(state.logging_steps or args.logging_steps))
-        if self.monitor is not None and state.global_step and not state.global_step % every:
-            self.controller.end_window(state.global_step)  # every rank reaches this step: the gather is collective
+        self.controller.optimizer_step_ended(state.global_step, every=every)
 
     def on_log(
         self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None, **kwargs: Any

@@ -237,10 +237,8 @@ class MemoryPlannerBase(ControlledRun):
         self._restored_plan: dict[str, Any] | None = None
         self._trainer_module: tuple[Any, Any] | None = None
         self._steps_seen = 0
-        self._last_logged_step = -1
         self._hparams_logged = False
         self._recovering: RecoveringStep | None = None  # the training step while recovery is on
-        self._measuring = False  # every rank measures (the broadcast decision says so): logging steps gather
         self._sample_notes: list[str] = []  # what the choice of the traced batch could not know
 
     # ------------------------------------------------------------------ hooks
@@ -528,7 +526,6 @@ class MemoryPlannerBase(ControlledRun):
         decision = self._decision
         if decision is None or (decision.predicted_allocated_bytes is None and not decision.measured_only):
             return
-        self._measuring = True
         if not self.controller.start_measuring(
             predicted_allocated_bytes=decision.predicted_allocated_bytes,
             predicted_reserved_bytes=decision.predicted_reserved_bytes,
@@ -548,25 +545,13 @@ class MemoryPlannerBase(ControlledRun):
     def _maybe_log_drift(self, trainer: Any) -> None:
         """After an optimizer step, on the steps Lightning logs the module's metrics at: it logs when the batches
         that stepped, this one included, are a multiple of ``log_every_n_steps``."""
-        step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
-        stepped_batches = self._internals.logging_step(trainer) + 1
-        if not self._measuring or step == self._last_logged_step or step == 0 or stepped_batches % every:
-            return
-        self._last_logged_step = step
-        self._log_window(trainer, step)
+        counted = self._internals.logging_step(trainer) + 1
+        self.controller.optimizer_step_ended(trainer.global_step, every=every, counted=counted)
 
     def _log_final_drift(self, trainer: Any) -> None:
-        if not self._measuring:
-            return
-        if trainer.global_step != self._last_logged_step:
-            self._log_window(trainer, trainer.global_step)
-        if trainer.is_global_zero:
-            self.controller.finish(self._internals.logging_step(trainer))
-
-    def _log_window(self, trainer: Any, step: int) -> None:
-        """End the window on every rank; with several ranks, gather each rank's peaks to rank 0 too."""
-        self.controller.end_window(step)
+        self.controller.training_ended(trainer.global_step, speaker=trainer.is_global_zero,
+                                       figure_step=self._internals.logging_step(trainer))  # fmt: skip
 
     # ------------------------------------------------------------------ utils
     def _warn(self, key: str, message: str) -> None:
