@@ -10,6 +10,7 @@ import memfit
 import zoo
 from memfit import InvalidInputError, TraceError, ValueDependentError
 from memfit.integrations.huggingface.arguments import model_checkpointing
+from memfit.planning.gpus import gpu_by_name
 
 
 class ReadsValues(nn.Module):
@@ -189,3 +190,15 @@ def test_sizes_that_cannot_be_read_are_memfit_input_errors() -> None:
     for bad in ("12 gigs", -1, "1.5.2GiB"):
         with pytest.raises(InvalidInputError):
             memfit.parse_bytes(bad)
+
+
+def test_plan_takes_a_size_or_a_gpu_name_and_refuses_other_strings_in_one_line() -> None:
+    """``memfit.plan(estimate, "h100")`` plans for that card's memory, ``"20GiB"`` for that size, as budgets do."""
+    est = memfit.estimate(nn.Linear(8, 8), torch.randn(4, 8), batch_size=4, loss_fn=lambda out, batch: out.sum())
+    h100 = gpu_by_name("h100").memory_bytes
+    assert memfit.plan(est, "h100").budget_bytes == memfit.plan(est, h100).budget_bytes
+    assert memfit.plan(est, "20GiB").budget_bytes == memfit.plan(est, 20 * 2**30).budget_bytes
+    with pytest.raises(InvalidInputError, match="unknown GPU 'h1000'; did you mean H100"):
+        memfit.plan(est, "h1000")
+    with pytest.raises(InvalidInputError, match=r"^capacity_bytes could not read '-3GiB' as a size"):
+        memfit.plan(est, "-3GiB")

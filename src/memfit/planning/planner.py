@@ -149,7 +149,7 @@ Confirm = Callable[[int, bool, int], MemoryEstimate]
 
 def plan(
     estimate: MemoryEstimate,
-    capacity_bytes: int,
+    capacity_bytes: int | str,
     *,
     margin: float = DEFAULT_MARGIN,
     target_batch_size: int | Literal["max"] | None = None,
@@ -166,7 +166,8 @@ def plan(
     """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
 
     Args:
-        capacity_bytes: memory the run may use on each device.
+        capacity_bytes: memory the run may use on each device: bytes, a size such as ``"20GiB"``, or a GPU name
+            such as ``"h100"`` (that card's memory).
         margin: fraction of the capacity kept free, for what no prediction covers.
         target_batch_size: effective batch to keep across micro batches, accumulation and devices;
             ``None`` keeps the estimate's batch x ``world_size``; ``"max"`` maximises the micro batch.
@@ -198,6 +199,8 @@ def plan(
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
     """
+    if isinstance(capacity_bytes, str):
+        capacity_bytes = _capacity_of(capacity_bytes)
     question = _question(
         estimate, capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size, include_context
     )
@@ -844,6 +847,17 @@ def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:
     return source() if callable(source) and not isinstance(source, MemoryEstimate) else source
+
+
+def _capacity_of(text: str) -> int:
+    """A size or a GPU name, as bytes; a string that is neither is refused in one line saying what is taken."""
+    from memfit.planning.capacity import parse_budget
+
+    try:
+        capacity = parse_budget(text)
+    except InvalidInputError as error:
+        raise InvalidInputError(str(error).replace("`budget`", "capacity_bytes")) from None
+    return capacity or 0
 
 
 def _validate(
