@@ -142,6 +142,20 @@ def test_off_means_nothing_is_written(cache: Path, monkeypatch: pytest.MonkeyPat
     assert not cache.exists() or not list(cache.glob("*.json.gz"))
 
 
+def test_a_setting_that_is_neither_on_nor_off_warns_once_and_keeps_the_cache(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEMFIT_CACHE", "sometimes")
+    forget_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _estimate(_gpt2())
+    said = [str(w.message) for w in caught if "MEMFIT_CACHE" in str(w.message)]
+    assert said == ["MEMFIT_CACHE='sometimes' is neither on nor off; memfit's caches stay on (set MEMFIT_CACHE=off "
+                    "to turn them off, or on)"]  # fmt: skip
+    assert list(cache.glob("*.json.gz"))
+
+
 def _rewrite(path: Path, edit) -> None:
     with gzip.open(path, "rt") as file:
         entry = json.load(file)

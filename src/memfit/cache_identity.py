@@ -29,8 +29,18 @@ CACHE_DIR_ENV = "MEMFIT_CACHE_DIR"
 _OFF = ("0", "off", "false", "no")
 
 
+_ON = ("", "1", "on", "true", "yes")
+
+
 def enabled() -> bool:
-    return os.environ.get(CACHE_ENV, "on").strip().lower() not in _OFF
+    """Whether the caches are on (``MEMFIT_CACHE``); a value that is neither on nor off warns once and keeps them."""
+    value = os.environ.get(CACHE_ENV, "on").strip().lower()
+    if value not in _ON and value not in _OFF:
+        from memfit.diagnostics import warn_once
+
+        warn_once(f"cache-env-{value}", f"{CACHE_ENV}={value!r} is neither on nor off; memfit's caches stay on "
+                  f"(set {CACHE_ENV}=off to turn them off, or on)")  # fmt: skip
+    return value not in _OFF
 
 
 def cache_root() -> Path:
