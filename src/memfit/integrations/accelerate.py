@@ -22,7 +22,8 @@ from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.planning.gpus import check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
+from memfit.planning.run_options import RunOptions, check_positive
+from memfit.planning.session import PlanningSession
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
@@ -80,19 +81,11 @@ class MemoryPlanner(ControlledRun):
     ) -> None:
         if not hasattr(accelerator, "gradient_accumulation_steps") or not hasattr(accelerator, "device"):
             raise InvalidInputError(f"MemoryPlanner takes an accelerate.Accelerator, got {type(accelerator).__name__}")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
-        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise InvalidInputError(f"`log_every_n_steps` must be a positive integer, got {log_every_n_steps!r}")
+        self.options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
+        check_positive("log_every_n_steps", log_every_n_steps)
         self.accelerator = accelerator
         self.budget, self.target = budget, check_target(target, budget)
-        self.margin = float(margin)
-        self.target_batch_size, self.min_batch_size, self.max_batch_size = (
-            target_batch_size,
-            min_batch_size,
-            max_batch_size,
-        )
-        self.allow_checkpointing = bool(allow_checkpointing)
+        self.margin = self.options.margin
         self.log_every_n_steps = log_every_n_steps
         self.verbose = verbose
         self.planned: Plan | None = None
@@ -139,13 +132,10 @@ class MemoryPlanner(ControlledRun):
             return traced.with_notes(*notes)
 
         session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-        ranks = accelerator.num_processes
-        request = PlanRequest(
-            capacity_bytes=planning.capacity_bytes(device) if self._restored is None else 0, margin=self.margin,
-            target_batch_size=effective_batch(self.target_batch_size, configured, accumulation, ranks),
-            world_size=ranks, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
-            allow_checkpointing=self.allow_checkpointing, include_context=planning.include_context,
-        )  # fmt: skip
+        capacity = planning.capacity_bytes(device) if self._restored is None else 0
+        request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
+                                       ranks=accelerator.num_processes,
+                                       include_context=planning.include_context)  # fmt: skip
         decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
         chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced

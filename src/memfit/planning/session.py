@@ -31,7 +31,7 @@ from memfit.planning.planner import Plan, plan
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.simulation.allocator import AllocatorConfig
 
-__all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt", "effective_batch"]
+__all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
 
 # trace_at(micro_batch, checkpointing, accumulation_steps) -> the step traced at that configuration
 TraceAt = Callable[[int, bool, int], MemoryEstimate]
@@ -179,10 +179,3 @@ class PlanningSession:
         for note in notes:
             chosen = chosen.with_reason(note)
         return Decision(chosen, traced)
-
-
-def effective_batch(target_batch_size: int | Literal["max"] | None, configured: int, accumulation: int,
-                    ranks: int) -> int | Literal["max"]:  # fmt: skip
-    """The effective batch a run keeps: the one asked for, else what it is configured to run (micro batch x
-    accumulation x data-parallel ranks)."""
-    return target_batch_size or configured * accumulation * ranks

@@ -33,7 +33,8 @@ from memfit.integrations.huggingface.sharding import RunLayout, run_layout
 from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
+from memfit.planning.run_options import RunOptions
+from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.tracing.config import Target, TrainingLoop
@@ -117,6 +118,7 @@ def plan_training_arguments(
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+    options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
     runs_on = run_device(args)
     planning = planning_target(target, budget, runs_on)
     device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
@@ -131,9 +133,7 @@ def plan_training_arguments(
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
-    request = _plan_request(planning, args, layout, configured, accumulation, measure=restored is None,
-                            margin=margin, target_batch_size=target_batch_size, min_batch_size=min_batch_size,
-                            max_batch_size=max_batch_size, allow_checkpointing=allow_checkpointing)  # fmt: skip
+    request = _plan_request(planning, args, layout, configured, accumulation, options, measure=restored is None)
     decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
     chosen, planned = decision.plan, decision.estimate
     changes = _planned_changes(args, chosen, layout.checkpointing)
@@ -204,26 +204,17 @@ def _plan_request(
     layout: RunLayout,
     configured: int,
     accumulation: int,
+    options: RunOptions,
     *,
     measure: bool,
-    margin: float,
-    target_batch_size: int | Literal["max"] | None,
-    min_batch_size: int,
-    max_batch_size: int | None,
-    allow_checkpointing: bool,
 ) -> PlanRequest:
     """What every rank asks alike: the smallest capacity of all ranks (measured only when a plan is to be made),
-    and by default the effective batch the arguments run over the data-parallel ranks."""
-    device = planning.target.torch_device
-    capacity = _smallest_of_all_ranks(planning.capacity_bytes(device), args) if measure else 0
+    over the data-parallel ranks the layout runs."""
+    capacity = _smallest_of_all_ranks(planning.capacity_bytes(planning.target.torch_device), args) if measure else 0
     ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
-    return PlanRequest(
-        capacity_bytes=capacity, margin=margin,
-        target_batch_size=effective_batch(target_batch_size, configured, accumulation, ranks),
-        world_size=ranks, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-        allow_checkpointing=allow_checkpointing, always_checkpoint=layout.checkpointing,
-        include_context=planning.include_context,
-    )  # fmt: skip
+    return options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation, ranks=ranks,
+                           include_context=planning.include_context,
+                           always_checkpoint=layout.checkpointing)  # fmt: skip
 
 
 def _planned_changes(args: TrainingArguments, chosen: Plan, layout_checkpoints: bool) -> dict[str, Any]:

@@ -44,7 +44,8 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.session import PlanningSession, PlanRequest, effective_batch
+from memfit.planning.run_options import RunOptions, check_positive
+from memfit.planning.session import PlanningSession
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -212,19 +213,15 @@ class MemoryPlannerBase(ControlledRun):
         self.budget_bytes = parse_budget(budget)
         self.target = check_target(target, budget)
         self._budget = budget
-        _check_arguments(margin, target_batch_size, batch_arg_name, mode, min_batch_size, max_batch_size,
-                         log_every_n_steps)  # fmt: skip
+        self.options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
+        _check_arguments(batch_arg_name, mode, log_every_n_steps)
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
-        self.margin = float(margin)
-        self.target_batch_size = target_batch_size
+        self.margin, self.allow_checkpointing = self.options.margin, self.options.allow_checkpointing
         self.batch_arg_name = batch_arg_name
-        self.allow_checkpointing = bool(allow_checkpointing)
         self.checkpoint_modules = checkpoint_modules
         self.mode = mode
         self.sample = sample
-        self.min_batch_size = min_batch_size
-        self.max_batch_size = max_batch_size
         self.log_every_n_steps = log_every_n_steps
         self.verbose = verbose
         self.plan: Plan | None = None
@@ -350,13 +347,11 @@ class MemoryPlannerBase(ControlledRun):
                 for note in self._sample_notes:
                     self._info(f"memfit: {note}")
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
-        ranks = layout.data_parallel_size
-        target = effective_batch(self.target_batch_size, configured, trainer.accumulate_grad_batches, ranks)
-        decision = session.decide_run(PlanRequest(
-            capacity_bytes=capacity, margin=self.margin, target_batch_size=target, world_size=ranks,
-            min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
-            allow_checkpointing=self.allow_checkpointing, always_checkpoint=always, include_context=include_context,
-        ), device=device, notes=self._sample_notes)  # fmt: skip
+        request = self.options.request(capacity_bytes=capacity, configured=configured,
+                                       accumulation=trainer.accumulate_grad_batches,
+                                       ranks=layout.data_parallel_size, include_context=include_context,
+                                       always_checkpoint=always)  # fmt: skip
+        decision = session.decide_run(request, device=device, notes=self._sample_notes)
         self.plan, self.estimate = decision.plan, decision.estimate
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
         return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
@@ -717,24 +712,12 @@ def _all_gather_ints(strategy: Any, value: int) -> Sequence[int]:
     return [int(v) for v in gathered.flatten().tolist()]
 
 
-def _check_arguments(margin: Any, target_batch_size: Any, batch_arg_name: Any, mode: Any, min_batch_size: Any,
-                     max_batch_size: Any, log_every_n_steps: Any) -> None:  # fmt: skip
-    """Refuse a bad argument when the callback is made, not at the first batch."""
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
-    if target_batch_size is not None and target_batch_size != "max":
-        _check_positive("target_batch_size", target_batch_size, extra=", 'max' or None")
+def _check_arguments(batch_arg_name: Any, mode: Any, log_every_n_steps: Any) -> None:
+    """Refuse a bad argument when the callback is made, not at the first batch (the plan's options are checked by
+    ``RunOptions``)."""
     if not isinstance(batch_arg_name, str) or not batch_arg_name:
         raise InvalidInputError(f"`batch_arg_name` must be an attribute name, got {batch_arg_name!r}")
     if mode not in ("plan", "observe"):
         raise InvalidInputError(f"`mode` must be one of 'plan', 'observe', got {mode!r}")
-    _check_positive("min_batch_size", min_batch_size)
-    if max_batch_size is not None:
-        _check_positive("max_batch_size", max_batch_size)
     if log_every_n_steps is not None:
-        _check_positive("log_every_n_steps", log_every_n_steps)
-
-
-def _check_positive(name: str, value: Any, extra: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"`{name}` must be a positive integer{extra}, got {value!r}")
+        check_positive("log_every_n_steps", log_every_n_steps)
