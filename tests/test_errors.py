@@ -202,3 +202,26 @@ def test_plan_takes_a_size_or_a_gpu_name_and_refuses_other_strings_in_one_line()
         memfit.plan(est, "h1000")
     with pytest.raises(InvalidInputError, match=r"^capacity_bytes could not read '-3GiB' as a size"):
         memfit.plan(est, "-3GiB")
+
+
+def test_a_sample_longer_than_the_learned_positions_is_refused_before_tracing() -> None:
+    """On fake tensors an embedding lookup past the table reads no value, so it would trace; the run would fail."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=100))
+    ids = torch.randint(0, 100, (2, 65))
+    with pytest.raises(InvalidInputError, match=r"^sequences of 65 tokens are longer than the model's 64 positions"):
+        memfit.estimate(model, {"input_ids": ids, "labels": ids})
+    fits = ids[:, :64]
+    assert memfit.estimate(model, {"input_ids": fits, "labels": fits}).seq_len == 64
+
+
+def test_a_forward_pass_says_which_training_options_of_its_loop_did_not_apply() -> None:
+    model, sample = nn.Linear(8, 8), torch.randn(4, 8)
+    loop = memfit.TrainingLoop(accumulation_steps=4, ddp=True, extra_batches=1)
+    forward = memfit.estimate(model, sample, inference=True, loop=loop)
+    said = [note for note in forward.notes if note.startswith("a forward pass has no gradients")]
+    assert len(said) == 1 and "accumulation_steps=4, ddp=DDPConfig(" in said[0] and "extra_batches does" in said[0]
+    plain = memfit.estimate(model, sample, inference=True, loop=memfit.TrainingLoop(extra_batches=1))
+    assert not any(note.startswith("a forward pass") for note in plain.notes)
+    assert plain.peak_allocated_bytes == forward.peak_allocated_bytes

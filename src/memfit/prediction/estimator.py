@@ -39,12 +39,13 @@ from memfit.prediction.sharded import (
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.replay import LimitFit, PhasePeak, TimelinePoint, extrapolate_timeline, replay
 from memfit.simulation.runtime import CudaRuntime
-from memfit.tracing.batch import Sample, infer_batch_size
+from memfit.tracing.batch import Sample, infer_batch_size, sequence_length
 from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
 from memfit.tracing.paged import paged_note
+from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import (
@@ -459,11 +460,13 @@ def estimate(
         raise InvalidInputError(f"loop must be a memfit.TrainingLoop, got {loop!r}")
     if target is not None and not isinstance(target, Target):
         raise InvalidInputError(f"target must be a memfit.Target, got {target!r}")
-    return estimate_for_runtimes(
+    estimated = estimate_for_runtimes(
         model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules, loop=loop,
         target=target, loss_fn=loss_fn, forward_fn=forward_fn, optimizer_kwargs=optimizer_kwargs, inference=inference,
     )[0]  # fmt: skip
+    dropped = loop.dropped_for_inference() if inference and loop is not None else None
+    return estimated.with_notes(dropped) if dropped else estimated
 
 
 def estimate_for_runtimes(
@@ -665,6 +668,9 @@ def _prepare(
 
     is_factory = callable(sample) and not isinstance(sample, (torch.Tensor, Mapping, list, tuple))
     sample_batch = (batch_size or 1) if is_factory else infer_batch_size(sample)
+    if not is_factory and (length := sequence_length(sample, sample_batch)) is not None:
+        # fake tensors read no values: a lookup past a learned position table would trace without error
+        check_sequence_length(model, length, fix="truncate the sample to {positions} tokens or fewer")
     primary = batch_size or sample_batch
     secondary = primary * 2
     runtime = target.runtime or CudaRuntime.of_current_device()

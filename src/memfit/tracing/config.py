@@ -69,6 +69,17 @@ class TrainingLoop:
         """A forward-only pass has no gradients: of the loop only the batches it holds apply."""
         return TrainingLoop(extra_batches=self.extra_batches)
 
+    def dropped_for_inference(self) -> str | None:
+        """What ``for_inference`` leaves out of this loop, in words for the estimate's notes (``None``: nothing)."""
+        dropped = [f"{name}={getattr(self, name)!r}" for name in ("zero_grad", "accumulation_steps", "ddp", "sharding")
+                   if getattr(self, name) != getattr(_DEFAULT_LOOP, name)]  # fmt: skip
+        if not dropped:
+            return None
+        return f"a forward pass has no gradients: the loop's {', '.join(dropped)} did not apply (extra_batches does)"
+
+
+_DEFAULT_LOOP = TrainingLoop()
+
 
 @dataclass(frozen=True)
 class Target:
