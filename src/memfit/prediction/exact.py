@@ -38,6 +38,7 @@ from memfit.tracing import trace_cache, trace_data
 from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
 from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
+from memfit.tracing.known_masks import holds_only_ones, shape_only
 from memfit.tracing.symbolic import (
     SymbolicTrace,
     SymbolicUnavailable,
@@ -603,7 +604,8 @@ def _sample_key(sample: Any, sample_batch: int) -> tuple:
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         return ("factory", id(sample))  # called at each batch traced: its own batch size does not matter
     shapes: list[Any] = []
-    rebatch(sample, sample_batch, sample_batch, lambda t, shape: shapes.append((tuple(shape), t.dtype)))
+    rebatch(sample, sample_batch, sample_batch, lambda t, shape: shapes.append((tuple(shape), t.dtype,
+                                                                                 holds_only_ones(t))))  # fmt: skip
     return ("batch", sample_batch, repr(_structure(sample)), tuple(shapes))
 
 
@@ -620,9 +622,7 @@ def _shapes_only(sample: Any, sample_batch: int) -> Any:
     hold the user's batch (on the run's GPU, say) alive into training."""
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         return sample
-    return rebatch(
-        sample, sample_batch, sample_batch, lambda t, shape: torch.empty(shape, dtype=t.dtype, device="meta")
-    )
+    return rebatch(sample, sample_batch, sample_batch, shape_only)
 
 
 def _settings_key(settings: TraceSettings) -> tuple:

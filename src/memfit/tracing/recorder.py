@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.categories import Category, Phase
 from memfit.tracing import cuda_scratch
+from memfit.tracing.known_masks import KnownOnes
 from memfit.tracing.packed_sequences import KnownPositions
 
 __all__ = ["PhaseMark", "StorageRecorder", "storage_bytes", "symbolic_decompositions"]
@@ -153,6 +154,7 @@ class StorageRecorder(TorchDispatchMode):
         self.claimed_by: dict[int, int] = {}  # storage -> the storage whose block it belongs to (optimizer state)
         self.derived_from: dict[int, int] = {}  # storage made outside any block -> the storage it was made from
         self.positions = KnownPositions()  # position ids whose values the trace knows (transformers' packing check)
+        self.ones = KnownOnes()  # all-ones masks of the sample (transformers' mask-skip checks)
 
     def record_blocks(self) -> None:
         """Log, with every event from now on, the block running when it happened (``current_block``)."""
@@ -294,6 +296,7 @@ class StorageRecorder(TorchDispatchMode):
             self._scratch(cuda_scratch.before_outputs(func, args, target), scratch)
         out = self.decompositions.get(func, func)(*args, **kwargs)
         self.positions.note(func, args, kwargs, out)
+        self.ones.note(func, args, kwargs, out)
         flat, _ = tree_flatten(out)
         first_new = self._next_id
         each = cuda_scratch.per_output(func, args, out, target) if target is not None else {}

@@ -52,6 +52,7 @@ from memfit.cache_identity import CACHE_DIR_ENV, CACHE_ENV, cache_root, enabled
 from memfit.cache_identity import installed_versions as _versions
 from memfit.cache_identity import memfit_source_digest as _memfit_source_hash
 from memfit.diagnostics import warn_once
+from memfit.tracing.known_masks import holds_only_ones
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -284,6 +285,8 @@ def _shape_of(value: Any) -> Any:
 
 def _tensor_key(tensor: torch.Tensor) -> list[Any]:
     key: list[Any] = ["tensor", list(tensor.shape), str(tensor.dtype), tensor.device.type]
+    if tensor.device.type == "meta" and holds_only_ones(tensor):  # an all-ones mask is traced as none (known_masks)
+        return [*key, "ones"]
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return key
     if tensor.numel() > 1 << 24:

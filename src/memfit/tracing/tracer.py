@@ -43,6 +43,7 @@ from memfit.tracing.cuda_scratch import CudaTarget
 from memfit.tracing.cuda_semantics import CudaSemantics
 from memfit.tracing.cudnn_rnn import CudnnRNNs, flatten_rnn_weights
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.known_masks import eager_mask_skip, holds_only_ones
 from memfit.tracing.model_state import (
     compilation_suspended,
     cudnn_rnn_disabled,
@@ -189,6 +190,7 @@ def trace_steps(
         fake_tensor_errors_unlogged(),
         branch,
         eager_packing_check(recorder.positions),
+        eager_mask_skip(recorder.ones),
         compilation_suspended(model) as model,
     ):
         if settings.inference:
@@ -625,6 +627,8 @@ def _fake_input(tensor: torch.Tensor, shape: tuple, settings: TraceSettings, rec
         dtype = settings.parameter_dtype  # FSDP casts floating forward inputs to param_dtype
     fake = torch.empty(shape, dtype=dtype, device=settings.device)
     recorder.track(fake, Category.INPUTS)
+    if holds_only_ones(tensor):  # an attention mask without padding: transformers skips it in eager (known_masks)
+        recorder.ones.mark(fake)
     return fake
 
 
