@@ -423,3 +423,37 @@ def test_a_stream_is_planned_at_the_longest_batch_it_can_produce(tmp_path: Path)
     assert any("stretched to 32 tokens" in reason and "first examples (4 tokens)" in reason
                for reason in callback.plan.reasons)  # fmt: skip
     assert callback.estimate.seq_len == SEQ  # the traced batch is the longest the stream can produce
+
+
+class _NoBlocks(L.LightningModule):
+    """An MLP: nothing repeats, so checkpointing has no block to wrap."""
+
+    def __init__(self, batch_size: int = 64) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(1024, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randn(256, 1024), torch.randn(256, 1))
+        return torch.utils.data.DataLoader(data, batch_size=self.hparams.batch_size)
+
+
+def test_a_budget_only_the_kept_window_overflows_says_so_and_not_that_checkpointing_failed(tmp_path: Path) -> None:
+    """With out-of-memory recovery on, accumulating keeps the window's earlier batches on the device: at a small
+    budget no split of the effective batch fits. The fit stops with that reason, not with checkpointing's (the model
+    has no blocks to checkpoint); without recovery the same budget plans a split."""
+    with pytest.raises(memfit.InsufficientMemoryError) as raised:
+        trainer(tmp_path, MemoryPlanner(budget="400KiB", verbose=False), max_steps=1).fit(_NoBlocks())
+    message = str(raised.value)
+    assert "the loop holds 63 more batch(es) on the device" in message and "on_oom='raise' keeps none" in message
+    assert message.endswith("checkpointing could not be tried: found no repeated blocks to checkpoint in _NoBlocks; "
+                            "pass checkpoint_modules=[YourBlockClass].")  # fmt: skip
+    planner = MemoryPlanner(budget="400KiB", on_oom="raise", verbose=False)
+    trainer(tmp_path, planner, max_steps=1).fit(_NoBlocks())
+    assert planner.plan.effective_batch_size == 64 and planner.plan.accumulate_grad_batches > 1

@@ -46,6 +46,10 @@ class InsufficientMemoryError(MemfitError):
     """Not even the smallest allowed micro batch fits the memory budget."""
 
 
+class CheckpointingUnavailableError(InvalidInputError):
+    """Checkpointing was asked of a model with no blocks memfit can find to checkpoint (none repeated, none named)."""
+
+
 class NoCountFitsError(InvalidInputError):
     """``--gpus auto`` searched every count of GPUs up to its limit and the step fits on none: the answer is "no",
     with the figures of the counts it tried (an ``InvalidInputError`` for callers that catch those)."""

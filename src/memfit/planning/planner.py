@@ -26,7 +26,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from memfit.categories import Category, Phase
-from memfit.errors import InsufficientMemoryError, InvalidInputError
+from memfit.errors import CheckpointingUnavailableError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.estimator import BatchPeak, MemoryEstimate
 from memfit.simulation.allocator import SMALL_BUFFER, AllocatorConfig
@@ -206,18 +206,27 @@ def plan(
     )
     config = allocator if allocator is not None else AllocatorConfig.from_environment()
     question = dataclasses.replace(question, allocator=config if at_limit else None)
-    with_checkpointing = functools.cache(lambda: _resolve(checkpointed) if allow_checkpointing else None)
+    unavailable: list[str] = []  # why checkpointing could not be tried, said with a miss
+
+    def checkpointed_estimate() -> MemoryEstimate | None:
+        try:
+            return _resolve(checkpointed) if allow_checkpointing else None
+        except CheckpointingUnavailableError as error:
+            unavailable.append(f"checkpointing could not be tried: {error}")
+            return None
+
+    with_checkpointing = functools.cache(checkpointed_estimate)
     confirm = functools.cache(confirm) if confirm is not None else None  # the search and the split share traces
     candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
     if isinstance(candidates, _Miss):
-        raise InsufficientMemoryError(candidates.message)
+        raise InsufficientMemoryError(_said_with(candidates.message, unavailable))
     used = candidates.chosen
     fit = _fit(question, used, confirm)
     reasons = [*candidates.reasons, *fit.reasons]
     if isinstance(fit.outcome, _Miss):
         fallback = _checkpointing_fallback(question, candidates, with_checkpointing)
         if fallback is None:
-            raise InsufficientMemoryError(fit.outcome.message)
+            raise InsufficientMemoryError(_said_with(fit.outcome.message, unavailable))
         reasons.append(
             f"micro batch {min_batch_size} does not fit once traced at its size; checkpointing brings it within "
             "(about 20-30 % slower per step)"
@@ -544,9 +553,18 @@ def _largest_confirmed(
         probe = following
     if search.fits is None:
         over = search.over
+        accumulation = _fewest_steps(question.per_device_target, over)
+        held = confirm(over, candidate.checkpointing, accumulation).extra_batches  # cached: traced just now
+        holding = (
+            f" (with {accumulation} accumulation steps, the loop holds {held} more batch(es) on the device: "
+            "an out-of-memory recovery that replays the window keeps them, on_oom='raise' keeps none; a smaller target "
+            "batch holds fewer)"
+            if held
+            else ""
+        )
         return _Miss(
             f"micro batch {over} does not fit: a trace at that size predicts "
-            f"{format_bytes(search.peaks[over])} against {question.against()}."
+            f"{format_bytes(search.peaks[over])}{holding} against {question.against()}."
         )
     largest, budget = search.fits, question.budget
     if search.over is not None:
@@ -847,6 +865,11 @@ def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
 
 def _resolve(source: EstimateSource) -> MemoryEstimate | None:
     return source() if callable(source) and not isinstance(source, MemoryEstimate) else source
+
+
+def _said_with(message: str, more: list[str]) -> str:
+    """``message`` and what else the user should know of the miss, in one line."""
+    return "; ".join([message.rstrip("."), *more]) + "." if more else message
 
 
 def _capacity_of(text: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.errors import InvalidInputError
+from memfit.errors import CheckpointingUnavailableError, InvalidInputError
 
 __all__ = ["CheckpointTarget", "enable_checkpointing", "find_blocks"]
 
@@ -85,7 +85,7 @@ def find_blocks(model: nn.Module, modules: CheckpointTarget | None = None) -> li
     else:
         chosen = _longest_repeated_blocks(model)
         if not chosen:
-            raise InvalidInputError(
+            raise CheckpointingUnavailableError(
                 f"found no repeated blocks to checkpoint in {type(model).__name__}; "
                 "pass checkpoint_modules=[YourBlockClass]"
             )
