@@ -214,6 +214,26 @@ def test_resume_keeps_the_plan_of_the_first_run(tmp_path: Path) -> None:
     assert "restored from the checkpoint" in callback.plan.reasons
 
 
+def test_a_resumed_run_is_measured_against_the_restored_plans_prediction(tmp_path: Path) -> None:
+    """Setup plans 6 x 2 before Lightning restores the callback's state; the run then trains the saved 3 x 4, and its
+    predicted peak, its estimate and the logged prediction are the saved plan's, not the discarded one's."""
+    module = TinyGPT(batch_size=12)
+    first_planner = MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN, verbose=False)
+    first = trainer(tmp_path, first_planner, max_steps=2, enable_checkpointing=True)
+    first.fit(module)
+    resumed_module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=budget_for_micro_batch(resumed_module, 6), margin=MARGIN, verbose=False)
+    logger = CSVLogger(tmp_path, name="resumed")
+    trainer(tmp_path, callback, loggers=[logger], max_steps=4).fit(
+        resumed_module, ckpt_path=first.checkpoint_callback.best_model_path
+    )
+    assert callback.estimate.batch_size == 3 and callback.estimate.accumulation_steps == 4
+    assert callback.monitor.drift.predicted_allocated_bytes == first_planner.plan.predicted_allocated_bytes
+    logged = {float(row["memfit/predicted_peak_allocated_bytes"]) for row in read_csv_metrics(logger)
+              if row.get("memfit/predicted_peak_allocated_bytes")}  # fmt: skip
+    assert logged == {first_planner.plan.predicted_allocated_bytes}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -231,6 +231,7 @@ class MemoryPlannerBase(ControlledRun):
                                         loss_reduction=self.loss_reduction, verbose=verbose)  # fmt: skip
         self._internals = LightningInternals(self._pl)
         self._decision: _Decision | None = None
+        self._session: PlanningSession | None = None  # rank 0's, kept to trace a plan restored on resume
         self._restored_plan: dict[str, Any] | None = None
         self._trainer_module: tuple[Any, Any] | None = None
         self._steps_seen = 0
@@ -244,6 +245,7 @@ class MemoryPlannerBase(ControlledRun):
             self._plan_and_apply(trainer, pl_module)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._session = None  # a restored plan has been traced by now; the session holds the sample batch
         self._steps_seen = trainer.global_step  # a resumed run starts counting where it left off
         self._start_measuring(trainer, pl_module)
         self._install_recovery(trainer, pl_module)
@@ -337,6 +339,7 @@ class MemoryPlannerBase(ControlledRun):
             accumulation_steps=trainer.accumulate_grad_batches,
         )
         always = layout.checkpointing
+        self._session = session
         self.estimate = session.trace_at(configured, always, trainer.accumulate_grad_batches)
         include_context = planning.include_context
         if self.mode == "observe":
@@ -457,8 +460,13 @@ class MemoryPlannerBase(ControlledRun):
                        "would use it")  # fmt: skip
         self._apply(trainer, pl_module, saved)
         self.plan = Plan.from_dict(saved).with_reason("restored from the checkpoint")
-        if self._decision is not None:
+        if self._session is not None:  # rank 0 planned: the trace of the step the restored plan runs
+            micro, checkpointing = saved["micro_batch_size"], saved["gradient_checkpointing"]
+            self.estimate = self._session.trace_at(micro, checkpointing, saved["accumulate_grad_batches"])
+        if self._decision is not None:  # every rank measures against the restored plan's own prediction
             self._decision.plan = saved
+            self._decision.predicted_allocated_bytes = saved["predicted_allocated_bytes"]
+            self._decision.predicted_reserved_bytes = saved["predicted_reserved_bytes"]
 
     def _sample_batch(self, trainer: Any) -> Any:
         loader = self._internals.train_dataloader(trainer)
