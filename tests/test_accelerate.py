@@ -96,6 +96,19 @@ def test_the_plan_is_saved_with_the_run_and_a_resumed_run_keeps_it(tmp_path: Pat
     assert loader.batch_size == 3 and resumed.planned.reasons[-1] == "restored from the checkpoint"
 
 
+def test_a_plan_restored_after_plan_is_kept_out_with_one_warning() -> None:
+    """accelerate's usual order restores state after prepare, when the dataloader is batched already."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    late = MemoryPlanner(accelerator, budget="1GiB", verbose=False)
+    loader = late.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    with pytest.warns(UserWarning, match=r"arrived after plan\(\) chose another .* call accelerator.load_state"):
+        late.load_state_dict(first.state_dict())
+    assert loader.batch_size == late.planned.micro_batch_size != 3
+
+
 def test_bad_input_is_one_clear_line() -> None:
     with pytest.raises(memfit.InvalidInputError, match=r"takes an accelerate\.Accelerator"):
         MemoryPlanner(object())

@@ -166,6 +166,16 @@ class MemoryPlanner(ControlledRun):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = state.get("plan")
+        planned = self.planned.to_dict() if self.planned is not None else None
+        keys = ("micro_batch_size", "accumulate_grad_batches", "gradient_checkpointing")
+        if planned is not None and self._restored and any(planned[k] != self._restored[k] for k in keys):
+            saved, chosen = Plan.from_dict(self._restored).summary(), self.planned.summary()
+            self.controller.warn("late-restore", (
+                f"memfit: the checkpoint's plan ({saved}) arrived after plan() chose another ({chosen}), which this "
+                "run keeps: the dataloader is already batched. To resume with the saved plan, call "
+                "accelerator.load_state(...) before planner.plan(...) too (it then restores the plan; the call after "
+                "prepare restores the model and optimizer)."
+            ))  # fmt: skip
 
 
 class _AcceleratorPort:
