@@ -10,6 +10,7 @@ import memfit
 import zoo
 from memfit import InvalidInputError, TraceError, ValueDependentError
 from memfit.integrations.huggingface.arguments import model_checkpointing
+from memfit.lightning import MemoryPlanner as LightningPlanner
 from memfit.planning.gpus import gpu_by_name
 
 
@@ -225,3 +226,10 @@ def test_a_forward_pass_says_which_training_options_of_its_loop_did_not_apply() 
     plain = memfit.estimate(model, sample, inference=True, loop=memfit.TrainingLoop(extra_batches=1))
     assert not any(note.startswith("a forward pass") for note in plain.notes)
     assert plain.peak_allocated_bytes == forward.peak_allocated_bytes
+
+
+def test_a_budget_that_is_neither_a_size_nor_a_gpu_names_the_argument_and_both_forms() -> None:
+    with pytest.raises(InvalidInputError, match=r"^`budget` is neither a size such as '20GiB' nor a known GPU: "):
+        LightningPlanner(budget="lots of memory")
+    with pytest.raises(InvalidInputError, match=r"^GPU 'a100' is ambiguous"):  # a card's name, only incomplete
+        LightningPlanner(budget="a100")

@@ -19,7 +19,12 @@ def parse_budget(budget: int | str | None) -> int | None:
     if budget is None:
         return None
     if isinstance(budget, str) and budget.strip()[:1].isalpha():
-        return gpu_by_name(budget).memory_bytes
+        try:
+            return gpu_by_name(budget).memory_bytes
+        except InvalidInputError as error:  # a word that names no card: say which argument, and what else it takes
+            if not str(error).startswith("unknown GPU"):
+                raise
+            raise InvalidInputError(f"`budget` is neither a size such as '20GiB' nor a known GPU: {error}") from None
     try:
         value = parse_bytes(budget)
     except ValueError as error:
