@@ -120,7 +120,8 @@ def test_observe_mode_changes_nothing_and_still_logs(tmp_path: Path) -> None:
     module = TinyGPT(batch_size=12)
     callback = MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN, mode="observe")
     fit = trainer(tmp_path, callback, max_steps=4)
-    fit.fit(module)
+    with pytest.warns(UserWarning, match=r"at micro batch 12, is over the .* budget .*: this run may run out of"):
+        fit.fit(module)
     assert module.batch_size == 12 and fit.accumulate_grad_batches == 1
     assert set(module.seen_batch_sizes) == {12}
     rows = [r for r in read_csv_metrics(fit.logger) if r.get("memfit/measured_peak_rss_bytes")]

@@ -346,9 +346,18 @@ class MemoryPlannerBase(ControlledRun):
             if capacity > 0:
                 self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
             peak = self.estimate.at(configured)
-            if self.verbose:  # what the prediction rests on that can change it
+            needed = peak.device_bytes if include_context else peak.reserved_bytes
+            if self.verbose:  # the prediction, and what it rests on that can change it
+                self._info(f"memfit: predicted peak {format_bytes(needed)} at micro batch {configured} (observe mode: "
+                           "the run trains as configured)")  # fmt: skip
                 for note in self._sample_notes:
                     self._info(f"memfit: {note}")
+            budget = int(capacity * (1 - self.margin))
+            if 0 < budget < needed:
+                self._warn("observe-over", f"memfit: the predicted peak, {format_bytes(needed)} at micro batch "
+                           f"{configured}, is over the {format_bytes(budget)} budget ({format_bytes(capacity)} with a "
+                           f"{format_margin(self.margin)} margin): this run may run out of memory; mode='plan' "
+                           "picks a micro batch that fits")  # fmt: skip
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
         request = self.options.request(capacity_bytes=capacity, configured=configured,
                                        accumulation=trainer.accumulate_grad_batches,
