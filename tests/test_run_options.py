@@ -55,3 +55,19 @@ def test_the_request_keeps_the_configured_effective_batch_unless_one_is_asked() 
     asked = RunOptions(target_batch_size="max", max_batch_size=16)
     request = asked.request(capacity_bytes=2**30, configured=8, accumulation=2, ranks=1, include_context=False)
     assert (request.target_batch_size, request.max_batch_size, request.include_context) == ("max", 16, False)
+
+
+def test_every_port_refuses_bf16_on_a_card_without_it_as_the_cli_does(tmp_path: Path) -> None:
+    """A T4 has no bf16: planned for one, each port says so in the CLI's words (Lightning as its one warning)."""
+    import torch
+
+    from test_accelerate import token_loader
+
+    said = r"^T4 \(Turing\) has no bf16, so bf16-mixed would run emulated"
+    with pytest.raises(memfit.InvalidInputError, match=said):
+        model = tiny_gpt2()
+        AcceleratePlanner(Accelerator(cpu=True, mixed_precision="bf16"), budget="t4").plan(
+            model, torch.optim.AdamW(model.parameters()), token_loader()
+        )
+    with pytest.raises(memfit.InvalidInputError, match=said):
+        plan_training_arguments(tiny_gpt2(), training_args(tmp_path, bf16=True), _Untouchable(), budget="t4")

@@ -123,6 +123,7 @@ class MemoryPlanner(ControlledRun):
             sample, notes = longest_of_a_stream(sample, model, dataloader.collate_fn, None, max_length, notes)
         configured, accumulation = dataloader.batch_size, accelerator.gradient_accumulation_steps
         precision = _PRECISIONS.get(str(accelerator.mixed_precision), Precision.FP32)
+        planning.check_precision(precision)
 
         def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
             loop = TrainingLoop(accumulation_steps=accumulation_steps)

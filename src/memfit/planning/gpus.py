@@ -229,6 +229,12 @@ class PlanningTarget:
 
         return free_device_bytes(run_device)
 
+    def check_precision(self, precision: Precision | str) -> None:
+        """Refuse a precision the named card cannot run as memfit models it (bf16 on a card without it), as
+        ``memfit plan`` does."""
+        if self.gpu is not None:
+            self.gpu.precision_for(precision)
+
     def note(self, run_device: torch.device) -> str | None:
         """A sentence for the estimate when the plan is for another device than the one the run uses."""
         if self.target.device == run_device.type:

@@ -123,6 +123,7 @@ def plan_training_arguments(
     planning = planning_target(target, budget, runs_on)
     device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
     precision = run_precision(args)
+    planning.check_precision(precision)
     layout = _layout(args, model, precision, elsewhere_on_gpus=device.type == "cuda" and runs_on.type != "cuda")
     configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)

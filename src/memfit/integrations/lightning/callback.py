@@ -324,6 +324,7 @@ class MemoryPlannerBase(ControlledRun):
         except ShardingNotModelledError as error:
             self._warn("sharding", not_modelled(str(error)))
             return _Decision(None, None, None, measured_only=True)
+        planning.check_precision(str(trainer.precision))
         self._sample_notes = [note] if (note := planning.note(device)) else []
         self._sample_notes += layout.notes
         sample = self.sample if self.sample is not None else self._sample_batch(trainer)
