@@ -10,6 +10,13 @@ temporaries, gathered parameters, buckets) stays as the reference's replay has i
 screen is the per-rank estimate itself; the count ``--gpus auto`` chooses is then planned on its own per-rank
 estimate, which the table and the breakdown show.
 
+A count is read off the reference only where its rank is rewritten from the same traced step
+(``memfit.prediction.sharded.traced_step``). FSDP on one GPU is not: its shard group of one is NO_SHARD, whose
+step is the plain one on the stored (fp32 under ``*-mixed``) weights with the precision's autocast copies, where the
+reference's step computes on FSDP's gathered 16-bit parameters; its terms are that step's own bytes, and it
+gathers nothing. ``rescaled`` refuses such a count, and the screen answers it with its own per-rank estimate
+(the plain step's trace, which one GPU's DDP line reads too, replayed).
+
 Known limitations of the reading at other counts: an FSDP unit's whole gradients awaiting their reduce-scatter
 are scaled with the sharded ones (one unit's gradients), and the allocator's pool moves by the bytes the states
 move (``_reserved``), not by a replay.
@@ -24,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import MemoryEstimate, PhaseModel
-from memfit.prediction.sharded import rank_plan
+from memfit.prediction.sharded import rank_plan, traced_step
 from memfit.simulation.replay import PhasePeak
 from memfit.tracing.sharding import ShardingConfig
 
-__all__ = ["candidate_gpu_counts", "describe", "rescaled"]
+__all__ = ["candidate_gpu_counts", "describe", "reads_reference", "rescaled"]
 
 # the rank's model-state term each category of a phase's peak scales with
 _SCALED = {
@@ -46,6 +53,11 @@ def rescaled(reference: MemoryEstimate, config: ShardingConfig) -> MemoryEstimat
         raise InvalidInputError("rescaled() reads a per-rank estimate: estimate with TrainingLoop(sharding=...)")
     if reference.sharding.strategy != config.strategy:
         raise InvalidInputError(f"a {reference.sharding.strategy} estimate cannot answer for {config.strategy}")
+    if traced_step(config) != traced_step(reference.sharding):
+        raise InvalidInputError(
+            f"{describe(config)} runs another step than {describe(reference.sharding)} (module docstring): estimate "
+            "it with TrainingLoop(sharding=...)"
+        )
     if config == reference.sharding:
         return reference
     before, after = reference.rank_model.terms(reference.sharding), reference.rank_model.terms(config)
@@ -158,6 +170,12 @@ def _reserved(reference: Sequence[PhasePeak], ranked: Sequence[PhasePeak]) -> li
         reserved = max(reserved, math.ceil(top_rank * peak.reserved_bytes / max(1, top)), rank.allocated_bytes)
         out.append(dataclasses.replace(rank, reserved_bytes=reserved))
     return out
+
+
+def reads_reference(reference: ShardingConfig, config: ShardingConfig) -> bool:
+    """Whether ``rescaled`` reads one rank of ``config`` off a per-rank estimate made under ``reference``: the same
+    strategy, its rank rewritten from the same traced step."""
+    return reference.strategy == config.strategy and traced_step(reference) == traced_step(config)
 
 
 def describe(config: ShardingConfig) -> str:

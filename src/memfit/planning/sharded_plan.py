@@ -5,7 +5,8 @@ A plan for a given GPU count and strategy comes from ``memfit.estimate``'s own p
 depth-extrapolated traces for the search of a deep model, the whole model's trace for the answer).
 
 ``--gpus auto`` first screens every candidate count and strategy with the per-rank estimate of that strategy at
-one reference count, read at the others by the same model (``memfit.planning.sharded.rescaled``), so looking at a
+one reference count, read at the others by the same model (``memfit.planning.sharded.rescaled``; a count whose rank
+is not rewritten from the reference's traced step, FSDP on one GPU, by its own estimate), so looking at a
 hundred counts costs no more traces than looking at one; the smallest count the screen passes is then planned, and
 confirmed, by the per-rank estimate at that count, and the search moves on where that says no. The chosen count's
 screen figure is that estimate's own, so the screen line, the table and the breakdown agree.
@@ -49,7 +50,7 @@ from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ZeroGrad
 from memfit.units import format_bytes
 
-from .sharded import candidate_gpu_counts, describe, rescaled
+from .sharded import candidate_gpu_counts, describe, reads_reference, rescaled
 
 __all__ = ["AUTO_STRATEGIES", "CountCheck", "Option", "ShardedReport", "plan_sharded"]
 
@@ -97,8 +98,9 @@ class CountCheck:
     micro batch asked for (checkpointing on where it is allowed and needed), and whether it fits.
 
     A figure is the per-rank estimate's own (``estimated``: the option was planned at this count, the figure the
-    plan compares with the budget) or the screen's reading of the strategy's estimate at its reference count
-    (``memfit.planning.sharded.rescaled``, printed with ``~``)."""
+    plan compares with the budget) or the screen's (printed with ``~``): its reading of the strategy's estimate at
+    its reference count (``memfit.planning.sharded.rescaled``), or the peak of the count's own estimate where its
+    rank is not rewritten from the reference's step (``_RankPlanner.screen``)."""
 
     gpus: int
     nodes: int
@@ -316,11 +318,12 @@ class _RankPlanner:
         return self._traced[kind]
 
     def screen(self, option: Option, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
-        """The rank's search estimate under ``config``: one GPU's own, or read off the strategy's per-rank
-        estimate at its reference count (``rescaled``)."""
-        if config.world_size == 1 and option.strategy == "ddp":
-            return self.ranked(config)[0]
+        """The rank's search estimate under ``config``: read off the strategy's per-rank estimate at its reference
+        count (``rescaled``), or its own where its rank is not rewritten from the reference's traced step (one
+        GPU's DDP, FSDP's NO_SHARD on one GPU: the plain step, replayed; ``reads_reference``)."""
         reference = Option(option.strategy).config(*_reference_count(option, self.gpus_per_node), self.precision)
+        if (config.world_size == 1 and option.strategy == "ddp") or not reads_reference(reference, config):
+            return self.ranked(config)[0]
         search = self.ranked(reference)[0]
         return lambda b, c, a: rescaled(search(b, c, a), config)
 

@@ -41,6 +41,7 @@ __all__ = [
     "shard_trace",
     "sharded_settings",
     "traced_bytes",
+    "traced_step",
 ]
 
 ANALYTIC_PATH = "sharding modelled on the traced single-process step (memfit.tracing.{})"
@@ -65,12 +66,25 @@ def sharded_settings(settings: TraceSettings, sharding: ShardingConfig) -> Trace
         )
     if sharding.is_zero and settings.precision in _HALF_OF:
         return dataclasses.replace(settings, precision=_HALF_OF[settings.precision])
-    if sharding.is_fsdp and sharding.shard_group_size > 1 and sharding.strategy != "fsdp-no-shard":
+    if _gathers_by_unit(sharding):
         settings = dataclasses.replace(settings, record_blocks=True)  # the rank's units run where the blocks run
     half = fsdp_compute_dtype(sharding)
     if half is not None and not settings.precision.converts_to_half:
         return dataclasses.replace(settings, parameter_dtype=half)
     return settings
+
+
+def traced_step(sharding: ShardingConfig) -> tuple[bool, bool, bool, torch.dtype | None]:
+    """What of ``sharding`` the step a rank is rewritten from depends on (``sharded_settings``): DDP's buckets,
+    DeepSpeed's 16-bit module, FSDP's units and the dtype it gathers in. Two shardings alike in it rewrite one
+    traced step, so one rank's estimate can be read at the other's terms; FSDP on a shard group of one (NO_SHARD)
+    is not alike the sharded FSDP of more ranks: its step is the plain one, on the stored weights."""
+    return sharding.strategy == "ddp", sharding.is_zero, _gathers_by_unit(sharding), fsdp_compute_dtype(sharding)
+
+
+def _gathers_by_unit(sharding: ShardingConfig) -> bool:
+    """FSDP that shards: its units gather and reduce where the trace's blocks run."""
+    return sharding.is_fsdp and sharding.shard_group_size > 1 and sharding.strategy != "fsdp-no-shard"
 
 
 def fsdp_compute_dtype(sharding: ShardingConfig) -> torch.dtype | None:
