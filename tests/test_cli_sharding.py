@@ -197,3 +197,68 @@ def test_gpus_auto_screen_table_and_states_come_from_one_estimate(config: str) -
     assert figure == estimate.least_device_bytes(1)  # the table's estimate, at the screened micro batch
     assert report.model_states_bytes == dict(estimate.rank_terms)
     assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
+
+
+def _per_rank(config: str, option: Any, gpus: int) -> Any:
+    """One rank's estimate made by ``memfit.estimate`` itself, as ``--gpus auto`` asks it at ``gpus`` GPUs:
+    bf16-mixed AdamW, micro batch 1, no checkpointing, the GPU a budget is planned on."""
+    import memfit
+    from memfit.precision import Precision
+    from memfit.presets import from_hf_config
+    from memfit.simulation.runtime import CudaRuntime
+    from memfit.tracing.config import Target, TrainingLoop
+
+    spec = from_hf_config(config, seq_len=32)
+    sharding = option.config(gpus, min(gpus, 8), Precision.BF16_MIXED)
+    loop, target = TrainingLoop(sharding=sharding), Target("cuda", runtime=CudaRuntime())
+    return memfit.estimate(spec.model, spec.sample, batch_size=1, precision="bf16-mixed", loop=loop, target=target)
+
+
+def test_gpus_auto_screens_fsdp_on_one_gpu_as_its_own_per_rank_estimate(config: str) -> None:
+    """FSDP on one GPU is NO_SHARD: the plain step on fp32 weights, not the two-GPU estimate's 16-bit step read
+    at a shard group of one (which halved its model states). Its screen line, not planned where DDP fits first,
+    is that estimate's own peak, and the two-GPU estimate refuses to be read there."""
+    from memfit.errors import InvalidInputError
+    from memfit.planning.sharded import rescaled
+    from memfit.planning.sharded_plan import AUTO_STRATEGIES, Option, plan_sharded
+
+    common = {"hf_config": config, "model": None, "gpu": None, "seq_len": 32, "checkpointing": "off", "margin": 0.0}
+    hints = [Option("fsdp", "all")]
+    report = plan_sharded(**common, budget="2GiB", options=[Option(s) for s in AUTO_STRATEGIES], hints=hints, gpus=None)
+    assert report.sharding is not None and (report.sharding.strategy, report.sharding.world_size) == ("ddp", 1)
+    figures = {label: (peak, estimated) for label, peak, _, _, _, estimated in report.considered[0].peaks}
+    for option in (Option("fsdp"), *hints):
+        one = _per_rank(config, option, 1)
+        assert figures[option.label] == (one.at(1).device_bytes, False), option.label
+        assert one.rank_terms["parameters"] == pytest.approx(4 * report.report.parameters, rel=0.03)  # fp32 weights
+        with pytest.raises(InvalidInputError, match="another step"):
+            rescaled(_per_rank(config, Option("fsdp"), 2), one.sharding)
+
+
+@pytest.mark.parametrize(("strategy", "gpus"), [("zero1", 2), ("zero2", 2), ("zero3", 2), ("fsdp", 2), ("fsdp", 1)])
+def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_chosen_count(
+    config: str, strategy: str, gpus: int
+) -> None:
+    """A budget that ``gpus`` GPUs hold and fewer do not (by ``memfit.estimate``'s own per-rank answers): the
+    search chooses that count, and its screen figure, the table's row and the model-state line are those of the
+    per-rank estimate there; every figure planned at a count is that count's own."""
+    from memfit.planning.sharded_plan import Option, plan_sharded
+
+    option = Option(strategy)
+    need = {n: _per_rank(config, option, n) for n in (1, 2)}
+    least = {n: estimate.least_device_bytes(1) for n, estimate in need.items()}
+    assert least[2] < least[1]
+    budget = least[1] + MiB if gpus == 1 else (least[1] + least[2]) // 2
+    common = {"hf_config": config, "model": None, "gpu": None, "seq_len": 32, "checkpointing": "off", "margin": 0.0}
+    report = plan_sharded(**common, budget=f"{budget}B", options=[option], gpus=None)
+    assert report.sharding == need[gpus].sharding
+    for check in report.considered:
+        for label, figure, _, fits, _, estimated in check.peaks:
+            if estimated:
+                assert figure == need[check.gpus].least_device_bytes(1) and fits == (check.gpus == gpus), label
+    last = report.considered[-1]
+    assert (last.gpus, last.confirmed) == (gpus, strategy)
+    estimate = report.row.estimate
+    assert estimate is not None and report.row.plan is not None
+    assert dict(estimate.rank_terms) == dict(need[gpus].rank_terms) == report.model_states_bytes
+    assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
