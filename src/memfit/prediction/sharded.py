@@ -151,7 +151,8 @@ class RankModel:
     traced: Mapping[Category, int]
 
     def terms(self, sharding: ShardingConfig) -> dict[str, int]:
-        """One rank's model-state terms under ``sharding`` (``RankPlan.terms``)."""
+        """One rank's model-state terms under ``sharding`` (``RankPlan.terms``): right for a sharding whose step is
+        traced alike the one these facts came from (``traced_step``), the trace's own bytes otherwise."""
         return dict(rank_plan(sharding, self.facts, self.traced).terms)
 
 
