@@ -262,3 +262,23 @@ def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_cho
     assert estimate is not None and report.row.plan is not None
     assert dict(estimate.rank_terms) == dict(need[gpus].rank_terms) == report.model_states_bytes
     assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_gpus_auto_chosen_line_is_the_peak_its_table_prints(tmp_path: Any, strategy: str) -> None:
+    """A step that fits with room to spare reaches more on the card than the least it runs in at the allocator's
+    limit (a wide vocabulary's logits leave gaps in the pool): the chosen count's line gives the table's predicted
+    peak at that micro batch, not a smaller figure above it."""
+    from memfit.planning.sharded_plan import Option, plan_sharded
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_CONFIG, "vocab_size": 32000}))
+    common = {"hf_config": str(path), "model": None, "gpu": None, "seq_len": 128, "checkpointing": "off"}
+    report = plan_sharded(**common, margin=0.0, budget="8GiB", options=[Option(strategy)], gpus=None,
+                          target_batch_size=1)  # fmt: skip
+    last = report.considered[-1]
+    _, figure, _, fits, _, estimated = next(p for p in last.peaks if p[0] == last.confirmed)
+    plan, estimate = report.row.plan, report.row.estimate
+    assert plan is not None and estimate is not None and plan.micro_batch_size == 1 and fits and estimated
+    assert figure == plan.predicted_peak_bytes
+    assert figure >= (estimate.least_device_bytes(1) or 0)

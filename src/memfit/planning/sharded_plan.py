@@ -97,8 +97,9 @@ class CountCheck:
     """What one GPU count said in the ``--gpus auto`` search: each option's smallest per-rank peak at the
     micro batch asked for (checkpointing on where it is allowed and needed), and whether it fits.
 
-    A figure is the per-rank estimate's own (``estimated``: the option was planned at this count, the figure the
-    plan compares with the budget) or the screen's (printed with ``~``): its reading of the strategy's estimate at
+    A figure is the per-rank estimate's own (``estimated``: the option was planned at this count; what its plan at
+    that micro batch says, the peak the run reaches on the card where it fits, else what it would need: the table's
+    figure, from the same estimate) or the screen's (printed with ``~``): its reading of the strategy's estimate at
     its reference count (``memfit.planning.sharded.rescaled``), or the peak of the count's own estimate where its
     rank is not rewritten from the reference's step (``_RankPlanner.screen``)."""
 
@@ -390,8 +391,8 @@ class _RankPlanner:
             rejected: list[str] = []
             for option in [o for o, _, _, could in screened if could and o in options]:  # in order of preference
                 row, config = self.planned(option, count, per_node, candidate=True)
-                own = _needed(self.ranked(config)[0], micro, allow, budget_bytes, allocator)
-                peaks[option] = (*own, own[0] <= budget_bytes, True)  # the figure the plan itself compares
+                own = _needed(self.ranked(config)[0], micro, allow, budget_bytes, self.capacity, allocator)
+                peaks[option] = (*own, True)  # what the plan itself says at ``micro``
                 if row.plan is not None:
                     check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host)
                     return self.finish(row, config, option, (*considered, check))
@@ -481,18 +482,25 @@ def _needed(
     micro: int,
     allow: str,
     budget_bytes: int,
+    capacity_bytes: int,
     allocator: AllocatorConfig,
-) -> tuple[int, bool]:
-    """The per-rank estimate's own figure at ``micro``, the one a plan compares with the budget (what the step
-    needs at the allocator's limit, where the log can be replayed), with checkpointing where allowed and needed."""
+) -> tuple[int, bool, bool]:
+    """What a plan of the per-rank estimate at ``micro`` says, with checkpointing where allowed and needed:
+    ``(figure, checkpointing, fits)``. It fits where what the step needs at the allocator's limit (where the log
+    can be replayed) is within the budget, and the figure is then the peak the run reaches on ``capacity_bytes``,
+    the table's predicted peak at that micro batch; otherwise what it would need, as the plan's refusal says."""
     answers = []
     for ckpt in _checkpointing(allow):
         estimate = search(micro, ckpt, 1)
         least = estimate.least_device_bytes(micro, allocator=allocator)
-        answers.append((least if least is not None else estimate.at(micro).device_bytes, ckpt))
+        answers.append((least if least is not None else estimate.at(micro).device_bytes, ckpt, estimate))
         if answers[-1][0] <= budget_bytes:
             break
-    return min(answers)
+    needed, ckpt, estimate = min(answers, key=lambda answer: answer[:2])
+    if needed > budget_bytes:
+        return needed, ckpt, False
+    on_card = estimate.at_limit(micro, capacity_bytes, allocator=allocator)
+    return needed if on_card is None else on_card.peak_reserved_bytes + (estimate.cuda_context_bytes or 0), ckpt, True
 
 
 def _spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None,
