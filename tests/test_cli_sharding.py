@@ -241,7 +241,7 @@ def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_cho
 ) -> None:
     """A budget that ``gpus`` GPUs hold and fewer do not (by ``memfit.estimate``'s own per-rank answers): the
     search chooses that count, and its screen figure, the table's row and the model-state line are those of the
-    per-rank estimate there; every figure planned at a count is that count's own."""
+    per-rank estimate there; a count planned and refused shows what its estimate needs."""
     from memfit.planning.sharded_plan import Option, plan_sharded
 
     option = Option(strategy)
@@ -252,12 +252,15 @@ def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_cho
     common = {"hf_config": config, "model": None, "gpu": None, "seq_len": 32, "checkpointing": "off", "margin": 0.0}
     report = plan_sharded(**common, budget=f"{budget}B", options=[option], gpus=None)
     assert report.sharding == need[gpus].sharding
-    for check in report.considered:
+    for check in report.considered[:-1]:
         for label, figure, _, fits, _, estimated in check.peaks:
             if estimated:
-                assert figure == need[check.gpus].least_device_bytes(1) and fits == (check.gpus == gpus), label
+                assert figure == need[check.gpus].least_device_bytes(1) and not fits, label
     last = report.considered[-1]
     assert (last.gpus, last.confirmed) == (gpus, strategy)
+    on_card = need[gpus].at_limit(1, budget)
+    assert on_card is not None and on_card.fits
+    assert last.peaks[0][1] == on_card.peak_reserved_bytes + (need[gpus].cuda_context_bytes or 0)
     estimate = report.row.estimate
     assert estimate is not None and report.row.plan is not None
     assert dict(estimate.rank_terms) == dict(need[gpus].rank_terms) == report.model_states_bytes
