@@ -18,8 +18,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from fault_models import Regression
 from lightning_models import TinyGPT
+from memfit.devices import cuda
 from memfit.lightning import MemoryPlanner
-from memfit.monitoring import measure
 from memfit.monitoring.drift import DriftMonitor
 from memfit.monitoring.measure import PeakSampler, nvml_device_used_bytes
 from memfit.planning.capacity import free_device_bytes
@@ -69,7 +69,7 @@ class CountersOfAGpu:
 def test_nvml_failing_mid_run_drops_only_the_nvml_figure(monkeypatch: pytest.MonkeyPatch) -> None:
     CountersOfAGpu(monkeypatch)
     answers = iter([8 * GiB])  # NVML answers once, then its library raises
-    monkeypatch.setattr(measure, "nvml_device_used_bytes", lambda index: next(answers, None))
+    monkeypatch.setattr(cuda, "nvml_device_used_bytes", lambda index: next(answers, None))
     sampler = PeakSampler("cuda:0")
     monitor = DriftMonitor(predicted_allocated_bytes=6 * GiB, predicted_reserved_bytes=7 * GiB, margin=0.05)
     first, second, third = (monitor.observe(step, sampler.sample()).metrics() for step in (1, 2, 3))

@@ -80,9 +80,8 @@ def question_key(args: Any, argv: list[str]) -> str | None:
         return None
     if not (getattr(args, "gpu", None) or getattr(args, "budget", None)) or not getattr(args, "hf_config", None):
         return None
-    import torch
-
     from memfit.cli.sharding import machine_ram_bytes
+    from memfit.devices import backend_for
 
     config = Path(args.hf_config).expanduser()
     config = config / "config.json" if config.is_dir() else config
@@ -97,7 +96,7 @@ def question_key(args: Any, argv: list[str]) -> str | None:
             (k, v) for k, v in os.environ.items() if k not in _SHELL_BOOKKEEPING and k not in _SET_BY_TORCH
         ),
         "terminal": [terminal, tuple(shutil.get_terminal_size()) if terminal else None],
-        "cuda_visible": torch.cuda.is_available(),
+        "cuda_visible": backend_for("cuda").is_available(),
         "machine_ram": machine_ram_bytes(),
         "python": sys.version,
         "machine": platform.machine(),

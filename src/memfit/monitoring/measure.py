@@ -1,21 +1,22 @@
 """Measured peak memory during training, per window, at low overhead.
 
-On CUDA: ``torch.cuda.max_memory_allocated/reserved`` since the last window (the counters are reset
-after each read) and NVML's used memory of the device (all processes, context included) when
-``nvidia-ml-py`` is installed. On CPU: the process's peak resident memory since the last window
-(Linux resets it through ``/proc/self/clear_refs``; elsewhere the lifetime peak is used).
+On a device whose backend (``memfit.devices``) has peak counters, CUDA's: ``torch.cuda.max_memory_allocated/reserved``
+since the last window (the counters are reset after each read) and NVML's used memory of the device (all processes,
+context included) when ``nvidia-ml-py`` is installed. Elsewhere (CPU): the process's peak resident memory since the
+last window (Linux resets it through ``/proc/self/clear_refs``; elsewhere the lifetime peak is used).
 """
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from memfit.devices import find_backend
+from memfit.devices.cuda import nvml_device_used_bytes
 
 __all__ = ["MemorySample", "PeakSampler", "nvml_device_used_bytes"]
 
@@ -38,6 +39,7 @@ class PeakSampler:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        self.backend = find_backend(self.device)
         self._nvml_failed = False
         self._rss_resettable = _CLEAR_REFS.exists() and _STATUS.exists()
         self.reset()
@@ -46,9 +48,14 @@ class PeakSampler:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def has_counters(self) -> bool:
+        """Whether the device's backend keeps allocator peak counters (CUDA's), else the host's RSS is read."""
+        return self.backend is not None and self.backend.has_peak_counters
+
     def reset(self) -> None:
-        if self.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.backend is not None and self.has_counters:
+            self.backend.reset_peaks(self.device)
         elif self._rss_resettable:
             try:
                 _CLEAR_REFS.write_text("5")  # resets VmHWM, the peak resident set size
@@ -57,19 +64,19 @@ class PeakSampler:
 
     def sample(self) -> MemorySample:
         """Peaks since the last ``sample``/``reset``; the counters start over afterwards."""
-        if self.is_cuda:
-            allocated = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
-            used = None if self._nvml_failed else self._nvml()
+        if self.backend is not None and self.has_counters:
+            allocated = self.backend.peak_allocated_bytes(self.device)
+            reserved = self.backend.peak_reserved_bytes(self.device)
+            used = None if self._nvml_failed else self._device_used()
             result = MemorySample(allocated, reserved, used, None)
         else:
             result = MemorySample(None, None, None, peak_rss_bytes())
         self.reset()
         return result
 
-    def _nvml(self) -> int | None:
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        used = nvml_device_used_bytes(index)
+    def _device_used(self) -> int | None:
+        """The whole device's used memory (NVML on CUDA); once it has no answer it is not asked again."""
+        used = self.backend.device_used_bytes(self.device) if self.backend is not None else None
         self._nvml_failed = used is None
         return used
 
@@ -82,27 +89,3 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def nvml_device_used_bytes(index: int) -> int | None:
-    """Used memory of GPU ``index`` from NVML, or ``None`` without ``nvidia-ml-py`` or a driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return int(_memory_info(pynvml, handle).used)
-    except pynvml.NVMLError:  # no driver, no such device, a lost GPU: no NVML figure
-        return None
-
-
-def _memory_info(pynvml: Any, handle: Any) -> Any:
-    """NVML's memory info, version 2 where the driver has it: version 1 counts the memory the driver
-    reserves for itself (hundreds of MiB on a data-centre GPU) as used, though no process can have it."""
-    version = getattr(pynvml, "nvmlMemory_v2", None)
-    if version is not None:
-        with contextlib.suppress(pynvml.NVMLError):  # a driver without version 2
-            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-    return pynvml.nvmlDeviceGetMemoryInfo(handle)

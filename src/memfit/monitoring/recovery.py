@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from memfit.devices import collective_device, registered_backends
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
 from memfit.planning.margin import DEFAULT_MARGIN
@@ -92,16 +93,16 @@ def is_out_of_memory(error: BaseException) -> bool:
     """``torch.OutOfMemoryError``, or a runtime error from a kernel or library that could not allocate."""
     if isinstance(error, UnrecoverableOutOfMemoryError):
         return False
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5, same class
+    if any(backend.is_out_of_memory(error) for backend in registered_backends()):
         return True
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)
 
 
 def release_memory() -> None:
-    """Give what the failed step held back to the device: collect cycles, then empty CUDA's cache."""
+    """Give what the failed step held back to the device: collect cycles, then empty the devices' caches (CUDA's)."""
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    for backend in registered_backends():
+        backend.release_cached_memory()
 
 
 def split_batch(batch: Any, chunk_size: int, batch_size: int | None = None) -> list[tuple[Any, int]]:
@@ -244,7 +245,7 @@ class OOMRecovery:
         size if this rank had to shrink, else ``None``. A no-op outside a process group."""
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
-        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        device = collective_device(torch.distributed.get_backend())
         mine = torch.tensor([self.chunk_size or _NO_CHUNK], device=device)
         torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
         smallest = int(mine.item())

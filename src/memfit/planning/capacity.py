@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from memfit.devices import find_backend, gpu_by_name
+from memfit.devices.host import available_ram_bytes
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
-from memfit.planning.gpus import gpu_by_name
 from memfit.units import parse_bytes
 
 __all__ = ["available_ram_bytes", "free_device_bytes", "parse_budget"]
@@ -35,29 +34,15 @@ def parse_budget(budget: int | str | None) -> int | None:
 
 
 def free_device_bytes(device: torch.device) -> int:
-    """Memory this process could still use on ``device`` now: free memory plus what its own caching
-    allocator holds (CUDA), or the machine's available RAM (CPU). ``0`` when it cannot be told."""
+    """Memory this process could still use on ``device`` now, as its backend tells it (``memfit.devices``): free
+    memory plus what its own caching allocator holds (CUDA), or the machine's available RAM (CPU). ``0`` when it
+    cannot be told, or no backend answers for the device."""
+    backend = find_backend(device)
+    if backend is None:
+        return 0
     try:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            return int(free) + int(torch.cuda.memory_reserved(device))
-        if device.type == "cpu":
-            return available_ram_bytes()
-    except Exception as error:  # a CUDA runtime that cannot answer: the capacity is unknown
+        return backend.free_bytes(device)
+    except Exception as error:  # a device runtime that cannot answer: the capacity is unknown
         degrade(f"memfit could not read the free memory of {device} ({type(error).__name__}: {error})", error,
                 key="free-memory")  # fmt: skip
         return 0
-    return 0
-
-
-def available_ram_bytes() -> int:
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        import psutil
-    except ImportError:
-        return 0
-    return int(psutil.virtual_memory().available)

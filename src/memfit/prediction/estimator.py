@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from memfit.categories import Category, Phase
+from memfit.devices import find_backend
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
 from memfit.prediction.exact import exact_estimates
@@ -674,7 +675,8 @@ def _prepare(
     primary = batch_size or sample_batch
     secondary = primary * 2
     runtime = target.runtime or CudaRuntime.of_current_device()
-    emulate = device.type == "cuda" and not torch.cuda.is_available()
+    backend = find_backend(device)
+    emulate = backend is not None and backend.emulates_on_host()
     traced_loop = loop.for_inference() if step.inference else loop
     settings = TraceSettings(
         target=device,

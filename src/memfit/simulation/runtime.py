@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from memfit.units import KiB, MiB
 
 __all__ = ["CudaRuntime", "cublas_workspace_bytes"]
@@ -46,12 +44,8 @@ class CudaRuntime:
 
     @classmethod
     def of_current_device(cls) -> CudaRuntime:
-        """Facts of the visible GPU when torch has one, else defaults for an H100-class card."""
-        if torch.cuda.is_available():
-            properties = torch.cuda.get_device_properties()
-            return cls(
-                compute_capability=(properties.major, properties.minor),
-                multiprocessors=properties.multi_processor_count,
-                max_threads_per_multiprocessor=getattr(properties, "max_threads_per_multi_processor", 2048),
-            )
-        return cls()
+        """Facts of the visible GPU when torch has one, else defaults for an H100-class card (asked of the CUDA
+        backend, ``memfit.devices.cuda``, the one place that reads ``torch.cuda``)."""
+        from memfit.devices import backend_for
+
+        return backend_for("cuda").current_runtime()

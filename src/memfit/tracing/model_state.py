@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.devices import registered_backends
+
 __all__ = [
     "compilation_suspended",
     "cudnn_rnn_disabled",
@@ -103,14 +105,15 @@ def preserved_rng_state() -> Iterator[None]:
     """Keep the user's random streams where they were: torch's CPU (and, if initialised, CUDA) ones and
     Python's, which datasets' random transforms and shuffling streams draw from."""
     cpu_state, python_state = torch.random.get_rng_state(), random.getstate()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    device_states = [(backend, backend.rng_states()) for backend in registered_backends()]
     try:
         yield
     finally:
         torch.random.set_rng_state(cpu_state)
         random.setstate(python_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
+        for backend, states in device_states:
+            if states is not None:
+                backend.set_rng_states(states)
 
 
 @contextmanager

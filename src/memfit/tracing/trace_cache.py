@@ -51,6 +51,7 @@ from torch import nn
 from memfit.cache_identity import CACHE_DIR_ENV, CACHE_ENV, cache_root, enabled
 from memfit.cache_identity import installed_versions as _versions
 from memfit.cache_identity import memfit_source_digest as _memfit_source_hash
+from memfit.devices import registered_backends
 from memfit.diagnostics import warn_once
 from memfit.tracing.known_masks import holds_only_ones
 
@@ -166,19 +167,12 @@ def _is_factory(sample: Any) -> bool:
 
 
 def _environment() -> dict[str, Any]:
-    backends = torch.backends.cuda
     return {
         "python": sys.version,
         "machine": platform.machine(),
         "packages": _versions(),
         "memfit_source": _memfit_source_hash(),
-        "cuda_available": torch.cuda.is_available(),
-        "sdp": [
-            backends.flash_sdp_enabled(),
-            backends.mem_efficient_sdp_enabled(),
-            backends.math_sdp_enabled(),
-            getattr(backends, "cudnn_sdp_enabled", lambda: None)(),
-        ],
+        **{key: value for backend in registered_backends() for key, value in backend.trace_environment().items()},
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "matmul_precision": torch.get_float32_matmul_precision(),
         "mkldnn": torch._C._get_mkldnn_enabled(),

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from memfit.categories import Category, Phase
+from memfit.devices import backend_for
 from memfit.errors import InvalidInputError, MemfitError, TraceError, ValueDependentError
 from memfit.precision import Precision
 from memfit.simulation.runtime import CudaRuntime
@@ -66,7 +67,6 @@ from memfit.tracing.quantized import (
 )
 from memfit.tracing.rebinding import rebound
 from memfit.tracing.recorder import StorageRecorder, symbolic_decompositions
-from memfit.tracing.sdpa import CudaBuild
 
 __all__ = ["ZERO_GRAD_ORDERS", "StepTrace", "TraceSettings", "ZeroGrad", "trace_steps"]
 
@@ -167,8 +167,12 @@ def trace_steps(
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _recorder(settings, symbolic=fake_mode.shape_env is not None)
     autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
-    build = CudaBuild(compute_capability=settings.runtime.compute_capability)
-    semantics = CudaSemantics(autocast_dtype, build) if settings.emulate_cuda else None
+    # the target's kernels on fake CPU tensors, as its backend substitutes them (``memfit.devices``)
+    semantics = (
+        backend_for(settings.target).kernel_semantics(autocast_dtype, settings.runtime)
+        if settings.emulate_cuda
+        else None
+    )
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample = _call_sample_factory(sample, batch_size)
         sample_batch = batch_size

@@ -17,6 +17,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit.devices import backend_for
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import COMPILED_NOTE
@@ -27,7 +28,7 @@ from memfit.tracing.model_state import preserved_rng_state
 
 def run_device(args: TrainingArguments) -> torch.device:
     """Where the Trainer will train: the CUDA GPU if there is one and ``use_cpu`` is off."""
-    return torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+    return torch.device("cuda" if backend_for("cuda").is_available() and not args.use_cpu else "cpu")
 
 
 def run_precision(args: TrainingArguments) -> str:
