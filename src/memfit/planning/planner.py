@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from memfit.categories import Category, Phase
+from memfit.devices import find_backend
 from memfit.errors import CheckpointingUnavailableError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.prediction.estimator import BatchPeak, MemoryEstimate
@@ -777,9 +778,11 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
 
 def _kept_gradient_bytes(estimate: MemoryEstimate) -> int:
     """Room for gradients kept alive through every micro batch, in reserved bytes: their blocks at the
-    allocator's traced ratio, rounded up to whole segments plus one (on CUDA they may open new ones)."""
+    allocator's traced ratio, rounded up to whole segments plus one (a simulated caching allocator, CUDA's, may
+    open new ones for them)."""
     gradients = estimate.gradient_bytes
-    if not gradients or estimate.device != "cuda":
+    backend = find_backend(estimate.device)
+    if not gradients or backend is None or not backend.simulates_caching_allocator:
         return gradients
     scaled = math.ceil(gradients * estimate.reserved_to_allocated_ratio)
     return -(-scaled // SMALL_BUFFER) * SMALL_BUFFER + SMALL_BUFFER
