@@ -13,6 +13,7 @@ import torch
 
 from memfit.devices import GPU, backend_for, find_backend, gpu_by_name, known_gpus, registered_backends
 from memfit.errors import InvalidInputError
+from memfit.precision import Precision
 from memfit.tracing.config import Target
 
 __all__ = ["GPU", "PlanningTarget", "budget_gpu", "check_target", "gpu_by_name", "known_gpus", "planning_target"]
