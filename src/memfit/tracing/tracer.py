@@ -166,13 +166,7 @@ def trace_steps(
     refuse_unsupported_quantization(model)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _recorder(settings, symbolic=fake_mode.shape_env is not None)
-    autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
-    # the target's kernels on fake CPU tensors, as its backend substitutes them (``memfit.devices``)
-    semantics = (
-        backend_for(settings.target).kernel_semantics(autocast_dtype, settings.runtime)
-        if settings.emulate_cuda
-        else None
-    )
+    semantics = _emulated_kernels(settings)
     if callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
         sample = _call_sample_factory(sample, batch_size)
         sample_batch = batch_size
@@ -277,6 +271,15 @@ def _checkpointing(
     if already_on:
         return "the model's own checkpointing, as configured"
     return None
+
+
+def _emulated_kernels(settings: TraceSettings) -> Any:
+    """The target's kernels on fake CPU tensors, as its backend substitutes them (``memfit.devices``); ``None`` when
+    the trace runs on the target's own fake tensors."""
+    if not settings.emulate_cuda:
+        return None
+    autocast_dtype = settings.precision.compute_dtype if settings.precision.is_mixed else None
+    return backend_for(settings.target).kernel_semantics(autocast_dtype, settings.runtime)
 
 
 def _sequenced(shape: tuple, sequence: tuple[int, Any] | None) -> tuple:
