@@ -119,3 +119,16 @@ def test_bad_input_is_one_clear_line() -> None:
     model = tiny_gpt2()
     with pytest.raises(memfit.InvalidInputError, match="DataLoader the loop iterates"):
         planner.plan(model, torch.optim.AdamW(model.parameters()), [1, 2, 3])
+
+
+def test_a_restored_plan_over_the_budget_given_now_is_kept_with_one_warning() -> None:
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    resumed = MemoryPlanner(accelerator, budget="1MiB", verbose=False)
+    resumed.load_state_dict(first.state_dict())
+    with pytest.warns(UserWarning, match=r"restored from the checkpoint \(micro batch 3 x 4\) is predicted at .*, "
+                                         r"over the 1.00 MiB budget given now"):  # fmt: skip
+        loader = resumed.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    assert loader.batch_size == 3 and resumed.planned.reasons[-1] == "restored from the checkpoint"

@@ -133,7 +133,7 @@ class MemoryPlanner(ControlledRun):
             return traced.with_notes(*notes)
 
         session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-        capacity = planning.capacity_bytes(device) if self._restored is None else 0
+        capacity = planning.capacity_bytes(device)
         request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
                                        ranks=accelerator.num_processes,
                                        include_context=planning.include_context)  # fmt: skip

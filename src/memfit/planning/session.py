@@ -25,11 +25,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from memfit.diagnostics import warn_once
 from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan, plan
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.simulation.allocator import AllocatorConfig
+from memfit.units import format_bytes, format_margin
 
 __all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
 
@@ -169,6 +171,9 @@ class PlanningSession:
             chosen = Plan.from_dict(dict(restored)).with_reason("restored from the checkpoint")
             traced = self.trace_at(chosen.micro_batch_size, chosen.gradient_checkpointing,
                                    chosen.accumulate_grad_batches)  # fmt: skip
+            over = restored_over_budget(chosen, traced, request.capacity_bytes, request.margin, request.include_context)
+            if over is not None:
+                warn_once(over, over)
         else:
             if request.capacity_bytes <= 0:
                 raise InvalidInputError(
@@ -179,3 +184,22 @@ class PlanningSession:
         for note in notes:
             chosen = chosen.with_reason(note)
         return Decision(chosen, traced)
+
+
+def restored_over_budget(
+    restored: Plan, traced: MemoryEstimate, capacity_bytes: int, margin: float, include_context: bool
+) -> str | None:
+    """Why a plan restored on resume may not fit the budget the run is given now (a warning), or ``None``. The run
+    keeps the saved plan, so that its batches stay the ones it started with."""
+    budget = int(capacity_bytes * (1 - margin))
+    peak = traced.at(restored.micro_batch_size)
+    needed = peak.device_bytes if include_context else peak.reserved_bytes
+    if capacity_bytes <= 0 or needed <= budget:
+        return None
+    return (
+        f"memfit: the plan restored from the checkpoint (micro batch {restored.micro_batch_size} x "
+        f"{restored.accumulate_grad_batches}) is predicted at {format_bytes(needed)}, over the "
+        f"{format_bytes(capacity_bytes)} budget given now ({format_bytes(budget)} after its {format_margin(margin)} "
+        "margin); the run keeps the saved plan so that its batches stay as they were: resume with a larger budget, "
+        "or start afresh to plan for this one"
+    )

@@ -134,7 +134,7 @@ def plan_training_arguments(
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
-    request = _plan_request(planning, args, layout, configured, accumulation, options, measure=restored is None)
+    request = _plan_request(planning, args, layout, configured, accumulation, options)
     decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
     chosen, planned = decision.plan, decision.estimate
     changes = _planned_changes(args, chosen, layout.checkpointing)
@@ -206,12 +206,10 @@ def _plan_request(
     configured: int,
     accumulation: int,
     options: RunOptions,
-    *,
-    measure: bool,
 ) -> PlanRequest:
-    """What every rank asks alike: the smallest capacity of all ranks (measured only when a plan is to be made),
-    over the data-parallel ranks the layout runs."""
-    capacity = _smallest_of_all_ranks(planning.capacity_bytes(planning.target.torch_device), args) if measure else 0
+    """What every rank asks alike: the smallest capacity of all ranks, over the data-parallel ranks the layout
+    runs (a restored plan is held to it too)."""
+    capacity = _smallest_of_all_ranks(planning.capacity_bytes(planning.target.torch_device), args)
     ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
     return options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation, ranks=ranks,
                            include_context=planning.include_context,

@@ -45,7 +45,7 @@ from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, check_positive
-from memfit.planning.session import PlanningSession
+from memfit.planning.session import PlanningSession, restored_over_budget
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -232,6 +232,7 @@ class MemoryPlannerBase(ControlledRun):
         self._internals = LightningInternals(self._pl)
         self._decision: _Decision | None = None
         self._session: PlanningSession | None = None  # rank 0's, kept to trace a plan restored on resume
+        self._include_context = True  # whether the plan counted the CUDA context within the budget
         self._restored_plan: dict[str, Any] | None = None
         self._trainer_module: tuple[Any, Any] | None = None
         self._steps_seen = 0
@@ -342,7 +343,7 @@ class MemoryPlannerBase(ControlledRun):
         always = layout.checkpointing
         self._session = session
         self.estimate = session.trace_at(configured, always, trainer.accumulate_grad_batches)
-        include_context = planning.include_context
+        include_context = self._include_context = planning.include_context
         if self.mode == "observe":
             if capacity > 0:
                 self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
@@ -356,8 +357,8 @@ class MemoryPlannerBase(ControlledRun):
             budget = int(capacity * (1 - self.margin))
             if 0 < budget < needed:
                 self._warn("observe-over", f"memfit: the predicted peak, {format_bytes(needed)} at micro batch "
-                           f"{configured}, is over the {format_bytes(budget)} budget ({format_bytes(capacity)} with a "
-                           f"{format_margin(self.margin)} margin): this run may run out of memory; mode='plan' "
+                           f"{configured}, is over the {format_bytes(capacity)} budget ({format_bytes(budget)} after "
+                           f"its {format_margin(self.margin)} margin): this run may run out of memory; mode='plan' "
                            "picks a micro batch that fits")  # fmt: skip
             return _Decision(None, peak.allocated_bytes, peak.reserved_bytes)
         request = self.options.request(capacity_bytes=capacity, configured=configured,
@@ -468,11 +469,15 @@ class MemoryPlannerBase(ControlledRun):
         if current is not None and current["gradient_checkpointing"] and not saved["gradient_checkpointing"]:
             self._warn("resume", "memfit: resuming without checkpointing as the run started, though a fresh plan "
                        "would use it")  # fmt: skip
-        self._apply(trainer, pl_module, saved)
         self.plan = Plan.from_dict(saved).with_reason("restored from the checkpoint")
+        self._apply(trainer, pl_module, self.plan.to_dict())  # printed with the reason it was restored
         if self._session is not None:  # rank 0 planned: the trace of the step the restored plan runs
             micro, checkpointing = saved["micro_batch_size"], saved["gradient_checkpointing"]
             self.estimate = self._session.trace_at(micro, checkpointing, saved["accumulate_grad_batches"])
+            capacity = current["capacity_bytes"] if current is not None else 0
+            over = restored_over_budget(self.plan, self.estimate, capacity, self.margin, self._include_context)
+            if over is not None:
+                self._warn("restored-over-budget", over)
         if self._decision is not None:  # every rank measures against the restored plan's own prediction
             self._decision.plan = saved
             self._decision.predicted_allocated_bytes = saved["predicted_allocated_bytes"]
