@@ -98,10 +98,7 @@ def test_the_plan_is_saved_with_the_run_and_a_resumed_run_keeps_it(tmp_path: Pat
 
 def test_a_plan_restored_after_plan_is_kept_out_with_one_warning() -> None:
     """accelerate's usual order restores state after prepare, when the dataloader is batched already."""
-    accelerator = Accelerator(cpu=True)
-    model = tiny_gpt2()
-    first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
-    first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    accelerator, model, first = _planned_at_three()
     late = MemoryPlanner(accelerator, budget="1GiB", verbose=False)
     loader = late.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
     with pytest.warns(UserWarning, match=r"arrived after plan\(\) chose another .* call accelerator.load_state"):
@@ -122,13 +119,18 @@ def test_bad_input_is_one_clear_line() -> None:
 
 
 def test_a_restored_plan_over_the_budget_given_now_is_kept_with_one_warning() -> None:
-    accelerator = Accelerator(cpu=True)
-    model = tiny_gpt2()
-    first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
-    first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    accelerator, model, first = _planned_at_three()
     resumed = MemoryPlanner(accelerator, budget="1MiB", verbose=False)
     resumed.load_state_dict(first.state_dict())
     with pytest.warns(UserWarning, match=r"restored from the checkpoint \(micro batch 3 x 4\) is predicted at .*, "
                                          r"over the 1.00 MiB budget given now"):  # fmt: skip
         loader = resumed.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
     assert loader.batch_size == 3 and resumed.planned.reasons[-1] == "restored from the checkpoint"
+
+
+def _planned_at_three() -> tuple[Accelerator, torch.nn.Module, MemoryPlanner]:
+    """A first run's planner, its plan held to micro batch 3 (3 x 4 for the loader's 12)."""
+    accelerator, model = Accelerator(cpu=True), tiny_gpt2()
+    first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
+    return accelerator, model, first
