@@ -50,6 +50,7 @@ from memfit.monitoring.recovery import (
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
+from memfit.planning.run_options import RunOptions
 from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
@@ -258,10 +259,8 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise InvalidInputError(f"`plan` must be a memfit.Plan or None, got {type(plan).__name__}")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise InvalidInputError(f"`margin` must be a fraction in [0, 1), got {margin!r}")
         self.plan = plan
-        self.margin = float(margin)
+        self.margin = RunOptions(margin=margin).margin  # refused in the words every port uses
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.allow_checkpointing = bool(allow_checkpointing)
