@@ -66,7 +66,18 @@ class BlockContext:
         # a checkpointed block recomputes its forward inside backward: no hooks for a backward that never comes
         return torch.is_grad_enabled() and self._recorder.current_phase is Phase.FORWARD
 
+    def _recomputing(self, number: int) -> bool:
+        # A checkpointed block recomputing its forward inside its own backward: that backward is the block
+        # running. The recomputation may stop early (non-reentrant checkpointing stops once it has what backward
+        # needs), so the block's forward hook may never come: nothing is pushed that its pop would have to undo.
+        if self._recorder.current_phase is Phase.FORWARD:
+            return False
+        self._recorder.current_block = number
+        return True
+
     def _enter(self, number: int, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._recomputing(number):
+            return
         self._stack.append(self._inside)
         self._inside = self._recorder.current_block = number
         if self._in_forward():
@@ -77,6 +88,8 @@ class BlockContext:
     def _leave(self, number: int, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
         # What happens between this block and the next (the block before's output freed once this one's
         # replaces it, under no_grad) is this block's doing; the tracer ends it when the model's call returns.
+        if self._recomputing(number):
+            return
         self._inside = self._stack.pop() if self._stack else None
         self._recorder.current_block = self._inside if self._inside is not None else number
         if self._in_forward():
