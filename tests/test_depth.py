@@ -74,7 +74,9 @@ def sample_of(build: Callable[[int], nn.Module]) -> Any:
     return {"input_ids": IDS, "labels": IDS}
 
 
-def settings_for(model: nn.Module, sample: Any, **step: Any) -> tuple[TraceSettings, int]:
+def settings_for(model: nn.Module, sample: Any, record: bool = True, **step: Any) -> tuple[TraceSettings, int]:
+    """The step's trace settings; ``record``: log the block of each event, as the shallow traces a deep log is built
+    from do (the whole model's trace, the one a built log must equal, records none)."""
     loop = step.pop("loop", TrainingLoop())
     device = step.pop("device", "cuda")
     options = {"optimizer": "adamw", "optimizer_kwargs": None, "precision": "fp32", "gradient_checkpointing": False,
@@ -82,13 +84,15 @@ def settings_for(model: nn.Module, sample: Any, **step: Any) -> tuple[TraceSetti
     if isinstance(sample, torch.Tensor):
         options["loss_fn"] = lambda output, batch: output.square().mean()
     settings, (_, _, sample_batch) = _prepare(model, sample, None, _Step(**options), loop, Target(device))
-    return dataclasses.replace(settings, record_blocks=True), sample_batch
+    return dataclasses.replace(settings, record_blocks=record), sample_batch
 
 
-def traced(build: Callable[[int], nn.Module], blocks: int, batch: int = 3, **step: Any) -> StepTrace:
+def traced(
+    build: Callable[[int], nn.Module], blocks: int, batch: int = 3, record: bool = True, **step: Any
+) -> StepTrace:
     torch.manual_seed(0)
     model, sample = build(blocks), sample_of(build)
-    settings, sample_batch = settings_for(model, sample, **step)
+    settings, sample_batch = settings_for(model, sample, record, **step)
     return trace_steps(model, sample, sample_batch, batch, settings)
 
 
@@ -99,6 +103,9 @@ def peaks(trace: StepTrace) -> list[tuple[int, int]]:
 STEPS = {
     "gpt2-fp32": (gpt2, {}),
     "llama-bf16-checkpointing": (llama, {"precision": "bf16-mixed", "gradient_checkpointing": True}),
+    # a 16-bit model's final norm frees the last block's output right after it, where a recomputation that stopped
+    # early once left another block marked as running
+    "llama-bf16-true-checkpointing": (llama, {"precision": "bf16-true", "gradient_checkpointing": True}),
     "bert-fp32": (bert, {}),
     "llama-accumulation": (llama, {"precision": "bf16-mixed", "loop": TrainingLoop(accumulation_steps=2)}),
     "gpt2-sgd-lightning-cpu": (
@@ -113,7 +120,8 @@ STEPS = {
 @pytest.mark.parametrize("name", list(STEPS))
 def test_a_log_built_from_three_blocks_is_what_seven_blocks_trace(name: str) -> None:
     build, step = STEPS[name]
-    three, four, seven = (traced(build, blocks, **step) for blocks in (3, 4, 7))
+    three, four = (traced(build, blocks, **step) for blocks in (3, 4))
+    seven = traced(build, 7, record=False, **step)
     built = deepen(three, 7, check=(three, four))
     assert log_difference(built.recorder, seven.recorder) is None
     assert peaks(built) == peaks(seven)
@@ -129,7 +137,8 @@ def test_lora_adapters_and_frozen_blocks_build_as_traced() -> None:
     sample = sample_of(llama)
     step = {"precision": "bf16-mixed", "gradient_checkpointing": True}
     three, four, six = (
-        trace_steps(model, sample, 2, 3, settings_for(model, sample, **step)[0]) for model in map(adapted, (3, 4, 6))
+        trace_steps(model, sample, 2, 3, settings_for(model, sample, blocks < 6, **step)[0])
+        for blocks, model in ((blocks, adapted(blocks)) for blocks in (3, 4, 6))
     )
     built = deepen(three, 6, check=(three, four))
     assert log_difference(built.recorder, six.recorder) is None
@@ -139,13 +148,13 @@ def test_lora_adapters_and_frozen_blocks_build_as_traced() -> None:
 def test_a_symbolic_trace_builds_to_every_batch_of_the_deep_model() -> None:
     sample = sample_of(gpt2)
 
-    def symbolic(blocks: int) -> Any:
+    def symbolic(blocks: int, record: bool = True) -> Any:
         torch.manual_seed(0)
         model = gpt2(blocks)
-        settings, sample_batch = settings_for(model, sample, precision="bf16-mixed")
+        settings, sample_batch = settings_for(model, sample, record, precision="bf16-mixed")
         return trace_symbolic(model, sample, sample_batch, settings, hint=4)
 
-    whole = symbolic(8)
+    whole = symbolic(8, record=False)
     built = deepen_symbolic(symbolic(3), 8, check=symbolic(4))
     assert built.valid(2) and built.valid(64)
     for batch in (2, 7, 64):

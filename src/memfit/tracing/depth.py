@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from memfit.tracing.blocks import storage_blocks
 from memfit.tracing.paged import PagedState
-from memfit.tracing.recorder import PhaseMark, StorageRecorder
+from memfit.tracing.recorder import PhaseMark, StorageRecorder, fold_sums_in_place
 from memfit.tracing.symbolic import SymbolicTrace
 from memfit.tracing.tracer import StepTrace
 
@@ -86,7 +86,8 @@ def deepen(base: StepTrace, depth: int, *, check: tuple[StepTrace, StepTrace]) -
     recorder = _repeat(base.recorder, depth) if added else base.recorder
     return dataclasses.replace(
         base,
-        recorder=recorder,
+        # the engine's in-place gradient sums, which a log recording blocks keeps apart: the step as traced whole
+        recorder=fold_sums_in_place(recorder),
         substitutions={
             name: count + added * (deeper.substitutions.get(name, 0) - shallow.substitutions.get(name, 0))
             for name, count in base.substitutions.items()
@@ -204,8 +205,17 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
     out_blocks: list[int | None] = []  # the block running at each event of ``out`` (a copy's is its own)
     starts = [0] * (len(events) + 1)  # where the events emitted for each original event start in ``out``
 
+    sums: dict[int, int] = {}  # the gradient sums done in place (``StorageRecorder.sums_in_place``), as emitted
+    last = [-1]  # the event of ``events`` emitted last
+
     def emit(begin: int, end: int, owner: int | None, placed_as: int | None) -> None:
-        out.extend(moved(e, owner, placed_as) for e in events[begin:end])
+        for index in range(begin, end):
+            event = moved(events[index], owner, placed_as)
+            first = recorder.sums_in_place.get(events[index])
+            if first is not None and last[0] == index - 1 and events[index - 1] == -first:
+                sums[event] = -out[-1]
+            out.append(event)
+            last[0] = index
         out_blocks.extend(None if running[i] is None or owner is None or placed_as is None
                           else running[i] + placed_as - owner for i in range(begin, end))  # fmt: skip
 
@@ -234,6 +244,7 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
     deep = copy.copy(recorder)
     deep.events, deep.sizes, deep.categories, deep.alloc_phase = out, sizes, categories, alloc_phase
     deep.scratch = scratch
+    deep.sums_in_place = sums
     deep.marks = [PhaseMark(starts[m.event_index], m.step, m.phase) for m in recorder.marks]
     deep.event_blocks = out_blocks  # which block ran each event, as a trace of the deep model records it
     deep.claimed_by, deep.derived_from = {}, {}  # the shallow trace's storages: not the deep log's to resolve

@@ -15,6 +15,7 @@ sharding are.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import weakref
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from memfit.tracing import cuda_scratch
 from memfit.tracing.known_masks import KnownOnes
 from memfit.tracing.packed_sequences import KnownPositions
 
-__all__ = ["PhaseMark", "StorageRecorder", "storage_bytes", "symbolic_decompositions"]
+__all__ = ["PhaseMark", "StorageRecorder", "fold_sums_in_place", "storage_bytes", "symbolic_decompositions"]
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -150,6 +151,9 @@ class StorageRecorder(TorchDispatchMode):
         self.event_blocks: list[int | None] | None = None
         self._accumulation: tuple[int, int] | None = None  # (sum, old gradient) of the engine's last accumulation
         self.scratch: set[int] = set()  # allocations of a kernel's own scratch (``memfit.tracing.cuda_scratch``)
+        # In a log that records blocks: a gradient sum logged as a free of the first gradient and the sum's
+        # allocation, which the engine does in place (sum -> first gradient; ``fold_sums_in_place``)
+        self.sums_in_place: dict[int, int] = {}
         self.scratch_kinds: dict[str, int] = {}  # how many kernels allocated scratch, by kind
         self.claimed_by: dict[int, int] = {}  # storage -> the storage whose block it belongs to (optimizer state)
         self.derived_from: dict[int, int] = {}  # storage made outside any block -> the storage it was made from
@@ -358,7 +362,8 @@ class StorageRecorder(TorchDispatchMode):
 
         A log that records its repeated blocks (``memfit.tracing.depth`` builds deep logs from one block's) keeps
         every storage in the block that made it: there the first gradient's free is logged right before the sum's
-        allocation instead, so that the two never hold memory at once."""
+        allocation instead, so that the two never hold memory at once, and the pair is noted (``sums_in_place``):
+        ``fold_sums_in_place`` makes the log the engine's once it is built."""
         pending, self._accumulation = self._accumulation, None
         if pending is None or pending[1] != sid or not self.events or self.events[-1] != pending[0]:
             return False
@@ -372,6 +377,7 @@ class StorageRecorder(TorchDispatchMode):
             self.events[-1] = -sid
             self.events.append(total)
             self.event_blocks.append(self.event_blocks[-1])
+            self.sums_in_place[total] = sid
             return True
         ref = self._refs.get(total)
         storage = ref() if ref is not None else None
@@ -412,3 +418,43 @@ class StorageRecorder(TorchDispatchMode):
         if key not in self._workspace_phases:
             self._workspace_phases.add(key)
             self.allocate_untracked(self.workspace_bytes, Category.WORKSPACE)
+
+
+def fold_sums_in_place(recorder: StorageRecorder) -> StorageRecorder:
+    """``recorder``'s log with each gradient sum it kept apart (``sums_in_place``: a free of the first gradient, then
+    the sum's allocation) done in place, as the engine does and as a trace that records no blocks logs it: the two
+    events leave the log and the first gradient's storage lives on as the sum. A copy; block attribution stays
+    with the first gradient's storage."""
+    sums = {total: first for total, first in recorder.sums_in_place.items() if total in recorder.sizes}
+    if not sums:
+        return recorder
+    events, blocks = recorder.events, recorder.event_blocks
+    kept: list[int] = []
+    kept_blocks: list[int | None] = []
+    moved_to: list[int] = []  # new index of each old one, for the phase marks
+    renamed: dict[int, int] = {}
+    skip = False
+    for index, event in enumerate(events):
+        moved_to.append(len(kept))
+        if skip:
+            skip = False
+            continue
+        following = events[index + 1] if index + 1 < len(events) else 0
+        if event < 0 and following > 0 and sums.get(following) == -event:
+            renamed[following] = renamed.get(-event, -event)
+            skip = True
+            continue
+        kept.append(-renamed.get(-event, -event) if event < 0 else event)
+        if blocks is not None:
+            kept_blocks.append(blocks[index])
+    moved_to.append(len(kept))
+    folded = copy.copy(recorder)
+    folded.events = kept
+    folded.event_blocks = kept_blocks if blocks is not None else None
+    folded.marks = [PhaseMark(moved_to[m.event_index], m.step, m.phase) for m in recorder.marks]
+    folded.categories = dict(recorder.categories)
+    for total, first in renamed.items():
+        if total in recorder.categories:
+            folded.categories[first] = recorder.categories[total]
+    folded.sums_in_place = {}
+    return folded
