@@ -14,9 +14,12 @@ from torch import nn
 
 from memfit.cli.main import main
 from memfit.prediction.estimator import _prepare, _Step
+from memfit.prediction.sharded import shard_trace
 from memfit.simulation.replay import replay
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.depth import DepthMismatch, deepen, deepen_symbolic, log_difference
+from memfit.tracing.recorder import fold_sums_in_place
+from memfit.tracing.shard_log import RankPlan
 from memfit.tracing.symbolic import trace_symbolic
 from memfit.tracing.tracer import StepTrace, TraceSettings, trace_steps
 
@@ -217,3 +220,14 @@ def test_memfit_plan_of_a_deep_config_builds_its_log_and_answers_as_the_whole_tr
     for key in ("micro_batch_size", "gradient_checkpointing", "accumulate_grad_batches", "predicted_peak_bytes",
                 "predicted_reserved_bytes", "breakdown_bytes", "peak_phase"):  # fmt: skip
         assert row[key] == exact_row[key], key
+
+
+def test_the_engines_in_place_gradient_sums_are_folded_back_into_a_log_that_records_blocks() -> None:
+    recorded = traced(llama, 3, precision="bf16-mixed")
+    plain = traced(llama, 3, record=False, precision="bf16-mixed")
+    assert recorded.recorder.sums_in_place, "a trace that records blocks keeps each in-place sum apart"
+    assert log_difference(recorded.recorder, plain.recorder) is not None
+    assert log_difference(fold_sums_in_place(recorded.recorder), plain.recorder) is None
+    # one rank's log (FSDP gathers by unit, so its traces record blocks) has them in place too
+    ranked = shard_trace(recorded, RankPlan("fsdp", 2))
+    assert log_difference(ranked.recorder, plain.recorder) is None

@@ -27,6 +27,7 @@ from memfit.precision import Precision
 from memfit.tracing.checkpointing import CheckpointTarget, find_blocks
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.fsdp import fsdp_rank_plan
+from memfit.tracing.recorder import fold_sums_in_place
 from memfit.tracing.shard_log import ModelFacts, RankPlan, Unit, apply_rank_plan
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import StepTrace, TraceSettings
@@ -177,8 +178,12 @@ def _whole(traced: Mapping[Category, int]) -> dict[str, int]:
 
 
 def shard_trace(trace: StepTrace, plan: RankPlan) -> StepTrace:
-    """``trace`` as one rank of ``plan`` sees it (a new log; ``trace`` is untouched)."""
-    return dataclasses.replace(trace, recorder=apply_rank_plan(trace.recorder, plan))
+    """``trace`` as one rank of ``plan`` sees it (a new log; ``trace`` is untouched). A trace that recorded blocks
+    (FSDP gathers by unit) kept the engine's in-place gradient sums apart; the rank's log has them in place, as the
+    run does (``fold_sums_in_place``)."""
+    rewritten = apply_rank_plan(trace.recorder, plan)
+    rewritten.sums_in_place = dict(trace.recorder.sums_in_place)
+    return dataclasses.replace(trace, recorder=fold_sums_in_place(rewritten))
 
 
 def rank_notes(sharding: ShardingConfig, plan: RankPlan) -> tuple[str, ...]:

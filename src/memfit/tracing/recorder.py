@@ -425,7 +425,9 @@ def fold_sums_in_place(recorder: StorageRecorder) -> StorageRecorder:
     the sum's allocation) done in place, as the engine does and as a trace that records no blocks logs it: the two
     events leave the log and the first gradient's storage lives on as the sum. A copy; block attribution stays
     with the first gradient's storage."""
-    sums = {total: first for total, first in recorder.sums_in_place.items() if total in recorder.sizes}
+    sizes = recorder.sizes
+    sums = {total: first for total, first in recorder.sums_in_place.items()
+            if total in sizes and first in sizes and _same_size(sizes[total], sizes[first])}  # fmt: skip
     if not sums:
         return recorder
     events, blocks = recorder.events, recorder.event_blocks
@@ -458,3 +460,9 @@ def fold_sums_in_place(recorder: StorageRecorder) -> StorageRecorder:
             folded.categories[first] = recorder.categories[total]
     folded.sums_in_place = {}
     return folded
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two storage sizes are equal (under a symbolic batch, equal sizes may differ in form)."""
+    difference = a - b
+    return difference == 0 or (isinstance(difference, sympy.Basic) and difference.expand() == 0)
