@@ -289,3 +289,28 @@ def test_a_read_only_cache_still_answers(cache: Path, monkeypatch: pytest.Monkey
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert _answers(_estimate(_gpt2())) == answers
+
+
+def test_a_deep_log_built_from_kept_traces_is_the_fresh_one(cache: Path, traces: list[int]) -> None:
+    """The shallow traces a deep log is built from keep their in-place gradient sums apart (they record blocks);
+    the kept ones must say which, or the log built from them is not the whole model's."""
+    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.simulation.runtime import CudaRuntime
+    from memfit.tracing.depth import log_difference
+
+    def built() -> memfit.MemoryEstimate:
+        clear_sessions()
+        return estimate_for_runtimes(
+            _gpt2(6), _batch(), runtimes=[CudaRuntime()], batch_size=4, optimizer="adamw",
+            target=memfit.Target("cuda"), repeated=[_gpt2(3), _gpt2(4)],
+        )[0]  # fmt: skip
+
+    fresh = built()
+    logs = {batch: fresh.exact_peaks._session.trace_at(batch)[0].recorder for batch in (2, 3, 7)}
+    answers = _answers(fresh)
+    traces.clear()
+    kept = built()
+    assert traces == []  # nothing was traced
+    for batch, log in logs.items():
+        assert log_difference(kept.exact_peaks._session.trace_at(batch)[0].recorder, log) is None, batch
+    assert _answers(kept) == answers

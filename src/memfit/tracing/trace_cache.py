@@ -68,7 +68,7 @@ __all__ = [
     "store",
 ]
 
-FORMAT = 1  # bump when what an entry holds, or how, changes
+FORMAT = 2  # bump when what an entry holds, or how, changes (2: a trace's in-place gradient sums)
 
 
 class Uncacheable(Exception):

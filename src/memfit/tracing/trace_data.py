@@ -76,6 +76,7 @@ def encode_trace(trace: StepTrace) -> dict[str, Any]:
             "scratch_kinds": _pairs(recorder.scratch_kinds),
             "claimed_by": _pairs(recorder.claimed_by),
             "derived_from": _pairs(recorder.derived_from),
+            "sums_in_place": _pairs(recorder.sums_in_place),
         },
     }
 
@@ -99,6 +100,7 @@ def decode_trace(data: dict[str, Any]) -> StepTrace:
     recorder.scratch_kinds = {str(k): _int(v) for k, v in saved["scratch_kinds"]}
     recorder.claimed_by = {_int(k): _int(v) for k, v in saved["claimed_by"]}
     recorder.derived_from = {_int(k): _int(v) for k, v in saved["derived_from"]}
+    recorder.sums_in_place = {_int(k): _int(v) for k, v in saved["sums_in_place"]}
     recorder._closed = True
     paged = None
     if data["paged"] is not None:
