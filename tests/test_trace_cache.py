@@ -175,7 +175,12 @@ def test_a_damaged_or_foreign_entry_is_ignored_with_one_warning_and_traced_again
         if damage == "truncated":
             path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
         elif damage == "foreign key":
-            _rewrite(path, lambda e: e.update(key=e["key"].replace('"format":1', '"format":1,"x":0')))
+            _rewrite(
+                path,
+                lambda e: e.update(
+                    key=e["key"].replace(f'"format":{trace_cache.FORMAT}', f'"format":{trace_cache.FORMAT},"x":0')
+                ),
+            )
         elif damage == "unknown class":  # a size naming a class outside the table is refused, never built
 
             def poison(entry: dict) -> None:
