@@ -129,6 +129,24 @@ def test_gpus_auto_picks_the_smallest_count_its_own_answers_say_fits(
     assert auto["auto"] is True and row["world_size"] == chosen
 
 
+def test_gpus_auto_with_no_count_that_fits_answers_no_in_json_too(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    argv = ["plan", "--hf-config", config, "--seq-len", "32", "--budget", "100MiB", "--gpus", "auto", "--max-gpus",
+            "4", "--checkpointing", "on", "--offload", "all", "--json"]  # fmt: skip
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 1
+    answer = json.loads(captured.out)
+    assert answer["fits"] is False and answer["budget_bytes"] == 100 * MiB * 985 // 1000
+    assert [check["gpus"] for check in answer["considered"]] == [1, 2, 4]
+    assert not any(check["fits"] for check in answer["considered"])
+    assert captured.err.startswith("memfit: error: ") and captured.err.count("\n") == 1
+    # checkpointing and offloading everything were asked for: the advice does not suggest them again
+    assert "--offload all" not in answer["error"] and "try checkpointing" not in answer["error"]
+    assert "a larger --max-gpus" in answer["error"]
+
+
 @pytest.mark.parametrize(
     ("extra", "fragments"),
     [

@@ -194,6 +194,9 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
     try:
         report = _plan(args, options, hints, finetune)
     except NoCountFitsError as error:
+        if args.json:  # the answer is "no", with the figures of every count tried
+            answers.json_answer({"fits": False, "error": " ".join(str(error).split()),
+                                 "budget_bytes": error.budget_bytes, "considered": list(error.considered)})  # fmt: skip
         print(f"memfit: error: {' '.join(str(error).split())}", file=sys.stderr)  # nothing fits: the answer is "no"
         return _EXIT_NOTHING_FITS
     if args.json:

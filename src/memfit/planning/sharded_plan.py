@@ -406,13 +406,19 @@ class _RankPlanner:
                     f"{considered[-AUTO_MAX_REFUSED].gpus} x {self.name}, but the per-rank estimate refuses it at "
                     f"{' and '.join(str(c.gpus) for c in considered if c.rejected)} GPUs; plan a count with --gpus N "
                     "--strategy S to see its figures. Per count: "
-                    + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+                    + " | ".join(check.summary(budget_bytes) for check in considered[-3:]),
+                    tuple(check.to_dict() for check in considered),
+                    budget_bytes,
                 )
         tried = ", ".join(o.label for o in options)
+        untried = ["--offload all"] if all(o.offload != "all" for o in options) else []
+        untried += [*(["checkpointing"] if allow == "off" else []), "a shorter --seq-len", "a larger --max-gpus"]
         raise NoCountFitsError(
             f"{self.spec.name} does not fit {micro} sample(s) per rank on up to {max_gpus} x {self.name} with any of "
-            f"{tried}; try --offload all, checkpointing, a shorter --seq-len or a larger --max-gpus. Per count: "
-            + " | ".join(check.summary(budget_bytes) for check in considered[-3:])
+            f"{tried}; try {', '.join(untried[:-1])} or {untried[-1]}. Per count: "
+            + " | ".join(check.summary(budget_bytes) for check in considered[-3:]),
+            tuple(check.to_dict() for check in considered),
+            budget_bytes,
         )
 
     def _screened(
