@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -647,6 +648,37 @@ def test_a_bad_config_json_is_one_line_naming_the_file(tmp_path: Path, capsys: p
     listed.write_text("[1, 2]")
     line = _one_line_error(capsys, ["plan", "--hf-config", str(listed), "--budget", "1GiB"])
     assert str(listed) in line and "model_type" in line
+
+
+def test_a_config_json_without_its_sizes_warns_naming_the_defaults_used(tmp_path: Path) -> None:
+    given = {k: v for k, v in LLAMA.items() if k not in ("hidden_size", "intermediate_size")}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(given))
+    with pytest.warns(UserWarning, match=r"gives no hidden_size, intermediate_size: .*LlamaConfig defaults were "
+                      r"used \(hidden_size 4096, intermediate_size 11008\)"):  # fmt: skip
+        from_hf_config(str(path), seq_len=16)
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(LLAMA))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_hf_config(str(whole), seq_len=16)
+
+
+def test_the_command_line_says_its_warnings_in_one_line_and_a_configs_clash_as_the_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unsized = tmp_path / "unsized.json"
+    unsized.write_text(json.dumps({k: v for k, v in LLAMA.items() if k != "intermediate_size"}))
+    assert main(["plan", "--hf-config", str(unsized), "--budget", "4GiB", "--seq-len", "16"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "gives no" in line]
+    assert warned == [f"memfit: warning: {unsized} gives no intermediate_size: transformers' LlamaConfig defaults "
+                      "were used (intermediate_size 11008); write the model's own sizes in the file"]  # fmt: skip
+
+    clash = tmp_path / "clash.json"
+    clash.write_text(json.dumps({**LLAMA, "num_key_value_heads": 3}))  # 4 heads cannot share 3 key-value heads
+    line = _one_line_error(capsys, ["plan", "--hf-config", str(clash), "--budget", "4GiB", "--seq-len", "16"])
+    assert "check that the config's sizes agree with one another" in line
+    assert "forward_fn" not in line and "sample matches" not in line  # a library argument the command line lacks
 
 
 def test_the_console_script_imports_a_factory_from_the_current_directory(tmp_path: Path) -> None:

@@ -289,11 +289,37 @@ def _config_from(transformers: Any, path: Path) -> Any:
             "the spelling, or upgrade transformers if the architecture is newer"
         )
     try:
-        return transformers.AutoConfig.for_model(**raw)
+        config = transformers.AutoConfig.for_model(**raw)
     except Exception as error:
         raise InvalidInputError(
             f"{path}: transformers cannot make a {model_type} config of it ({_said(error)})"
         ) from error
+    _warn_of_defaulted_sizes(path, raw, config)
+    return config
+
+
+# the sizes that decide a transformer's memory, by transformers' common names (``attribute_map`` renames them)
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _warn_of_defaulted_sizes(path: Path, raw: Mapping[str, Any], config: Any) -> None:
+    """One warning naming each size the file leaves out, which transformers fills from its class's defaults (a
+    0.5B config without its hidden size is planned as its family's default, often billions of parameters)."""
+    renamed = getattr(type(config), "attribute_map", {}) or {}
+    missing = []
+    for name in _SIZES:
+        field = renamed.get(name, name)
+        if (name in raw or field in raw) or not hasattr(config, field):
+            continue
+        missing.append(f"{field} {getattr(config, field)}")
+    if missing:
+        from memfit.diagnostics import warn_once
+
+        warn_once(
+            f"defaulted-sizes:{path}",
+            f"{path} gives no {', '.join(m.split()[0] for m in missing)}: transformers' {type(config).__name__} "
+            f"defaults were used ({', '.join(missing)}); write the model's own sizes in the file",
+        )
 
 
 def _task_of(config: Any) -> str:

@@ -11,12 +11,14 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from memfit.cli import answers
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
@@ -56,6 +58,14 @@ _EXTRAS = {
 _COUNT_SUFFIXES: dict[str, int] = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 # The library's trace errors advise forward_fn= / loss_fn=: loss_fn= is --loss here, forward_fn= has no option.
+_FORWARD_FN_ADVICE = re.compile(
+    r"check that the sample matches what the model expects \(got .*\); pass forward_fn=lambda model, batch: \.\.\. "
+    r"if the model is called another way"
+)
+_CONFIG_ADVICE = (
+    "check that the config's sizes agree with one another (attention heads and key-value heads divide the hidden "
+    "size and each other, head_dim times heads is the hidden size)"
+)
 _CLI_CALLING = (
     "On the command line, make the --model factory return (module, sample) instead: sample(batch_size) builds "
     "the batch the module is called with (a dict as keyword arguments, a tuple as positional ones, a tensor as "
@@ -561,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "model", None):
         _importable_cwd()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
+    shown_before, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         code = answers.answered(args, argv, lambda: args.handler(args))
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
@@ -580,5 +591,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "model", None) and ("forward_fn" in message or "loss_fn" in message):
             advice = cli_advice(message).rstrip()
             message = f"{advice}{'' if advice.endswith('.') else '.'} {_CLI_CALLING}"
+        elif getattr(args, "hf_config", None):
+            # memfit made the sample for the model the config describes: a forward that fails is the config's sizes
+            message = _FORWARD_FN_ADVICE.sub(_CONFIG_ADVICE, message)
         print(f"memfit: error: {message}", file=sys.stderr)
         return _EXIT_USAGE
+    finally:
+        warnings.showwarning = shown_before
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:  # fmt: skip
+    """memfit's own warnings as one line, ``memfit: warning: ...``, as its errors are; other libraries' as Python
+    shows them."""
+    if Path(filename).resolve().is_relative_to(_PACKAGE):
+        print(f"memfit: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]
