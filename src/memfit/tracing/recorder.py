@@ -368,8 +368,7 @@ class StorageRecorder(TorchDispatchMode):
         if pending is None or pending[1] != sid or not self.events or self.events[-1] != pending[0]:
             return False
         total = pending[0]
-        difference = self.sizes[total] - self.sizes[sid]  # under a symbolic batch, equal sizes may differ in form
-        if difference != 0 and not (isinstance(difference, sympy.Basic) and difference.expand() == 0):
+        if not _same_size(self.sizes[total], self.sizes[sid]):
             return False
         if self.event_blocks is not None:
             del self._live[sid]
