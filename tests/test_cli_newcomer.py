@@ -121,7 +121,8 @@ def test_gpus_auto_where_nothing_fits_exits_1_and_bad_input_still_2(capsys: pyte
     gpt2 = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--gpus", "auto"]
     assert main([*gpt2, "--budget", "300MiB", "--max-gpus", "2", "--json"]) == EXIT_NOTHING_FITS
     out, err = capsys.readouterr()
-    assert out == ""  # as before: the search's "no" is its error line
+    answer = json.loads(out)  # the answer is "no", in --json too, with every count's figures
+    assert answer["fits"] is False and [check["gpus"] for check in answer["considered"]] == [1, 2]
     assert err.startswith("memfit: error: gpt2 does not fit 1 sample(s) per rank on up to 2 x budget 300MiB")
     assert len(err.strip().splitlines()) == 1
     assert main([*gpt2, "--budget", "300MiB", "--nodes", "2"]) == 2  # what was asked cannot be planned

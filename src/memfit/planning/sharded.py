@@ -193,10 +193,10 @@ def describe(config: ShardingConfig) -> str:
 
 
 def candidate_gpu_counts(gpus_per_node: int = 8, most: int = 1024) -> list[int]:
-    """The GPU counts ``--gpus auto`` considers: powers of two up to a node, then whole nodes."""
+    """The GPU counts ``--gpus auto`` considers, up to ``most``: powers of two up to a node, then whole nodes."""
     counts = []
     n = 1
-    while n < gpus_per_node:
+    while n < gpus_per_node and n <= most:
         counts.append(n)
         n *= 2
     counts.extend(range(gpus_per_node, most + 1, gpus_per_node))
