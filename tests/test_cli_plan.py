@@ -650,6 +650,24 @@ def test_a_bad_config_json_is_one_line_naming_the_file(tmp_path: Path, capsys: p
     assert str(listed) in line and "model_type" in line
 
 
+def test_a_preset_name_close_to_a_known_one_is_suggested(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, ["plan", "--hf-config", "llama3-8b", "--budget", "1GiB"])
+    assert "did you mean 'llama-3-8b'?" in line and "never downloads" in line
+    line = _one_line_error(capsys, ["plan", "--hf-config", "no-such-model", "--budget", "1GiB"])
+    assert "did you mean" not in line
+
+
+@pytest.mark.parametrize(("precision", "advised"), [("bf16-true", False), ("bf16-mixed", True)])
+def test_lower_precision_is_advised_only_to_a_run_whose_weights_are_not_16_bit_already(
+    precision: str, advised: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "512", "--budget", "1GiB", "--precision",
+            precision, "--json"]  # fmt: skip
+    assert main(argv) == 1
+    (row,) = json.loads(capsys.readouterr().out)["gpus"]
+    assert "does not fit" in row["error"] and ("lower precision" in row["error"]) is advised
+
+
 def test_a_config_json_without_its_sizes_warns_naming_the_defaults_used(tmp_path: Path) -> None:
     given = {k: v for k, v in LLAMA.items() if k not in ("hidden_size", "intermediate_size")}
     path = tmp_path / "config.json"

@@ -90,8 +90,10 @@ def from_hf_config(
         path = Path(name_or_path)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
+            close = difflib.get_close_matches(key, list(PRESETS), n=1, cutoff=0.8)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise InvalidInputError(
-                f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file; "
+                f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file; {hint}"
                 "memfit never downloads configs"
             )
         config = _config_from(transformers, path)

@@ -427,9 +427,8 @@ def _advice(estimate: MemoryEstimate) -> str:
             "Use a smaller model or sequence, half-precision or quantized weights, weights split across GPUs "
             "(tensor or pipeline parallelism), or a larger GPU."
         )
-    return (
-        "Use a smaller model or sequence, lower precision, a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
-    )
+    precision = "" if estimate.precision.converts_to_half else " lower precision,"  # 16-bit weights already
+    return f"Use a smaller model or sequence,{precision} a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
 
 
 def _candidate_with_checkpointing(
