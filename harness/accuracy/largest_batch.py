@@ -340,9 +340,10 @@ def compare_family(family: str, args: argparse.Namespace, run: Callable[[dict[st
     seed = row["memfit"].get("predicted_limit") or 1
     row["true_max"], row["true_max_capped"] = largest_that_fits(fits, seed, args.max_batch)
     row["probes"] = probes
-    row["lightning_binsearch"] = run({**base, "kind": "lightning_binsearch", "max_batch": args.max_batch})
-    row["lightning_power"] = run({**base, "kind": "lightning_power", "max_batch": args.max_batch})
-    row["hf_auto_find"] = run({**base, "kind": "hf_auto_find", "hf_start": args.hf_start})
+    finders = {"lightning_binsearch": {"max_batch": args.max_batch}, "lightning_power": {"max_batch": args.max_batch},
+               "hf_auto_find": {"hf_start": args.hf_start}}  # fmt: skip
+    for method, options in finders.items():
+        row[method] = run({**base, "kind": method, **options}) if method in args.methods else {"skipped": True}
     checks: dict[int, dict[str, Any]] = {}
     for method in METHODS:
         chosen = row[method].get("batch_size")
@@ -421,6 +422,8 @@ def chosen_cell(result: dict[str, Any], oom: str = " OOM") -> str:
     """One method's answer: its batch, its share of the true maximum, its seconds, and ``oom`` if the check failed."""
     if result.get("cut_short"):
         return "cut short"
+    if result.get("skipped"):
+        return "not run"
     if result.get("failed") or not result.get("batch_size"):
         return "failed"
     share = f" ({100 * result['fraction_of_true_max']:.0f} %)" if "fraction_of_true_max" in result else ""
@@ -458,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="run trials in this process (CPU dry run only)")
     parser.add_argument("--cap-gib", type=float, metavar="GIB", help="hold every trial's allocator to this many GiB "
                         "(set_per_process_memory_fraction), as a smaller budget: memfit plans for it too")  # fmt: skip
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                        help=f"which methods run ({', '.join(METHODS)}; default all): memfit, the true maximum and "
+                        "the checks always run")  # fmt: skip
     parser.add_argument("--output", type=Path, help="where to write the JSON (default benchmarks/results/)")
     parser.add_argument("--device", help="with --from-logs: the card the logs came from")
     parser.add_argument("--from-logs", type=Path, nargs="+", metavar="LOG", help="rebuild the table from the trial "
