@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import memfit
 from harness.accuracy import readme
-from harness.accuracy.largest_batch import in_fresh_process, largest_that_fits, main
-from harness.accuracy.run import optimizer_spec
+from harness.accuracy.largest_batch import config_of, in_fresh_process, largest_that_fits, main
+from harness.accuracy.run import build, optimizer_spec
 from harness.accuracy.zoo import FAMILIES
 
 
@@ -118,3 +118,31 @@ def test_a_run_cut_short_is_rebuilt_from_its_logged_trials(tmp_path: Path) -> No
     rows = {row["family"]: row for row in json.loads(output.read_text())["rows"]}
     assert rows["vit"]["hf_auto_find"] == {"cut_short": True}
     assert rows["gpt2"]["hf_auto_find"]["start"] == 4096
+
+
+WHOLE_CARD = Path(__file__).parents[1] / "benchmarks/results/gpu-truth/h200-2026-11-27-whole-card"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_planned_without_the_gpu_the_whole_card_boundary_is_the_measured_one(family: str) -> None:
+    """On the whole H200, from the free memory the run measured after CUDA started: planned here on CPU, the
+    largest batch predicted to fit is the largest that trained 3 steps there (one more ran out of memory), and
+    the batch chosen at the default margin reserves what the 10-step check run reserved."""
+    trials = [json.loads(line) for line in (WHOLE_CARD / f"largest_batch-whole-{family}.log").read_text().splitlines()
+              if line.startswith('{"trial"')]  # fmt: skip
+    on_gpu = next(t["result"] for t in trials if t["trial"]["kind"] == "memfit")
+    fits = {t["result"]["batch_size"]: t["result"]["ok"] for t in trials if t["trial"]["kind"] == "probe"}
+    check = json.loads((WHOLE_CARD / f"check-whole-{family}.log").read_text().splitlines()[-1])
+    config = config_of(family, "bf16-mixed", "adamw")
+    cls, kwargs = optimizer_spec("adamw")
+    estimate = memfit.estimate(build(config, "gpu"), config.family.batch("gpu"), batch_size=1, optimizer=cls,
+                               optimizer_kwargs=kwargs, precision="bf16-mixed", loss_fn=config.family.loss_fn,
+                               forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
+    capacity = on_gpu["capacity_bytes"]
+    limit = estimate.max_batch_size(capacity, include_context=False, at_limit=True)
+    assert fits[limit] is True and fits[limit + 1] is False
+    chosen = memfit.plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False,
+                         include_context=False, max_batch_size=8192)  # fmt: skip
+    assert chosen.micro_batch_size == on_gpu["batch_size"] == check["batch_size"] < limit
+    assert check["ok"] is True and check["alloc_retries"] == 0
+    assert chosen.predicted_peak_bytes == check["peak_reserved_bytes"]

@@ -371,9 +371,10 @@ def score(row: dict[str, Any], checks: dict[int, dict[str, Any]]) -> None:
             row[method]["seconds_vs_memfit"] = round(row[method]["seconds"] / memfit_seconds, 1)
 
 
-def rows_from_logs(paths: list[Path], search_steps: int) -> list[dict[str, Any]]:
+def rows_from_logs(paths: list[Path], search_steps: int, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     """Rows rebuilt from the trials a run logged as they ended (``{"trial": job, "result": ...}`` lines), for a run
-    its deadline cut short: a method whose trial never ended is marked ``cut_short``, a check that never ran is
+    its deadline cut short: a method whose trial never ended is marked ``cut_short`` (``skipped`` if not in
+    ``methods``), a check that never ran is
     left out, and the true maximum is known only where the search bracketed it."""
     trials: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for path in paths:
@@ -389,7 +390,7 @@ def rows_from_logs(paths: list[Path], search_steps: int) -> list[dict[str, Any]]
         for method in METHODS:
             found = [dict(r, **({"start": j["hf_start"]} if "hf_start" in j else {})) for j, r in done
                      if j["kind"] == method]  # fmt: skip
-            row[method] = found[0] if found else {"cut_short": True}
+            row[method] = found[0] if found else {"cut_short": True} if method in methods else {"skipped": True}
         probes = [r for j, r in done if j["kind"] == "probe" and j["steps"] == search_steps]
         fits = {p["batch_size"]: bool(p.get("ok")) for p in probes}
         bracketed = [b for b, ok in fits.items() if ok and fits.get(b + 1) is False]
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
     if args.from_logs:
-        rows = rows_from_logs(args.from_logs, args.steps)
+        rows = rows_from_logs(args.from_logs, args.steps, tuple(args.methods))
         show(rows, args.device or "the logged card", simulated=False)
         if args.output:
             checks = [row[m]["check_steps"] for row in rows for m in METHODS if row[m].get("check_steps")]
