@@ -76,14 +76,18 @@ def _answers(estimate: memfit.MemoryEstimate) -> list[tuple[int, int]]:
     ]
 
 
-def test_a_kept_trace_answers_every_batch_exactly_as_a_fresh_trace(cache: Path, traces: list[int]) -> None:
+def test_a_kept_trace_answers_every_batch_exactly_as_a_fresh_trace(
+    cache: Path, traces: list[int], replays: list[int]
+) -> None:
     fresh = _estimate(_gpt2())
     answers = _answers(fresh)
     assert traces and len(list(cache.glob("*.json.gz"))) >= 1
     traces.clear()
+    replays.clear()
     kept = _estimate(_gpt2())
     assert _answers(kept) == answers
     assert traces == []  # nothing was traced
+    assert replays == []  # nor replayed: the estimate's own replays are kept with the trace
     assert kept.breakdown == fresh.breakdown
 
 
@@ -319,3 +323,45 @@ def test_a_deep_log_built_from_kept_traces_is_the_fresh_one(cache: Path, traces:
     for batch, log in logs.items():
         assert log_difference(kept.exact_peaks._session.trace_at(batch)[0].recorder, log) is None, batch
     assert _answers(kept) == answers
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every replay of a log (the allocator simulated afresh for it): a kept replay runs none."""
+    import memfit.simulation.replay as replay_module
+
+    runs: list[int] = []
+
+    class Counted(replay_module.CachingAllocatorSimulator):
+        def __init__(self, *args, **kwargs) -> None:
+            runs.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "CachingAllocatorSimulator", Counted)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_sharded_rank_replays_from_the_cache_as_it_replays_fresh(
+    cache: Path, traces: list[int], replays: list[int], strategy: str
+) -> None:
+    """One rank's log is a rewrite of the trace; its replays are kept under the rewrite's own data (the sharding
+    and the model's facts), so a question asked again replays nothing, and another sharding replays its own."""
+    from memfit.tracing.sharding import ShardingConfig
+
+    def sharded(world_size: int) -> memfit.MemoryEstimate:
+        loop = memfit.TrainingLoop(sharding=ShardingConfig(strategy, world_size))
+        return _estimate(_gpt2(), precision="bf16-mixed", loop=loop)
+
+    def answers(estimate: memfit.MemoryEstimate) -> list[object]:
+        limit = estimate.max_batch_size(estimate.peak_reserved_bytes * 3, include_context=False, at_limit=True)
+        return [*_answers(estimate), estimate.rank_terms, limit]
+
+    fresh = answers(sharded(4))
+    assert replays
+    traces.clear()
+    replays.clear()
+    assert answers(sharded(4)) == fresh
+    assert traces == [] and replays == []
+    other = answers(sharded(2))
+    assert replays and other != fresh

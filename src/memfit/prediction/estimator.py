@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,7 +39,14 @@ from memfit.prediction.sharded import (
     with_traced_fsdp2,
 )
 from memfit.simulation.allocator import AllocatorConfig
-from memfit.simulation.replay import LimitFit, PhasePeak, TimelinePoint, extrapolate_timeline, replay
+from memfit.simulation.replay import (
+    LimitFit,
+    PhasePeak,
+    StepReplays,
+    TimelinePoint,
+    extrapolate_timeline,
+    replay_step,
+)
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import Sample, infer_batch_size, sequence_length
 from memfit.tracing.checkpointing import CheckpointTarget
@@ -573,6 +581,12 @@ class _RankRewrite:
         self.plan: Any = None
         self.model: RankModel | None = None
 
+    @functools.cached_property
+    def identity(self) -> str:
+        """What the rewrite reads besides the trace, as a key for its replays kept on disk: the sharding and the
+        model's facts (the whole model's, where the trace is a shallower one's)."""
+        return ":rank:" + hashlib.sha256(repr((self._sharding, self._facts)).encode()).hexdigest()[:32]
+
     def __call__(self, trace: StepTrace) -> StepTrace:
         if self.plan is None:
             self.model = RankModel(self._facts, traced_bytes(trace))
@@ -739,15 +753,15 @@ def _build_estimate(
     runtime: CudaRuntime | None,
     elapsed: float,
     fit: MemoryEstimate | None = None,
+    replays: StepReplays | None = None,
 ) -> MemoryEstimate:
-    """Replay the traces into an estimate; without ``secondary``, the fit in the batch is ``fit``'s."""
+    """Replay the traces into an estimate; without ``secondary``, the fit in the batch is ``fit``'s. ``replays``:
+    the traces' replays made already (``replay_step``; kept ones)."""
     cuda = runtime is not None
-    timeline: list[TimelinePoint] = []
-    peaks = replay(primary.recorder, simulate_cuda_allocator=cuda, timeline=timeline)
+    peaks, timeline, peaks_b = replays or replay_step(primary.recorder, secondary and secondary.recorder, cuda)
     top = max(peaks, key=lambda p: p.allocated_bytes)
     peak_reserved = max(p.reserved_bytes for p in peaks)
     if secondary is not None:
-        peaks_b = replay(secondary.recorder, simulate_cuda_allocator=cuda)
         models = _fit(peaks, peaks_b, primary.batch_size, secondary.batch_size)
         allocated_ratio = max(_ratio(pk, "allocated_bytes", "tensor_bytes") for pk in (peaks, peaks_b))
         reserved_ratio = max(_ratio(pk, "reserved_bytes", "allocated_bytes") for pk in (peaks, peaks_b))

@@ -32,7 +32,7 @@ from memfit.categories import Category, Phase
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.simulation.allocator import AllocatorConfig
-from memfit.simulation.replay import LimitFit, LimitReplayer, PhasePeak, replay
+from memfit.simulation.replay import LimitFit, LimitReplayer, PhasePeak, StepReplays, TimelinePoint, replay, replay_step
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing import trace_cache, trace_data
 from memfit.tracing.batch import rebatch
@@ -407,6 +407,15 @@ class ExactPeaks:
                 self._keep("peaks", batch, None, (), _encode_peaks(self._cache[batch]))
         return self._cache[batch]
 
+    def step_replays(self, primary: StepTrace, secondary: StepTrace) -> StepReplays:
+        """``replay_step`` of the two traces an estimate is built from (kept: a question asked again replays none)."""
+        arguments = (secondary.batch_size, secondary.seq_len)
+        kept = self._kept("step", primary.batch_size, primary.seq_len, arguments, _decode_step_replays)
+        if kept is None:
+            kept = replay_step(primary.recorder, secondary.recorder, self._runtime is not None)
+            self._keep("step", primary.batch_size, primary.seq_len, arguments, _encode_step_replays(kept))
+        return kept
+
     def _at_length(self, batch: int, seq_len: int) -> tuple[PhasePeak, ...]:
         """Another sequence length: no fit to fall back on, so a failure is the caller's to see."""
         key = (batch, seq_len)
@@ -464,25 +473,29 @@ class ExactPeaks:
                 self._keep("limit", batch, seq_len, (config, limit_bytes), dataclasses.asdict(fit))
         return fit
 
-    # A replay's result is a function of the trace at the batch (the session's key and the batch), the runtime and
-    # the replay's own arguments, so it is kept beside the traces: a question asked again skips the replays too.
-    # A sharded rank's rewrite of the log (``transform``) is code, not data, so its replays are not kept.
+    # A replay's result is a function of the trace at the batch (the session's key and the batch), the runtime, the
+    # replay's own arguments and the rewrite of the log, if any, so it is kept beside the traces: a question asked
+    # again skips the replays too. A rewrite (``transform``: a sharded rank's log) is kept by its ``identity``, the
+    # data it reads besides the trace (its code is memfit's, which the session's key holds); one without is not kept.
 
-    def _replay_part(self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...]) -> str:
-        return f"replay:{batch}:{name}:{seq_len}:{self._runtime!r}:{':'.join(map(repr, arguments))}"
+    def _replay_part(self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...]) -> str | None:
+        rewrite = "" if self._transform is None else getattr(self._transform, "identity", None)
+        if rewrite is None:
+            return None
+        return f"replay:{batch}:{name}:{seq_len}:{self._runtime!r}:{':'.join(map(repr, arguments))}{rewrite}"
 
     def _kept(
         self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...], decode: Callable[[Any], Any]
     ) -> Any:
         cached = getattr(self._session, "_cached", None)
-        if self._transform is not None or cached is None:
-            return None
-        return cached(self._replay_part(name, batch, seq_len, arguments), decode)
+        part = self._replay_part(name, batch, seq_len, arguments)
+        return None if cached is None or part is None else cached(part, decode)
 
     def _keep(self, name: str, batch: int, seq_len: int | None, arguments: tuple[Any, ...], value: Any) -> None:
         keep = getattr(self._session, "_keep", None)
-        if self._transform is None and keep is not None:
-            keep(self._replay_part(name, batch, seq_len, arguments), lambda: value)
+        part = self._replay_part(name, batch, seq_len, arguments)
+        if keep is not None and part is not None:
+            keep(part, lambda: value)
 
     def _replayer(self, batch: int, seq_len: int | None, config: AllocatorConfig) -> LimitReplayer | None:
         """The step's replays at limits, kept for the last few batches asked about (a planner asks each several)."""
@@ -513,6 +526,21 @@ def _encode_peaks(peaks: Sequence[PhasePeak]) -> list[dict[str, Any]]:
          "breakdown": {c.name: n for c, n in p.breakdown.items()}, "tensor": p.tensor_bytes}
         for p in peaks
     ]  # fmt: skip
+
+
+def _encode_step_replays(replays: StepReplays) -> dict[str, Any]:
+    peaks, timeline, other = replays
+    points = [[p.event_index, p.step, p.phase.name, list(p.category_bytes), p.reserved_bytes] for p in timeline]
+    return {"peaks": _encode_peaks(peaks), "timeline": points, "other": None if other is None else _encode_peaks(other)}
+
+
+def _decode_step_replays(data: dict[str, Any]) -> StepReplays:
+    timeline = tuple(
+        TimelinePoint(index, step, Phase[phase], tuple(categories), reserved)
+        for index, step, phase, categories, reserved in data["timeline"]
+    )
+    other = None if data["other"] is None else _decode_peaks(data["other"])
+    return _decode_peaks(data["peaks"]), timeline, other
 
 
 def _decode_peaks(data: list[dict[str, Any]]) -> tuple[PhasePeak, ...]:
@@ -721,9 +749,9 @@ def exact_estimates(
         else:
             runtime = None
         elapsed = session.trace_seconds - before + (time.perf_counter() - started)
-        built = build(primary, secondary, settings, runtime, elapsed)
         rebuild = functools.partial(_rebuilt, build, settings, runtime)
         peaks = ExactPeaks(session, runtime, keep, transform, rebuild)
+        built = build(primary, secondary, settings, runtime, elapsed, replays=peaks.step_replays(primary, secondary))
         estimates.append(dataclasses.replace(built, exact_peaks=peaks).with_notes(*notes))
     return estimates
 

@@ -56,6 +56,20 @@ class TimelinePoint:
     reserved_bytes: int
 
 
+StepReplays = tuple[tuple[PhasePeak, ...], tuple[TimelinePoint, ...], tuple[PhasePeak, ...] | None]
+"""What an estimate is built from: the traced batch's phase peaks and timeline, and another batch's phase peaks."""
+
+
+def replay_step(
+    primary: StorageRecorder, secondary: StorageRecorder | None, simulate_cuda_allocator: bool
+) -> StepReplays:
+    """The replays an estimate is built from: ``primary``'s peaks and timeline, and ``secondary``'s peaks (if any)."""
+    timeline: list[TimelinePoint] = []
+    peaks = replay(primary, simulate_cuda_allocator=simulate_cuda_allocator, timeline=timeline)
+    other = None if secondary is None else replay(secondary, simulate_cuda_allocator=simulate_cuda_allocator)
+    return tuple(peaks), tuple(timeline), None if other is None else tuple(other)
+
+
 def replay(
     recorder: StorageRecorder, *, simulate_cuda_allocator: bool, timeline: list[TimelinePoint] | None = None
 ) -> list[PhasePeak]:

@@ -15,10 +15,11 @@ What makes an entry safe:
 * **It is data, not code.** Entries are gzip'd JSON. Symbolic sizes are expression trees read back only through a
   fixed table of sympy and torch classes; nothing in an entry is imported, evaluated or unpickled. An entry whose
   key differs from the question's (a collision, a copy from elsewhere), that cannot be read, or that names a class
-  outside the table is ignored with one warning, deleted, and traced again.
+  outside the table is ignored, deleted, and traced again, with one warning for the folder however many are.
 * **Replays are kept too.** What the allocator's replays read off a kept trace (``ExactPeaks``: phase peaks, a
   limit's verdict, the least reserve) is a function of that trace, the runtime and the replay's arguments, so it is
-  kept under the step's key with those in its part.
+  kept under the step's key with those in its part. One rank's log of a sharded run is a rewrite of the trace; its
+  replays are kept with the data the rewrite reads (the sharding and the model's facts) in the part as well.
 * **It is only a cache.** Deleting the folder at any time is safe (``memfit cache --clear``).
 
 Location: ``MEMFIT_CACHE_DIR``, else the platform's user cache folder (``platformdirs``: ``~/.cache/memfit`` on
@@ -310,8 +311,8 @@ def load(key: str, part: str, decode: Callable[[Any], Any]) -> Any | None:
     except FileNotFoundError:
         return None
     except Exception as exc:  # a damaged, foreign or tampered entry: never trusted, traced again
-        warn_once(
-            f"trace-cache:{path}",
+        warn_once(  # once per folder: every entry of a damaged cache is ignored, and one line says so
+            f"trace-cache:{path.parent}",
             f"memfit ignored the trace cache entry {path} ({type(exc).__name__}: {str(exc)[:120]}) and traces "
             f"again; delete {path.parent} or set {CACHE_ENV}=off if this repeats",
         )
