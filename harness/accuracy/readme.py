@@ -280,7 +280,42 @@ def largest_batch(results: Path) -> list[str]:
             "steps (details in `harness/accuracy/README.md`). Without a GPU, `--simulate-max-batch N` "
             "checks the harness itself on CPU against a card that fails above N samples; the test suite runs that."
         ]
-    return [*_whole_card(data), *_capped(results)]
+    return [*_whole_card(data), *_whole_card_now(results), *_capped(results)]
+
+
+def _whole_card_now(results: Path) -> list[str]:
+    """memfit alone on a whole card, with the planner as it is now: its limit, its choice and the check run's peak."""
+    folder = "gpu-truth/h200-2026-11-27-whole-card"
+    data = _load(f"{folder}/largest_batch-whole-card.json", results)
+    if data is None:
+        return []
+    rows = []
+    for row in data["rows"]:
+        memfit = row["memfit"]
+        log = results / folder / f"check-whole-{row['family']}.log"
+        check = json.loads(log.read_text().splitlines()[-1]) if log.exists() else {}
+        measured = (
+            f"{format_bytes(check['peak_reserved_bytes'])}, {check['steps']} steps, {check['alloc_retries']} retries"
+            if check.get("ok")
+            else "**OOM**"
+            if check
+            else "-"
+        )
+        rows.append([
+            row["family"], true_max_cell(row), str(memfit["predicted_limit"]),
+            f"{memfit['batch_size']} ({100 * memfit['fraction_of_true_max']:.0f} %)",
+            format_bytes(memfit["predicted_peak_bytes"]), measured,
+        ])  # fmt: skip
+    header = ["family", "true max", "memfit's predicted limit", "memfit (default margin)", "predicted peak reserved",
+              "check run: measured peak reserved"]  # fmt: skip
+    return [
+        "",
+        f"**The whole card with the planner as it is now** (`--methods memfit`, `benchmarks/results/{folder}/`; "
+        f"{data['meta']['device']}; bf16-mixed adamw; memfit planned for the memory free after CUDA started, as "
+        "the callbacks do; 3-step probes, then a check run at memfit's choice; the finders were not run):",
+        "",
+        *_table(header, rows),
+    ]
 
 
 def _capped(results: Path) -> list[str]:
