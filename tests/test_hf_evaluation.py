@@ -302,3 +302,31 @@ def test_trainer_pass_reads_the_trainer_and_says_what_it_lacks(tmp_path: Path) -
     training = memfit.estimate(model, {"input_ids": rows[0]["input_ids"][None].repeat(8, 1)}, optimizer="adamw",
                                target=memfit.Target("cpu"), loss_fn=lambda out, _b: out.logits.mean())  # fmt: skip
     assert hf.predict_trainer_pass(trainer, rows, loop="predict", training=training).carried_bytes > 0
+
+
+def test_an_evaluation_asked_again_with_the_cache_on_collects_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evaluation step notes what each batch collects while it is traced; a kept trace would skip that call and
+    lose the logits kept for compute_metrics, so that step is never kept."""
+    from memfit.prediction.exact import clear_sessions
+
+    monkeypatch.setenv("MEMFIT_CACHE", "on")
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    model, rows = tiny_gpt2(), token_rows(24)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, use_cpu=True, report_to=[])
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    training = memfit.estimate(model, {"input_ids": ids, "labels": ids}, optimizer="adamw",
+                               target=memfit.Target("cpu"))  # fmt: skip
+
+    def metrics(prediction: object) -> dict[str, float]:
+        return {}
+
+    passes = []
+    for _ in range(2):
+        clear_sessions()  # only the disk may answer the second time
+        passes.append(hf.predict_evaluation(model, args, rows, training, compute_metrics=metrics))
+    first, again = passes
+    assert first.collected is not None and first.collected.bytes_per_sample["predictions"] > 0
+    assert again.collected == first.collected
+    assert again.allocated_bytes == first.allocated_bytes

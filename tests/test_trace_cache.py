@@ -135,6 +135,34 @@ class ScriptModel(torch.nn.Module):
         return self.layer(x).sum()
 
 
+def test_a_callable_object_is_keyed_by_its_settings_not_its_class_alone() -> None:
+    """A loss or forward object (``nn.CrossEntropyLoss(label_smoothing=0.1)``, a step with options) reads its
+    attributes when the trace calls it: they are part of the key, and an object that cannot be kept says so."""
+    key = trace_cache._canonical
+    assert key(torch.nn.CrossEntropyLoss(label_smoothing=0.1)) != key(torch.nn.CrossEntropyLoss())
+    assert key(torch.nn.CrossEntropyLoss(label_smoothing=0.1)) == key(torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+
+    class Step:  # a class of a memfit module stands in for any installed one
+        __module__ = "memfit.some_step"
+
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+        def __call__(self, module: torch.nn.Module, batch: object) -> object:
+            return module(batch) * self.scale
+
+    Step.__qualname__ = "Step"
+    assert key(Step(1.0)) != key(Step(2.0))
+
+    class Noting(Step):
+        def memfit_cache_key(self) -> object:
+            raise trace_cache.Uncacheable("it notes what it sees")
+
+    Noting.__qualname__ = "Noting"
+    with pytest.raises(trace_cache.Uncacheable):
+        key(Noting(1.0))
+
+
 def test_code_outside_an_installed_distribution_is_never_cached(cache: Path) -> None:
     memfit.estimate(ScriptModel(), torch.zeros(2, 8), batch_size=2, target=memfit.Target("cuda"))
     assert not cache.exists() or not list(cache.glob("*.json.gz"))

@@ -266,7 +266,15 @@ def _canonical(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         fields = {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return ["dataclass", *_code(type(value)), fields]
-    if callable(value) and hasattr(value, "__module__"):  # e.g. a builtin or an optimizer factory object
+    keyed = getattr(type(value), "memfit_cache_key", None)
+    if keyed is not None:  # an object that says what of it a trace reads (or why nothing can be kept)
+        return ["keyed", *_code(type(value)), _canonical(keyed(value))]
+    if isinstance(value, nn.Module):  # a module as a loss or forward function: its settings and weights count
+        return ["module", _model_key(value)]
+    if callable(value) and hasattr(value, "__dict__") and not isinstance(value, type):
+        # a callable object (a loss with settings): its class and every attribute it could read
+        return ["object", *_code(type(value)), _canonical(dict(vars(value)))]
+    if callable(value) and hasattr(value, "__module__"):  # e.g. a builtin
         return ["code", *_code(value)]
     raise Uncacheable(f"a {type(value).__name__} in the step cannot be written down")
 

@@ -23,6 +23,7 @@ from memfit.integrations.huggingface.arguments import (
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
 from memfit.tracing.config import Target, TrainingLoop
+from memfit.tracing.trace_cache import Uncacheable
 from memfit.units import format_bytes
 
 
@@ -204,6 +205,10 @@ class _PredictionStep:
         self.main_input_name = getattr(model, "main_input_name", "input_ids")
         self.bytes_per_sample: dict[str, float] = {}
         self.numpy_copy_bytes_per_sample: dict[str, float] = {}
+
+    def memfit_cache_key(self) -> Any:
+        """Never kept: the step notes what each traced batch collects, and a kept trace would skip the call."""
+        raise Uncacheable("the evaluation step notes what each traced batch collects")
 
     def __call__(self, module: torch.nn.Module, batch: Any) -> Any:
         if not isinstance(batch, dict):
