@@ -66,6 +66,8 @@ class Plan:
     # the least memory the step runs in, the allocator freeing its cache and retrying at its limit: the figure
     # compared with the budget (0: ``predicted_peak_bytes``, planned without the allocator's limit)
     needed_bytes: int = 0
+    # the accumulation the run was configured with, where a framework's run was planned (None: not known)
+    configured_accumulation: int | None = None
 
     @property
     def fit_bytes(self) -> int:
@@ -94,6 +96,7 @@ class Plan:
             "alloc_retries": self.alloc_retries,
             "allocator_settings": self.allocator_settings,
             "needed_bytes": self.needed_bytes,
+            "configured_accumulation": self.configured_accumulation,
             "reasons": list(self.reasons),
         }
 
@@ -108,7 +111,10 @@ class Plan:
         return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
 
     def with_reason(self, reason: str) -> Plan:
-        """This plan with one more reason at the end (e.g. "restored from the checkpoint")."""
+        """This plan with one more reason at the end (e.g. "restored from the checkpoint"), unless it has that one
+        already (a plan restored again on a later resume)."""
+        if reason in self.reasons:
+            return self
         return dataclasses.replace(self, reasons=(*self.reasons, reason))
 
     def summary(self) -> str:
@@ -768,7 +774,9 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
         chosen,
         predicted_peak_bytes=at_capacity.peak_reserved_bytes + context,
         predicted_reserved_bytes=at_capacity.peak_reserved_bytes,
-        needed_bytes=needed,
+        # the least is found to RESERVE_RESOLUTION; the step ran within the peak it reached on the capacity, and a
+        # limit acts only past what the step reserves, so it needs no more than that peak
+        needed_bytes=min(needed, at_capacity.peak_reserved_bytes + context),
         alloc_retries=at_capacity.alloc_retries,
         allocator_settings=config.setting(),
         reasons=tuple(reasons),

@@ -17,7 +17,7 @@ from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanRequest
 
-__all__ = ["RunOptions", "check_positive"]
+__all__ = ["RunOptions", "check_flag", "check_positive"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class RunOptions:
             if self.max_batch_size < self.min_batch_size:
                 bounds = f"`max_batch_size` ({self.max_batch_size}), `min_batch_size` ({self.min_batch_size})"
                 raise InvalidInputError(f"{bounds}: the largest micro batch must be at least the smallest")
+        check_flag("allow_checkpointing", self.allow_checkpointing)
         object.__setattr__(self, "margin", float(margin))
-        object.__setattr__(self, "allow_checkpointing", bool(self.allow_checkpointing))
 
     def request(
         self,
@@ -54,16 +54,23 @@ class RunOptions:
         ranks: int,
         include_context: bool,
         always_checkpoint: bool = False,
+        samples: int | None = None,
     ) -> PlanRequest:
         """The run's question: by default the effective batch it is configured with (micro batch x accumulation x
-        data-parallel ranks) within ``capacity_bytes``, checkpointed throughout when the run already is."""
+        data-parallel ranks) within ``capacity_bytes``, checkpointed throughout when the run already is. ``samples``
+        (the training set's length, where it has one) bounds the largest micro batch (``target_batch_size="max"``):
+        no batch holds more than a rank's share of it."""
+        largest = self.max_batch_size
+        if samples and self.target_batch_size == "max":
+            share = max(self.min_batch_size, -(-samples // ranks))
+            largest = share if largest is None else min(largest, share)
         return PlanRequest(
             capacity_bytes=capacity_bytes,
             margin=self.margin,
             target_batch_size=self.target_batch_size or configured * accumulation * ranks,
             world_size=ranks,
             min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=largest,
             allow_checkpointing=self.allow_checkpointing,
             always_checkpoint=always_checkpoint,
             include_context=include_context,
@@ -74,3 +81,9 @@ def check_positive(name: str, value: Any, extra: str = "") -> None:
     """Refuse ``value`` of argument ``name`` unless it is a positive integer (``extra``: what else it may be)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidInputError(f"`{name}` must be a positive integer{extra}, got {value!r}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Refuse ``value`` of a yes/no argument unless it is ``True`` or ``False`` (``"no"`` would read as yes)."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"`{name}` must be True or False, got {value!r}")

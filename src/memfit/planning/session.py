@@ -180,7 +180,8 @@ class PlanningSession:
                     f"could not measure free memory on {device}; pass budget= (bytes, '20GiB' or a GPU name)"
                 )
             decision = self.decide(request)
-            chosen, traced = decision.plan, decision.estimate
+            chosen = dataclasses.replace(decision.plan, configured_accumulation=self.accumulation_steps)
+            traced = decision.estimate
         for note in notes:
             chosen = chosen.with_reason(note)
         return Decision(chosen, traced)

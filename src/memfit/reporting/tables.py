@@ -179,7 +179,8 @@ def plan_table(report: PlanReport) -> Table:
         plan, breakdown = row.plan, row.estimate.breakdown
         state = {column: sum(breakdown.get(c, 0) for c in kinds) for column, kinds in _STATE_COLUMNS.items()}
         activations = breakdown.get(Category.ACTIVATIONS, 0)
-        other = row.estimate.peak_bytes - sum(state.values()) - activations
+        # the rest of the peak the row quotes (at the allocator's limit, where planned so), so the row adds up
+        other = max(0, plan.predicted_peak_bytes - sum(state.values()) - activations)
         effective = str(plan.effective_batch_size)
         if plan.target_batch_size is not None and plan.effective_batch_size != plan.target_batch_size:
             effective += f" (target {plan.target_batch_size})"
