@@ -555,3 +555,65 @@ def test_accumulation_the_plan_adds_keeps_the_loss_and_gradients_of_the_configur
     assert planned["grad_norm"] == pytest.approx(configured["grad_norm"], rel=1e-3)
     callback = trainer.callback_handler.callbacks[0]
     assert any("model_accepts_loss_kwargs = False" in reason for reason in callback.plan.reasons)
+
+
+@pytest.mark.parametrize("path", ["attach", "plan_training_arguments"])
+def test_a_configured_accumulation_keeps_its_summed_loss_when_the_plan_changes_it(tmp_path: Path, path: str) -> None:
+    """Configured with 2 accumulation steps, BERT's Trainer adds up 2 micro batches' mean losses. A plan of 4 x 8
+    (by attach, or by plan_training_arguments and attach(plan=...)) keeps that sum: the same loss and gradients."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=generator), "labels": i % 3} for i in range(64)]
+
+    def first_log(plan: bool) -> tuple[dict[str, float], Trainer]:
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config)
+        args = training_args(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=2, max_steps=1,
+                             logging_steps=1)  # fmt: skip
+        if plan and path == "plan_training_arguments":
+            planned = plan_training_arguments(model, args, data, budget="1GiB", max_batch_size=4)
+            trainer = Trainer(model=model, args=planned.args, train_dataset=data)
+            attach(trainer, plan=planned.plan, verbose=False)
+        else:
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+            if plan:
+                attach(trainer, budget="1GiB", max_batch_size=4, verbose=False)
+        trainer.train()
+        return next(entry for entry in trainer.state.log_history if "loss" in entry), trainer
+
+    configured, _ = first_log(plan=False)
+    planned, trainer = first_log(plan=True)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 8)
+    assert planned["loss"] == pytest.approx(configured["loss"], rel=1e-4)
+    assert planned["grad_norm"] == pytest.approx(configured["grad_norm"], rel=1e-3)
+    callback = trainer.callback_handler.callbacks[0]
+    assert any("multiplies each micro batch's loss by 2" in reason for reason in callback.plan.reasons)
+
+
+def test_dataloader_drop_last_is_named_when_the_plan_changes_what_it_drops(tmp_path: Path) -> None:
+    args = training_args(tmp_path, per_device_train_batch_size=12, dataloader_drop_last=True)
+    with pytest.warns(UserWarning, match=r"batches of 12 dropped 10, the planned 4 drop 2, so each epoch trains on 8 "
+                                         r"more samples"):  # fmt: skip
+        planned = plan_training_arguments(tiny_gpt2(), args, Tokens(250), budget="1GiB", max_batch_size=4)
+    assert planned.args.per_device_train_batch_size == 4
+
+
+def test_the_largest_micro_batch_is_never_more_than_the_training_set(tmp_path: Path) -> None:
+    """target_batch_size="max" on a GPU's budget would take tens of thousands of samples a batch; a 40-sample set
+    makes batches of 40 at most, and the plan says so in its figures."""
+    planned = plan_training_arguments(tiny_gpt2(), training_args(tmp_path), Tokens(40), budget="h100",
+                                      target_batch_size="max")  # fmt: skip
+    assert planned.plan.micro_batch_size == planned.plan.effective_batch_size == 40
+    assert planned.args.per_device_train_batch_size == 40
+
+
+def test_attach_names_an_option_it_does_not_know_and_a_flag_that_is_not_one(tmp_path: Path) -> None:
+    trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path), train_dataset=Tokens(24))
+    with pytest.raises(memfit.InvalidInputError, match=r"attach\(\) got unknown option\(s\) \['log_every_n_steps'\]"):
+        attach(trainer, budget="1GiB", log_every_n_steps=5)
+    with pytest.raises(memfit.InvalidInputError, match="`allow_checkpointing` must be True or False, got 'no'"):
+        attach(trainer, budget="1GiB", allow_checkpointing="no")

@@ -12,6 +12,7 @@ measuring from ``RunMonitor``, the chunked step from ``OOMRecovery``; the Traine
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -50,7 +51,7 @@ from memfit.monitoring.recovery import (
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions
+from memfit.planning.run_options import RunOptions, check_flag
 from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
@@ -135,6 +136,11 @@ def attach(
         if options.get("plan") is not None:
             callback.plan = options["plan"]
     elif callback is None:
+        unknown = sorted(set(options) - set(inspect.signature(MemoryPlannerCallback).parameters))
+        if unknown:
+            known = ", ".join(p for p in inspect.signature(MemoryPlannerCallback).parameters if p != "plan")
+            raise InvalidInputError(f"attach() got unknown option(s) {unknown}; it passes on those of "
+                                    f"MemoryPlannerCallback ({known}) and plan=")  # fmt: skip
         callback = MemoryPlannerCallback(**options)
     elif options:
         raise InvalidInputError(f"pass {sorted(options)} to the MemoryPlannerCallback, not to attach()")
@@ -146,17 +152,10 @@ def attach(
         )  # fmt: skip
         fields = ("per_device_train_batch_size", "gradient_accumulation_steps", "eval_accumulation_steps",
                   checkpointing_switch(trainer.args))  # fmt: skip
-        configured = trainer.args.gradient_accumulation_steps
         internals.apply_arguments(trainer, {name: getattr(planned.args, name) for name in fields})
         callback.plan = planned.plan
-        if planned.plan.accumulate_grad_batches != configured and internals.loss_sums_micro_batches(trainer):
-            internals.average_micro_batch_losses(trainer)
-            callback.plan = callback.plan.with_reason(
-                f"{type(trainer.model).__name__}'s loss ignores num_items_in_batch, so the Trainer would add up the "
-                f"{planned.plan.accumulate_grad_batches} micro batches' mean losses (and gradients) instead of "
-                "averaging them: memfit sets trainer.model_accepts_loss_kwargs = False, as transformers advises, so "
-                "the loss and gradients stay those of the configured batch"
-            )
+        if (kept := internals.keep_configured_loss(trainer, callback.plan)) is not None:
+            callback.plan = callback.plan.with_reason(kept)
         if callback.verbose:
             info("memfit plan: " + callback.plan.summary() + "".join(f"\n  - {r}" for r in callback.plan.reasons))
     _put_first(trainer, callback)
@@ -263,7 +262,9 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         self.margin = RunOptions(margin=margin).margin  # refused in the words every port uses
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
-        self.allow_checkpointing = bool(allow_checkpointing)
+        check_flag("allow_checkpointing", allow_checkpointing)
+        check_flag("verbose", verbose)
+        self.allow_checkpointing = allow_checkpointing
         self.verbose = verbose
         self.estimate: MemoryEstimate | None = None
         self.evaluation: EvaluationPeak | None = None
@@ -281,10 +282,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
             _put_first(trainer, self)  # passed in Trainer(callbacks=[...]): attached as attach() would
-        if self.plan is not None and args.per_device_train_batch_size != self.plan.micro_batch_size:
-            runs, planned = args.per_device_train_batch_size, self.plan.micro_batch_size
-            self._warn("mismatch", f"the Trainer runs per_device_train_batch_size={runs}, not the planned {planned}: "
-                       "pass the args returned by plan_training_arguments to Trainer")  # fmt: skip
+        self._check_runs_the_plan(args)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
@@ -295,6 +293,16 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
             self._warn("not-attached", NOT_ATTACHED)
+        self._check_runs_the_plan(args)  # a plan given to attach() after the Trainer was built is checked here
+        kept = (
+            None
+            if self._trainer is None or self.plan is None
+            else internals.keep_configured_loss(self._trainer, self.plan)
+        )
+        if kept is not None:
+            self.plan = self.plan.with_reason(kept)
+            if self.verbose:
+                self._info(f"memfit: {kept}")
         try:
             self._predict(args, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
         except Exception as error:  # never let memfit end the run
@@ -363,6 +371,20 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             self.controller.finish(state.global_step)
 
     # --------------------------------------------------------------- helpers
+    def _check_runs_the_plan(self, args: TrainingArguments) -> None:
+        """One warning when the Trainer's arguments are not the plan's (built with the arguments planned from)."""
+        if self.plan is None:
+            return
+        runs = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+        planned = (self.plan.micro_batch_size, self.plan.accumulate_grad_batches)
+        if runs != planned:
+            self._warn(
+                "mismatch",
+                f"the Trainer runs per_device_train_batch_size={runs[0]} x gradient_accumulation_steps={runs[1]}, not "
+                f"the planned {planned[0]} x {planned[1]}: pass the args plan_training_arguments returned to Trainer, "
+                "or plan with attach(trainer, budget=...)",
+            )
+
     def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")

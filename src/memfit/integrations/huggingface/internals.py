@@ -26,6 +26,7 @@ import copy
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,6 @@ from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
     "apply_arguments",
-    "average_micro_batch_losses",
     "calling_trainer",
     "changed_arguments",
     "deepspeed_auto_values",
@@ -46,6 +46,7 @@ __all__ = [
     "fsdp_options",
     "fsdp_requested",
     "install_chunked_step",
+    "keep_configured_loss",
     "local_world_size",
     "loss_sums_micro_batches",
     "replace_attribute",
@@ -101,10 +102,42 @@ def loss_sums_micro_batches(trainer: Any) -> bool:
     return "loss_function" not in source and "num_items_in_batch" not in source
 
 
-def average_micro_batch_losses(trainer: Any) -> None:
-    """Make the Trainer divide each micro batch's loss by the accumulation steps itself (what transformers advises
-    for a model whose loss ignores ``num_items_in_batch``: ``model_accepts_loss_kwargs = False``)."""
+def keep_configured_loss(trainer: Any, plan: Any) -> str | None:
+    """Keep the loss and gradients of the run as configured when ``plan`` changed its accumulation and the Trainer
+    would add up the micro batches' mean losses (``loss_sums_micro_batches``); why, in plain words, or ``None``.
+
+    ``model_accepts_loss_kwargs = False`` (what transformers advises) makes the Trainer divide each micro batch's
+    loss by the planned steps, so the window's loss is the mean. A run configured with ``k > 1`` steps added up its
+    ``k`` means instead: each training micro batch's loss is then multiplied by ``k`` (``compute_loss`` on the
+    instance; evaluation's is left alone). Applied once per Trainer."""
+    configured, planned = plan.configured_accumulation, plan.accumulate_grad_batches
+    if not configured or configured == planned or trainer in _LOSS_KEPT or not loss_sums_micro_batches(trainer):
+        return None
+    _LOSS_KEPT.add(trainer)
     trainer.model_accepts_loss_kwargs = False
+    reason = (
+        f"{type(trainer.model).__name__}'s loss ignores num_items_in_batch, so the Trainer would add up the "
+        f"{planned} micro batches' mean losses (and gradients) instead of averaging them: memfit sets "
+        "trainer.model_accepts_loss_kwargs = False, as transformers advises"
+    )
+    if configured == 1:
+        return reason + ", so the loss and gradients stay those of the configured batch"
+    original = trainer.compute_loss
+
+    def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        output = original(model, inputs, return_outputs=return_outputs, **kwargs)
+        if not model.training:  # an evaluation's loss is reported as the model computes it
+            return output
+        return (output[0] * configured, *output[1:]) if return_outputs else output * configured
+
+    trainer.compute_loss = compute_loss
+    return (
+        f"{reason}, and multiplies each micro batch's loss by {configured}: the run as configured added up its "
+        f"{configured} micro batches' mean losses, and its loss and gradients stay that sum"
+    )
+
+
+_LOSS_KEPT: weakref.WeakSet[Any] = weakref.WeakSet()  # the Trainers whose loss keep_configured_loss kept
 
 
 def calling_trainer(kind: type) -> Any:

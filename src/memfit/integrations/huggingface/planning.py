@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -134,9 +135,10 @@ def plan_training_arguments(
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
-    request = _plan_request(planning, args, layout, configured, accumulation, options)
+    request = _plan_request(planning, args, layout, configured, accumulation, options, _length(train_dataset))
     decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
     chosen, planned = decision.plan, decision.estimate
+    _warn_of_dropped_samples(args, train_dataset, chosen.micro_batch_size)
     changes = _planned_changes(args, chosen, layout.checkpointing)
     evaluation = None
     if eval_dataset is not None:
@@ -150,6 +152,25 @@ def plan_training_arguments(
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
     return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, layout.sharding)
+
+
+def _warn_of_dropped_samples(args: TrainingArguments, dataset: Any, micro: int) -> None:
+    """With ``dataloader_drop_last`` the planned batch size drops another number of samples an epoch: say so."""
+    samples = _length(dataset) if args.dataloader_drop_last else None
+    configured = args.per_device_train_batch_size * args.world_size
+    planned = micro * args.world_size
+    if samples is None or samples % configured == samples % planned:
+        return
+    before, after = samples % configured, samples % planned
+    change = f"{abs(before - after)} {'more' if before > after else 'fewer'}"
+    warnings.warn(
+        f"memfit: dataloader_drop_last=True: of the {samples} training samples an epoch, batches of {configured} "
+        f"dropped {before}, the planned {planned} drop {after}, so each epoch trains on {change} samples; use "
+        "dataloader_drop_last=False, or a dataset whose length both batch sizes divide, to keep the epoch as "
+        "configured",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _layout(args: TrainingArguments, model: torch.nn.Module, precision: str, *, elsewhere_on_gpus: bool) -> RunLayout:
@@ -206,14 +227,23 @@ def _plan_request(
     configured: int,
     accumulation: int,
     options: RunOptions,
+    samples: int | None = None,
 ) -> PlanRequest:
     """What every rank asks alike: the smallest capacity of all ranks, over the data-parallel ranks the layout
     runs (a restored plan is held to it too)."""
     capacity = _smallest_of_all_ranks(planning.capacity_bytes(planning.target.torch_device), args)
     ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
     return options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation, ranks=ranks,
-                           include_context=planning.include_context,
-                           always_checkpoint=layout.checkpointing)  # fmt: skip
+                           include_context=planning.include_context, always_checkpoint=layout.checkpointing,
+                           samples=samples)  # fmt: skip
+
+
+def _length(dataset: Any) -> int | None:
+    """How many samples ``dataset`` holds; ``None`` for a stream."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _planned_changes(args: TrainingArguments, chosen: Plan, layout_checkpoints: bool) -> dict[str, Any]:
