@@ -134,3 +134,38 @@ def _planned_at_three() -> tuple[Accelerator, torch.nn.Module, MemoryPlanner]:
     first = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
     first.plan(model, torch.optim.AdamW(model.parameters()), token_loader())
     return accelerator, model, first
+
+
+def test_with_drop_last_the_planned_loader_sees_the_samples_the_configured_one_saw() -> None:
+    """90 samples in batches of 12 with drop_last: the run as configured sees 84 of them; planned at micro batch 3
+    it sees the same 84 in the same order (not all 90, which batches of 3 would leave whole), in 28 batches."""
+    accelerator = Accelerator(cpu=True)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (90, SEQ), generator=generator)]
+
+    def loader() -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(data, batch_size=12, shuffle=True, drop_last=True,
+                                           generator=torch.Generator().manual_seed(1))  # fmt: skip
+
+    configured = torch.cat([b["input_ids"] for b in loader()])
+    model = tiny_gpt2()
+    planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    planned = planner.plan(model, torch.optim.AdamW(model.parameters()), loader())
+    assert planner.planned.micro_batch_size == 3 and len(planned) == 28
+    _, _, prepared = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), planned)
+    batches = [b["input_ids"] for b in prepared]
+    assert len(configured) == 84 and torch.equal(torch.cat(batches), configured)
+    assert {len(b) for b in batches} == {3}
+
+
+@pytest.mark.parametrize("budget", ["abc", "-1GiB", 0, "a100"])
+def test_a_bad_budget_is_named_when_the_planner_is_built(budget: object) -> None:
+    with pytest.raises(memfit.InvalidInputError):
+        MemoryPlanner(Accelerator(cpu=True), budget=budget)
+
+
+def test_a_flag_that_is_not_true_or_false_is_refused() -> None:
+    with pytest.raises(memfit.InvalidInputError, match="`allow_checkpointing` must be True or False, got 'no'"):
+        MemoryPlanner(Accelerator(cpu=True), allow_checkpointing="no")
+    with pytest.raises(memfit.InvalidInputError, match="`verbose` must be True or False"):
+        MemoryPlanner(Accelerator(cpu=True), verbose="yes")

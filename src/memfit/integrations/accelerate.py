@@ -10,25 +10,29 @@ warns; this module only reads the accelerator.
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError
 from memfit.monitoring.controller import ControlledRun, RunController
+from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions, check_positive
+from memfit.planning.run_options import RunOptions, check_flag, check_positive
 from memfit.planning.session import PlanningSession
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
 from memfit.tracing.batch import is_stream, longest_batch, longest_of_a_stream
-from memfit.tracing.checkpointing import enable_checkpointing
+from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.model_state import preserved_rng_state
 
@@ -61,6 +65,8 @@ class MemoryPlanner(ControlledRun):
             memory), the device planned for, the margin, the effective batch to keep (default the loader's batch
             x the accelerator's accumulation x processes; ``"max"``), bounds on the micro batch, and whether
             checkpointing may be turned on.
+        checkpoint_modules: block classes or qualified names to checkpoint, for a model whose repeated blocks
+            memfit cannot find (Hugging Face models use their own switch).
         log_every_n_steps: optimizer steps per measured window.
         verbose: print the plan and the final drift line.
     """
@@ -76,6 +82,7 @@ class MemoryPlanner(ControlledRun):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         allow_checkpointing: bool = True,
+        checkpoint_modules: CheckpointTarget | None = None,
         log_every_n_steps: int = 10,
         verbose: bool = True,
     ) -> None:
@@ -83,7 +90,10 @@ class MemoryPlanner(ControlledRun):
             raise InvalidInputError(f"MemoryPlanner takes an accelerate.Accelerator, got {type(accelerator).__name__}")
         self.options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
         check_positive("log_every_n_steps", log_every_n_steps)
+        check_flag("verbose", verbose)
+        parse_budget(budget)  # a bad budget is named now, not when plan() runs
         self.accelerator = accelerator
+        self.checkpoint_modules = checkpoint_modules
         self.budget, self.target = budget, check_target(target, budget)
         self.margin = self.options.margin
         self.log_every_n_steps = log_every_n_steps
@@ -128,21 +138,21 @@ class MemoryPlanner(ControlledRun):
         def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
             loop = TrainingLoop(accumulation_steps=accumulation_steps)
             traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                              gradient_checkpointing=checkpointing, target=planning.target, loss_fn=loss_fn,
-                              forward_fn=forward_fn, loop=loop)  # fmt: skip
+                              gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
+                              target=planning.target, loss_fn=loss_fn, forward_fn=forward_fn, loop=loop)  # fmt: skip
             return traced.with_notes(*notes)
 
         session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
         capacity = planning.capacity_bytes(device)
         request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
-                                       ranks=accelerator.num_processes,
-                                       include_context=planning.include_context)  # fmt: skip
+                                       ranks=accelerator.num_processes, include_context=planning.include_context,
+                                       samples=_length(dataloader.dataset))  # fmt: skip
         decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
         chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced
         accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
         if chosen.gradient_checkpointing:
-            enable_checkpointing(model)
+            enable_checkpointing(model, self.checkpoint_modules)
         if self.verbose:
             info("memfit plan: " + chosen.summary() + "".join(f"\n  - {r}" for r in chosen.reasons))
         peak = traced.at(chosen.micro_batch_size)
@@ -217,22 +227,57 @@ class _AcceleratorPort:
         info(message)
 
 
+def _length(dataset: Any) -> int | None:
+    """How many samples ``dataset`` holds; ``None`` for a stream."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 def _rebatched(loader: DataLoader, batch_size: int) -> DataLoader:
     """``loader`` with ``batch_size`` examples a batch: the same dataset, sampler (so the same samples in the same
-    order), collate function and worker settings."""
+    order), collate function and worker settings. With ``drop_last`` the last incomplete batch of the loader's own
+    size is dropped, as the run configured did, so every epoch sees the same samples."""
     if batch_size == loader.batch_size:
         return loader
+    samples = len(loader.sampler)
+    drops_other_samples = loader.drop_last and samples % loader.batch_size != samples % batch_size
+    batching: dict[str, Any] = (
+        {"batch_sampler": _Rebatched(loader.sampler, loader.batch_size, batch_size)}
+        if drops_other_samples
+        else {"batch_size": batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
+    )
     return DataLoader(
         loader.dataset,
-        batch_size=batch_size,
-        sampler=loader.sampler,
+        **batching,
         collate_fn=loader.collate_fn,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         generator=loader.generator,
         persistent_workers=loader.persistent_workers,
         **({"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}),
     )
+
+
+class _Rebatched(Sampler[list[int]]):
+    """The sampler's indices in batches of ``batch_size``, without the last incomplete batch of ``configured`` (what
+    ``drop_last`` drops in the run as configured): every epoch sees the same samples. Its last batch may be short."""
+
+    drop_last = False
+
+    def __init__(self, sampler: Any, configured: int, batch_size: int) -> None:
+        self.sampler, self.configured, self.batch_size = sampler, configured, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = itertools.islice(iter(self.sampler), self._kept())
+        while batch := list(itertools.islice(indices, self.batch_size)):
+            yield batch
+
+    def __len__(self) -> int:
+        return math.ceil(self._kept() / self.batch_size)
+
+    def _kept(self) -> int:
+        return len(self.sampler) // self.configured * self.configured
