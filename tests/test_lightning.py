@@ -14,9 +14,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
 
 import memfit
-from lightning_models import SEQ, ModuleForDataModule, NoBatchAttribute, ReadsValues, TinyGPT, TokenData
+from lightning_models import SEQ, ModuleForDataModule, NoBatchAttribute, ReadsValues, TinyGPT, TokenData, tokens
 from memfit.integrations.huggingface.arguments import model_checkpointing
 from memfit.lightning import MemoryPlanner
 from memfit.planning.margin import DEFAULT_MARGIN
@@ -187,6 +188,10 @@ def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> No
     with pytest.warns(UserWarning, match="found no `batch_size`"):
         fit.fit(module)
     assert fit.accumulate_grad_batches == 1 and set(module.seen_batch_sizes) == {12}
+    # nothing memfit reports describes the plan it could not apply: it measures the run as configured
+    callback = next(c for c in fit.callbacks if isinstance(c, MemoryPlanner))
+    assert callback.plan is None and callback.estimate.batch_size == 12
+    assert {w.predicted_allocated_bytes for w in callback.monitor.history} == {callback.estimate.at(12).allocated_bytes}
 
 
 @pytest.mark.usefixtures("lenient")
@@ -478,3 +483,19 @@ def test_a_budget_only_the_kept_window_overflows_says_so_and_not_that_checkpoint
     planner = MemoryPlanner(budget="400KiB", on_oom="raise", verbose=False)
     trainer(tmp_path, planner, max_steps=1).fit(_NoBlocks())
     assert planner.plan.effective_batch_size == 64 and planner.plan.accumulate_grad_batches > 1
+
+
+class DropsLast(TinyGPT):
+    """Its loader drops the last incomplete batch: 250 samples are 20 batches of 12 (10 dropped)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(tokens(self.samples), batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+def test_a_loader_that_drops_its_last_batch_is_named_when_the_plan_changes_what_it_drops(tmp_path: Path) -> None:
+    module = DropsLast(samples=250)
+    fit = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(TinyGPT(), 3), margin=MARGIN), max_steps=1)
+    with pytest.warns(UserWarning, match=r"batches of 12 dropped 10, the planned 3 drop 1, so each epoch trains on 9 "
+                                         r"more samples"):  # fmt: skip
+        fit.fit(module)
+    assert module.batch_size == 3

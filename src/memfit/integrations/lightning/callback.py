@@ -44,7 +44,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions, check_positive
+from memfit.planning.run_options import RunOptions, check_flag, check_positive
 from memfit.planning.session import PlanningSession, restored_over_budget
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
@@ -184,6 +184,9 @@ class _Decision:
     error: str | None = None
     insufficient_memory: bool = False  # the error is the verdict that nothing fits: it stops the fit
     measured_only: bool = False  # nothing predicted (manual optimization): log the measured peaks alone
+    # the predicted (allocated, reserved) peak of the run as configured: what is measured against if the plan
+    # cannot be applied and the run trains as configured
+    as_configured: tuple[int, int] | None = None
 
 
 class MemoryPlannerBase(ControlledRun):
@@ -215,6 +218,7 @@ class MemoryPlannerBase(ControlledRun):
         self._budget = budget
         self.options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
         _check_arguments(batch_arg_name, mode, log_every_n_steps)
+        check_flag("verbose", verbose)
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.margin, self.allow_checkpointing = self.options.margin, self.options.allow_checkpointing
@@ -232,6 +236,8 @@ class MemoryPlannerBase(ControlledRun):
         self._internals = LightningInternals(self._pl)
         self._decision: _Decision | None = None
         self._session: PlanningSession | None = None  # rank 0's, kept to trace a plan restored on resume
+        self._configured_estimate: MemoryEstimate | None = None  # rank 0's trace of the run as configured
+        self._train_samples: int | None = None  # the training set's length, where the loader's dataset has one
         self._include_context = True  # whether the plan counted the CUDA context within the budget
         self._restored_plan: dict[str, Any] | None = None
         self._trainer_module: tuple[Any, Any] | None = None
@@ -296,8 +302,12 @@ class MemoryPlannerBase(ControlledRun):
             raise InsufficientMemoryError(decision.error)
         if decision.error is not None:
             self._warn("plan", f"memfit could not plan this run ({decision.error}); training continues as configured.")
-        elif decision.plan is not None and self.mode == "plan":
-            self._apply(trainer, pl_module, decision.plan)
+        elif decision.plan is not None and self.mode == "plan" and not self._apply(trainer, pl_module, decision.plan):
+            # the run trains as configured: nothing says otherwise, and drift is measured against its own prediction
+            self.plan, decision.plan = None, None
+            if decision.as_configured is not None:
+                decision.predicted_allocated_bytes, decision.predicted_reserved_bytes = decision.as_configured
+                self.estimate = self._configured_estimate
 
     def _decide_on_rank_zero(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         try:
@@ -364,11 +374,14 @@ class MemoryPlannerBase(ControlledRun):
         request = self.options.request(capacity_bytes=capacity, configured=configured,
                                        accumulation=trainer.accumulate_grad_batches,
                                        ranks=layout.data_parallel_size, include_context=include_context,
-                                       always_checkpoint=always)  # fmt: skip
+                                       always_checkpoint=always, samples=self._train_samples)  # fmt: skip
+        as_configured = self.estimate.at(configured)
+        self._configured_estimate = self.estimate
         decision = session.decide_run(request, device=device, notes=self._sample_notes)
         self.plan, self.estimate = decision.plan, decision.estimate
         self._check_validation(trainer, pl_module, self.estimate, capacity, include_context)
-        return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes)
+        return _Decision(self.plan.to_dict(), self.plan.predicted_allocated_bytes, self.plan.predicted_reserved_bytes,
+                         as_configured=(as_configured.allocated_bytes, as_configured.reserved_bytes))  # fmt: skip
 
     def _planning_target(self, trainer: Any) -> PlanningTarget | InvalidInputError:
         """The device the plan is for (``target=``, ``budget=``, the run's device), or why there is none."""
@@ -426,18 +439,19 @@ class MemoryPlannerBase(ControlledRun):
             return None
         return DDPConfig.from_kwargs(self._internals.ddp_kwargs(strategy))
 
-    def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> None:
-        """Set micro batch, accumulation and checkpointing, all or nothing."""
+    def _apply(self, trainer: Any, pl_module: Any, plan_dict: dict[str, Any]) -> bool:
+        """Set micro batch, accumulation and checkpointing, all or nothing; whether the plan was applied."""
         micro = plan_dict["micro_batch_size"]
         parsing = self._pl.utilities.parsing
         if not parsing.lightning_hasattr(pl_module, self.batch_arg_name):
             message = (
                 f"memfit planned micro batch {micro} x {plan_dict['accumulate_grad_batches']} accumulation steps but "
                 f"found no `{self.batch_arg_name}` on the module, its hparams or the datamodule to set it; nothing "
-                "was changed. Expose the batch size there (or set batch_arg_name) to let memfit apply its plan."
+                "was changed and the run trains as configured. Expose the batch size there (or set batch_arg_name) "
+                "to let memfit apply its plan."
             )
             self._warn("no-batch-attribute", message)
-            return
+            return False
         previous_batch = parsing.lightning_getattr(pl_module, self.batch_arg_name)
         previous_accumulation = trainer.accumulate_grad_batches
         try:
@@ -450,12 +464,34 @@ class MemoryPlannerBase(ControlledRun):
             trainer.accumulate_grad_batches = previous_accumulation
             degrade(f"memfit could not apply its plan ({type(error).__name__}: {error}); nothing was changed.", error,
                     key="apply", seen=self.controller.warned)  # fmt: skip
-            return
+            return False
+        self._warn_of_dropped_samples(trainer, previous_batch, micro)
         self._internals.forget_train_loader(trainer)
         self._internals.record_initial_hparam(trainer, pl_module, self.batch_arg_name, micro)
         if self.verbose:
             plan = Plan.from_dict(plan_dict)
             self._info("memfit plan: " + plan.summary() + "".join(f"\n  - {r}" for r in plan.reasons))
+        return True
+
+    def _warn_of_dropped_samples(self, trainer: Any, configured: Any, micro: int) -> None:
+        """A loader that drops its last incomplete batch drops another number of samples at the planned batch size:
+        the batch size is all memfit sets, so it says what changes."""
+        try:
+            loader = self._internals.train_dataloader(trainer)
+            samples = len(loader.sampler) if getattr(loader, "drop_last", False) else None
+        except Exception:  # no loader memfit can read: nothing to say
+            return
+        if not isinstance(configured, int) or configured <= 0 or samples is None:
+            return
+        before, after = samples % configured, samples % micro
+        if before != after:
+            change = f"{abs(before - after)} {'more' if before > after else 'fewer'}"
+            self._warn("drop-last", (
+                f"memfit: the train dataloader drops its last incomplete batch (drop_last=True): of its {samples} "
+                f"samples an epoch, batches of {configured} dropped {before}, the planned {micro} drop {after}, so "
+                f"each epoch trains on {change} samples; use drop_last=False, or a dataset whose length both batch "
+                "sizes divide, to keep the epoch as configured"
+            ))  # fmt: skip
 
     def _reapply_restored(self, trainer: Any, pl_module: Any) -> None:
         """On resume, keep the plan the run started with instead of whatever a fresh plan says."""
@@ -470,6 +506,8 @@ class MemoryPlannerBase(ControlledRun):
             self._warn("resume", "memfit: resuming without checkpointing as the run started, though a fresh plan "
                        "would use it")  # fmt: skip
         self.plan = Plan.from_dict(saved).with_reason("restored from the checkpoint")
+        if self.verbose and current is not None:
+            self._info("memfit: the checkpoint holds the plan the run started with; it replaces the plan above")
         self._apply(trainer, pl_module, self.plan.to_dict())  # printed with the reason it was restored
         if self._session is not None:  # rank 0 planned: the trace of the step the restored plan runs
             micro, checkpointing = saved["micro_batch_size"], saved["gradient_checkpointing"]
@@ -489,6 +527,8 @@ class MemoryPlannerBase(ControlledRun):
             raise InvalidInputError(
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
+        with contextlib.suppress(TypeError):  # a stream has no length
+            self._train_samples = len(loader.dataset)
         with preserved_rng_state():  # taking a batch must not shift the run's shuffling
             sample = longest_batch(loader, notes=self._sample_notes)
         if is_stream(loader.dataset):  # its longest batch is not among its first: planned at the longest it can be
