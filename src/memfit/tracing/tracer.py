@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -225,7 +226,10 @@ def trace_steps(
             buckets = _DDPBuckets(settings.ddp, trainable, recorder) if settings.ddp else None
             for step in range(1, steps + 1):
                 on_forward = buckets.rebuild if buckets is not None and step == 2 else None
-                _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths, on_forward)
+                with warnings.catch_warnings():  # the model's own warnings, with fake sizes: the real run gives them
+                    warnings.simplefilter("ignore")
+                    _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths,
+                              on_forward)  # fmt: skip
             recorder.close()
             del held
         if settings.ddp is not None and settings.ddp.gradient_as_bucket_view:
