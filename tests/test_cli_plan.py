@@ -780,3 +780,9 @@ def test_a_bad_sweep_is_refused_in_one_line(
     code = main(["plan", "--hf-config", "gpt2", "--gpu", "h100", "--seq-len", lengths, *extra])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_sweep_says_a_gpus_note_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A T4 planned at two lengths is planned in 16-mixed at both; its caption says so once."""
+    assert main(["plan", "--hf-config", "gpt2", "--layers", "1", "--gpu", "t4", "--seq-len", "64,128"]) == 0
+    assert capsys.readouterr().out.count("Turing cards have no bf16") == 1

@@ -201,6 +201,9 @@ def test_a_model_memfit_cannot_trace_still_trains(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="memfit could not plan this run.*reads tensor values"):
         fit.fit(module)
     assert fit.global_step == 2 and module.batch_size == 12 and fit.accumulate_grad_batches == 1
+    callback = next(c for c in fit.callbacks if isinstance(c, MemoryPlanner))
+    assert callback.monitor is not None and callback.monitor.history  # the run is measured all the same
+    assert all(w.predicted_allocated_bytes is None for w in callback.monitor.history)
 
 
 def test_resume_keeps_the_plan_of_the_first_run(tmp_path: Path) -> None:

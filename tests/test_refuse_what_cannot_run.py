@@ -193,6 +193,25 @@ def wrong_key(output, batch):
 
 def not_reduced(output, batch):
     return output.float().logsumexp(-1)
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, images):
+        return self.head(self.conv(images).mean((2, 3)))
+
+
+def make_classifier():
+    return Classifier(), (lambda b: (torch.zeros(b, 3, 32, 32), torch.zeros(b, dtype=torch.long)))
+
+
+def labelled_loss(output, batch):
+    images, labels = batch
+    return nn.functional.cross_entropy(output, labels)
 """
 
 
@@ -215,6 +234,16 @@ def test_a_factory_returning_logits_plans_with_loss(factory_module: str, capsys:
     tuples = ["plan", "--model", f"{factory_module}:make_with_tuples", "--loss", f"{factory_module}:tuple_loss",
               "--budget", "1GiB", "--json"]  # fmt: skip
     assert main(tuples) == 0, capsys.readouterr().err
+
+
+def test_an_inputs_and_labels_batch_calls_the_forward_with_its_inputs(
+    factory_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A classifier's forward(images) with an (images, labels) sample: the labels reach the loss only."""
+    argv = ["plan", "--model", f"{factory_module}:make_classifier", "--loss", f"{factory_module}:labelled_loss",
+            "--budget", "1GiB", "--json"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    assert '"fits": true' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

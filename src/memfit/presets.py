@@ -201,7 +201,7 @@ class _ForwardWithLoss:
         self.forward, self.loss_fn, self.name, self.kind = forward, loss_fn, name, kind
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.forward(*args, **kwargs)
+        output = self.forward(*args[: self._inputs(len(args))], **kwargs)
         if not torch.is_grad_enabled():
             return output
         batch = self._batch(args, kwargs)
@@ -220,6 +220,18 @@ class _ForwardWithLoss:
             what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TraceError(f"the --loss function {self.name} returned {what}, not a scalar loss; reduce it (.mean())")
         return loss
+
+    def _inputs(self, given: int) -> int:
+        """How many of a tuple batch's items the forward takes: an ``(inputs, labels)`` batch, as a plain or Lightning
+        loop unpacks it, calls ``forward(inputs)``, and the labels reach the loss only."""
+        try:
+            parameters = inspect.signature(self.forward).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: the forward takes what it is given
+            return given
+        if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+            return given
+        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+        return min(given, max(positional, 1))
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         kind = self.kind[0] if self.kind else (Mapping if kwargs else tuple if len(args) != 1 else torch.Tensor)

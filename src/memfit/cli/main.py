@@ -482,9 +482,10 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                       help="auto: only when needed (default)")  # fmt: skip
     plan.add_argument("--target-batch-size", type=_target, default="max", metavar="N|max",
                       help="effective batch to keep with accumulation; max: largest micro batch (default)")  # fmt: skip
-    plan.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
-                      help="when the loop frees gradients: after_step (Hugging Face Trainer, default) or "
-                      "before_backward (Lightning, whose forward carries the last step's gradients)")  # fmt: skip
+    plan.add_argument("--zero-grad", choices=["after_step", "before_backward", "in_place"], default="after_step",
+                      help="when the loop frees gradients: after_step (Hugging Face Trainer, default), "
+                      "before_backward (Lightning, whose forward carries the last step's gradients) or in_place "
+                      "(zero_grad(set_to_none=False): gradients are zeroed, never freed)")  # fmt: skip
     plan.add_argument(
         "--margin",
         type=_margin,

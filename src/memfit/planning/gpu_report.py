@@ -28,6 +28,7 @@ from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimi
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing.batch import sequence_length
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.positions import check_sequence_length
@@ -236,6 +237,8 @@ def plan_for_gpus(
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
+    if model is not None:  # a factory's own sample sets its shapes: its token length, or none (images, features)
+        seq_len = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
     return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built,

@@ -216,7 +216,7 @@ def plan_table(report: PlanReport) -> Table:
     notes.extend(f"{row.gpu}: {_at_the_limit(row.plan)}" for row in report.rows
                  if row.plan is not None and _at_the_limit(row.plan))  # fmt: skip
     if notes:
-        table.caption = "\n".join(notes)
+        table.caption = "\n".join(dict.fromkeys(notes))  # one GPU's note once, however many lengths it is planned at
     return table
 
 

@@ -99,9 +99,9 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
     ``memfit/micro_batch_size``; under DDP every rank takes the smallest chunk any rank needed.
 
     If the plan cannot be made (a model the trace cannot run, no batch-size attribute, ...), the
-    callback warns once and training runs exactly as configured. A budget too small for
-    ``min_batch_size`` even with checkpointing raises ``memfit.InsufficientMemoryError`` before
-    training starts, with the numbers.
+    callback warns once and training runs exactly as configured, its measured peaks still logged. A budget
+    too small for ``min_batch_size`` even with checkpointing raises ``memfit.InsufficientMemoryError``
+    before training starts, with the numbers.
 
     Args:
         budget: memory per device: bytes, a size (``"20GiB"``) or a GPU name (``"h100"``). Default: the
@@ -320,7 +320,7 @@ class MemoryPlannerBase(ControlledRun):
                 reason += (" In a LightningModule, skip such reads while memfit traces: they see fake tensors, "
                            "which `torch._subclasses.fake_tensor.is_fake(tensor)` tells apart.")  # fmt: skip
             raise_if_strict(f"memfit could not plan this run ({reason})", error)
-            return _Decision(None, None, None, error=reason)
+            return _Decision(None, None, None, error=reason, measured_only=True)  # the run is still measured
 
     def _decide(self, trainer: Any, pl_module: Any, capacity: int) -> _Decision:
         device = trainer.strategy.root_device
