@@ -31,7 +31,7 @@ from memfit.planning.session import PlanningSession
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
-from memfit.tracing.batch import is_stream, longest_batch, longest_of_a_stream
+from memfit.tracing.batch import dataset_length, is_stream, longest_batch, longest_of_a_stream
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.model_state import preserved_rng_state
@@ -146,7 +146,7 @@ class MemoryPlanner(ControlledRun):
         capacity = planning.capacity_bytes(device)
         request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
                                        ranks=accelerator.num_processes, include_context=planning.include_context,
-                                       samples=_length(dataloader.dataset))  # fmt: skip
+                                       samples=dataset_length(dataloader.dataset))  # fmt: skip
         decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
         chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced
@@ -225,14 +225,6 @@ class _AcceleratorPort:
 
     def info(self, message: str) -> None:
         info(message)
-
-
-def _length(dataset: Any) -> int | None:
-    """How many samples ``dataset`` holds; ``None`` for a stream."""
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def _rebatched(loader: DataLoader, batch_size: int) -> DataLoader:

@@ -19,6 +19,7 @@ from memfit.errors import InvalidInputError
 __all__ = [
     "batch_examples",
     "call_model",
+    "dataset_length",
     "describe",
     "infer_batch_size",
     "longest_batch",
@@ -384,3 +385,11 @@ def _longest_batch(loader: DataLoader, notes: list[str] | None) -> Any:
             "would need more memory"
         )
     return next(iter(loader))
+
+
+def dataset_length(dataset: Any) -> int | None:
+    """How many samples ``dataset`` holds; ``None`` for a stream (no length)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None

@@ -38,6 +38,7 @@ from memfit.planning.run_options import RunOptions
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
+from memfit.tracing.batch import dataset_length
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
@@ -135,7 +136,7 @@ def plan_training_arguments(
     session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
     include_context = planning.include_context
     restored = _saved_plan(args, resume_from_checkpoint)
-    request = _plan_request(planning, args, layout, configured, accumulation, options, _length(train_dataset))
+    request = _plan_request(planning, args, layout, configured, accumulation, options, dataset_length(train_dataset))
     decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
     chosen, planned = decision.plan, decision.estimate
     _warn_of_dropped_samples(args, train_dataset, chosen.micro_batch_size)
@@ -156,7 +157,7 @@ def plan_training_arguments(
 
 def _warn_of_dropped_samples(args: TrainingArguments, dataset: Any, micro: int) -> None:
     """With ``dataloader_drop_last`` the planned batch size drops another number of samples an epoch: say so."""
-    samples = _length(dataset) if args.dataloader_drop_last else None
+    samples = dataset_length(dataset) if args.dataloader_drop_last else None
     configured = args.per_device_train_batch_size * args.world_size
     planned = micro * args.world_size
     if samples is None or samples % configured == samples % planned:
@@ -236,14 +237,6 @@ def _plan_request(
     return options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation, ranks=ranks,
                            include_context=planning.include_context, always_checkpoint=layout.checkpointing,
                            samples=samples)  # fmt: skip
-
-
-def _length(dataset: Any) -> int | None:
-    """How many samples ``dataset`` holds; ``None`` for a stream."""
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def _planned_changes(args: TrainingArguments, chosen: Plan, layout_checkpoints: bool) -> dict[str, Any]:

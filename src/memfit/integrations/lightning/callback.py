@@ -51,7 +51,7 @@ from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
 from memfit.reporting.figures import log_figure
-from memfit.tracing.batch import infer_batch_size, is_stream, longest_batch, longest_of_a_stream
+from memfit.tracing.batch import dataset_length, infer_batch_size, is_stream, longest_batch, longest_of_a_stream
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
@@ -527,8 +527,7 @@ class MemoryPlannerBase(ControlledRun):
             raise InvalidInputError(
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
-        with contextlib.suppress(TypeError):  # a stream has no length
-            self._train_samples = len(loader.dataset)
+        self._train_samples = dataset_length(loader.dataset)
         with preserved_rng_state():  # taking a batch must not shift the run's shuffling
             sample = longest_batch(loader, notes=self._sample_notes)
         if is_stream(loader.dataset):  # its longest batch is not among its first: planned at the longest it can be
