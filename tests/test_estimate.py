@@ -431,3 +431,26 @@ def test_a_forward_only_estimate_says_so_in_its_inference_flag() -> None:
     memfit.evaluation_peak(training, forward)
     with pytest.raises(memfit.InvalidInputError, match="forward-only"):
         memfit.evaluation_peak(training, training)
+
+
+def test_a_step_that_takes_something_out_of_its_batch_leaves_the_next_steps_batch_whole() -> None:
+    """A loop hands each step a new batch; a forward that pops a key (an index it logs) sees it in both traced
+    steps, and the estimate is the one without the pop."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x).sum()
+
+    def popping(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch.pop("idx")
+        return model(batch["x"])
+
+    sample = {"x": torch.zeros(4, 8), "idx": torch.arange(4)}
+    popped = memfit.estimate(Model(), sample, forward_fn=popping, target=memfit.Target("cpu"))
+    reading = memfit.estimate(Model(), sample, forward_fn=lambda m, b: m(b["x"]), target=memfit.Target("cpu"))
+    assert popped.peak_allocated_bytes == reading.peak_allocated_bytes
+    assert set(sample) == {"x", "idx"}  # the user's own sample is untouched

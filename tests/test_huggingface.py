@@ -617,3 +617,21 @@ def test_attach_names_an_option_it_does_not_know_and_a_flag_that_is_not_one(tmp_
         attach(trainer, budget="1GiB", log_every_n_steps=5)
     with pytest.raises(memfit.InvalidInputError, match="`allow_checkpointing` must be True or False, got 'no'"):
         attach(trainer, budget="1GiB", allow_checkpointing="no")
+
+
+def test_a_plan_the_trainer_does_not_run_changes_nothing_of_its_loss(tmp_path: Path) -> None:
+    """attach(plan=...) on a Trainer built with the arguments planned from: one warning, and the loss is left as
+    the Trainer computes it (the plan's accumulation is not the run's)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=SEQ, num_labels=3)  # fmt: skip
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,)), "labels": i % 3} for i in range(32)]
+    args = training_args(tmp_path, per_device_train_batch_size=16, max_steps=1)
+    model = BertForSequenceClassification(config)
+    planned = plan_training_arguments(model, args, data, budget="1GiB", max_batch_size=4)
+    trainer = Trainer(model=model, args=args, train_dataset=data)  # not planned.args
+    attach(trainer, plan=planned.plan, verbose=False)
+    with pytest.warns(UserWarning, match="not the planned 4 x 4"):
+        trainer.train()
+    assert trainer.model_accepts_loss_kwargs is True

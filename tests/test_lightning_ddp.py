@@ -41,6 +41,7 @@ def test_ddp_ranks_apply_the_plan_of_the_smallest_budget(tmp_path: Path) -> None
         assert report["accumulate_grad_batches"] == 4
         assert report["seen_batch_sizes"] == [3]
     assert reports[0]["plan"]["effective_batch_size"] == 3 * 4 * 2 == 24
+    assert reports[1]["plan"] == reports[0]["plan"]  # every rank holds the plan it runs
     traced = reports[0]["estimate"]  # the plan's own trace: Lightning's loop under DDP, as it ran
     assert traced["ddp"] == {"bucket_cap_mb": None, "gradient_as_bucket_view": False,
                              "find_unused_parameters": False, "static_graph": False}  # fmt: skip

@@ -16,10 +16,11 @@ with the window's gradients alive, then the optimizer step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -228,8 +229,8 @@ def trace_steps(
                 on_forward = buckets.rebuild if buckets is not None and step == 2 else None
                 with warnings.catch_warnings():  # the model's own warnings, with fake sizes: the real run gives them
                     warnings.simplefilter("ignore")
-                    _one_step(model, batch, step, optimizer, trainable, settings, recorder, semantics, paths,
-                              on_forward)  # fmt: skip
+                    _one_step(model, _own_container(batch), step, optimizer, trainable, settings, recorder,
+                              semantics, paths, on_forward)  # fmt: skip
             recorder.close()
             del held
         if settings.ddp is not None and settings.ddp.gradient_as_bucket_view:
@@ -351,6 +352,12 @@ def _trace_inference(
         del output, held
     return StepTrace(batch_size, recorder, None, dict(semantics.substitutions) if semantics else {}, recorder.ops,
                      blocks=len(blocks), seq_len=sequence_length(sample, sample_batch))  # fmt: skip
+
+
+def _own_container(batch: Any) -> Any:
+    """The batch in a container of its own for one step, holding the same tensors: a loop hands each step a new
+    batch, so a step that takes something out of it (``batch.pop("idx")``) must not change the next step's."""
+    return copy.copy(batch) if isinstance(batch, (MutableMapping, list)) else batch
 
 
 def _one_step(

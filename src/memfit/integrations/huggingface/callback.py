@@ -293,11 +293,11 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
             self._warn("not-attached", NOT_ATTACHED)
-        self._check_runs_the_plan(args)  # a plan given to attach() after the Trainer was built is checked here
+        runs_the_plan = self._check_runs_the_plan(args)  # a plan given to attach() after the Trainer was built
         kept = (
-            None
-            if self._trainer is None or self.plan is None
-            else internals.keep_configured_loss(self._trainer, self.plan)
+            internals.keep_configured_loss(self._trainer, self.plan)
+            if self._trainer is not None and runs_the_plan
+            else None
         )
         if kept is not None:
             self.plan = self.plan.with_reason(kept)
@@ -371,10 +371,11 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             self.controller.finish(state.global_step)
 
     # --------------------------------------------------------------- helpers
-    def _check_runs_the_plan(self, args: TrainingArguments) -> None:
-        """One warning when the Trainer's arguments are not the plan's (built with the arguments planned from)."""
+    def _check_runs_the_plan(self, args: TrainingArguments) -> bool:
+        """Whether the Trainer's arguments run the plan; one warning when they do not (built with the arguments
+        planned from)."""
         if self.plan is None:
-            return
+            return False
         runs = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
         planned = (self.plan.micro_batch_size, self.plan.accumulate_grad_batches)
         if runs != planned:
@@ -384,6 +385,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
                 f"the planned {planned[0]} x {planned[1]}: pass the args plan_training_arguments returned to Trainer, "
                 "or plan with attach(trainer, budget=...)",
             )
+        return runs == planned
 
     def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
         if model is None or loader is None:

@@ -302,7 +302,10 @@ class MemoryPlannerBase(ControlledRun):
             raise InsufficientMemoryError(decision.error)
         if decision.error is not None:
             self._warn("plan", f"memfit could not plan this run ({decision.error}); training continues as configured.")
-        elif decision.plan is not None and self.mode == "plan" and not self._apply(trainer, pl_module, decision.plan):
+        elif decision.plan is not None and self.mode == "plan":
+            if self._apply(trainer, pl_module, decision.plan):
+                self.plan = self.plan or Plan.from_dict(decision.plan)  # every rank holds the plan it runs
+                return
             # the run trains as configured: nothing says otherwise, and drift is measured against its own prediction
             self.plan, decision.plan = None, None
             if decision.as_configured is not None:
