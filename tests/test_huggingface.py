@@ -635,3 +635,35 @@ def test_a_plan_the_trainer_does_not_run_changes_nothing_of_its_loss(tmp_path: P
     with pytest.warns(UserWarning, match="not the planned 4 x 4"):
         trainer.train()
     assert trainer.model_accepts_loss_kwargs is True
+
+
+def test_with_rows_of_many_lengths_the_callback_measures_against_the_plans_figure(tmp_path: Path) -> None:
+    """The plan is traced on the longest rows (inputs and labels); the loader hands out others. The run's windows
+    are measured against the figure the plan quotes, not a second trace of whatever batch came first."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                num_heads=4, decoder_start_token_id=0, pad_token_id=0))  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+
+    def row() -> dict[str, list[int]]:
+        inputs, labels = (int(torch.randint(low, high, (1,), generator=generator)) for low, high in ((8, 40), (4, 20)))
+        return {"input_ids": torch.randint(2, VOCAB, (inputs,), generator=generator).tolist(),
+                "labels": torch.randint(2, VOCAB, (labels,), generator=generator).tolist()}  # fmt: skip
+
+    rows = [row() for _ in range(100)]
+
+    def collate(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        pad = torch.nn.utils.rnn.pad_sequence
+        ids = pad([torch.tensor(r["input_ids"]) for r in batch], batch_first=True)
+        labels = pad([torch.tensor(r["labels"]) for r in batch], batch_first=True, padding_value=-100)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
+
+    args = training_args(tmp_path, per_device_train_batch_size=16, max_steps=2, logging_steps=1,
+                         remove_unused_columns=False)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    callback = attach(trainer, budget="1GiB", max_batch_size=4, verbose=False)
+    trainer.train()
+    windows = callback.monitor.history
+    assert windows and {w.predicted_allocated_bytes for w in windows} == {callback.plan.predicted_allocated_bytes}

@@ -417,14 +417,20 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             target=Target("cuda" if device.type == "cuda" else "cpu"),
         )
         self.estimate = traced = traced.with_notes(*notes)
-        peak = traced.at(micro)  # the figure a plan quotes for this micro batch, so the two agree
-        self.controller.start_measuring(predicted_allocated_bytes=peak.allocated_bytes,
-                                        predicted_reserved_bytes=peak.reserved_bytes, estimate=traced)  # fmt: skip
+        peak = traced.at(micro)
+        allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
+        plan = self.plan
+        if plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (micro, accumulation):
+            # the run runs the plan: measured against the figures the plan quotes (traced on the batch it was planned
+            # on, the longest), so the two agree whatever batch the loader hands out first
+            allocated, reserved = plan.predicted_allocated_bytes or allocated, plan.predicted_reserved_bytes or reserved
+        self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
+                                        estimate=traced)  # fmt: skip
         if self.verbose:
             figure = (
-                f"reserved {format_bytes(peak.reserved_bytes)} (allocated {format_bytes(peak.allocated_bytes)})"
+                f"reserved {format_bytes(reserved)} (allocated {format_bytes(allocated)})"
                 if device.type == "cuda"
-                else f"{format_bytes(peak.allocated_bytes)} of tensors"
+                else f"{format_bytes(allocated)} of tensors"
             )
             plan = f"; the plan it runs: {self.plan.summary()}" if self.plan else ""
             run = device.type.upper()

@@ -120,8 +120,12 @@ def keep_configured_loss(trainer: Any, plan: Any) -> str | None:
         f"{planned} micro batches' mean losses (and gradients) instead of averaging them: memfit sets "
         "trainer.model_accepts_loss_kwargs = False, as transformers advises"
     )
+    exactly = (
+        " (exactly for a loss averaged over samples; one averaged over tokens differs slightly where micro batches "
+        "hold different numbers of tokens)"
+    )
     if configured == 1:
-        return reason + ", so the loss and gradients stay those of the configured batch"
+        return reason + ", so the loss and gradients stay those of the configured batch" + exactly
     original = trainer.compute_loss
 
     def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
@@ -133,7 +137,7 @@ def keep_configured_loss(trainer: Any, plan: Any) -> str | None:
     trainer.compute_loss = compute_loss
     return (
         f"{reason}, and multiplies each micro batch's loss by {configured}: the run as configured added up its "
-        f"{configured} micro batches' mean losses, and its loss and gradients stay that sum"
+        f"{configured} micro batches' mean losses, and its loss and gradients stay that sum{exactly}"
     )
 
 
