@@ -502,3 +502,13 @@ def test_a_loader_that_drops_its_last_batch_is_named_when_the_plan_changes_what_
                                          r"more samples"):  # fmt: skip
         fit.fit(module)
     assert module.batch_size == 3
+
+
+def test_an_epochs_last_window_whose_update_the_plan_changes_is_named(tmp_path: Path) -> None:
+    """242 samples in batches of 12 end each epoch with 2 samples, one micro batch of the configured 12 x 1; at 3 x 4
+    they are one micro batch of four steps, and Lightning divides its loss by 4."""
+    module = TinyGPT(samples=242)
+    fit = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(TinyGPT(), 3), margin=MARGIN), max_steps=1)
+    with pytest.warns(UserWarning, match=r"window of 2 samples; Lightning divides .* at 3 x 4 that window's update is "
+                                         r"0\.25 x the one the run as configured \(12 x 1\) makes"):  # fmt: skip
+        fit.fit(module)

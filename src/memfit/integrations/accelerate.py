@@ -26,7 +26,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions, check_flag, check_positive
+from memfit.planning.run_options import RunOptions, check_flag, check_positive, last_window_warning
 from memfit.planning.session import PlanningSession
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -151,6 +151,13 @@ class MemoryPlanner(ControlledRun):
         chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced
         accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
+        samples = dataset_length(dataloader.dataset)
+        if samples is not None and dataloader.drop_last:  # what the run as configured trains on
+            samples = samples // (configured * accelerator.num_processes) * configured * accelerator.num_processes
+        warning = last_window_warning("accelerate", samples, accelerator.num_processes, (configured, accumulation),
+                                      (chosen.micro_batch_size, chosen.accumulate_grad_batches))  # fmt: skip
+        if warning is not None:
+            self.controller.warn("last-window", warning)
         if chosen.gradient_checkpointing:
             enable_checkpointing(model, self.checkpoint_modules)
         if self.verbose:

@@ -17,7 +17,7 @@ from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanRequest
 
-__all__ = ["RunOptions", "check_flag", "check_positive"]
+__all__ = ["RunOptions", "check_flag", "check_positive", "last_window_scale", "last_window_warning"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,44 @@ def check_flag(name: str, value: Any) -> None:
     """Refuse ``value`` of a yes/no argument unless it is ``True`` or ``False`` (``"no"`` would read as yes)."""
     if not isinstance(value, bool):
         raise InvalidInputError(f"`{name}` must be True or False, got {value!r}")
+
+
+def last_window_scale(
+    samples: int | None, ranks: int, configured: tuple[int, int], planned: tuple[int, int]
+) -> tuple[int, float] | None:
+    """The samples in an epoch's last, incomplete accumulation window and how its update compares with the run as
+    configured, for loops that divide every micro batch's loss by the full accumulation steps (Lightning,
+    ``accelerate``); ``None`` when the windows come out whole or the update is the same.
+
+    ``configured`` and ``planned`` are (micro batch, accumulation). A micro batch's mean loss weighs the same
+    whatever its size, so the last window's update is (its micro batches / accumulation) x the mean: the plan
+    changes it when the two splits cut the window's samples into other numbers of micro batches."""
+    if not samples:
+        return None
+    per_rank = -(-samples // ranks)
+    (micro_c, steps_c), (micro_p, steps_p) = configured, planned
+    tail = per_rank % (micro_c * steps_c)
+    if tail == 0:
+        return None
+    ratio = (-(-tail // micro_p) / steps_p) / (-(-tail // micro_c) / steps_c)
+    return None if abs(ratio - 1) < 1e-9 else (tail, ratio)
+
+
+def last_window_warning(
+    loop: str, samples: int | None, ranks: int, configured: tuple[int, int], planned: tuple[int, int]
+) -> str | None:
+    """The warning a ``loop`` that divides by the full accumulation steps gets when the plan changes the update
+    of each epoch's last, incomplete window (``last_window_scale``); ``None`` when it does not."""
+    found = last_window_scale(samples, ranks, configured, planned)
+    if found is None:
+        return None
+    tail, ratio = found
+    per_rank = " a rank" if ranks > 1 else ""
+    effective = configured[0] * configured[1] * ranks
+    return (
+        f"memfit: each epoch ends with an incomplete accumulation window of {tail} samples{per_rank}; {loop} divides "
+        f"every micro batch's loss by the full accumulation steps, so at {planned[0]} x {planned[1]} that window's "
+        f"update is {ratio:.2f} x the one the run as configured ({configured[0]} x {configured[1]}) makes; a "
+        f"training set whose length is a multiple of the effective batch ({effective}) keeps every update as "
+        "configured"
+    )

@@ -44,7 +44,7 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions, check_flag, check_positive
+from memfit.planning.run_options import RunOptions, check_flag, check_positive, last_window_warning
 from memfit.planning.session import PlanningSession, restored_over_budget
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
@@ -469,6 +469,12 @@ class MemoryPlannerBase(ControlledRun):
                     key="apply", seen=self.controller.warned)  # fmt: skip
             return False
         self._warn_of_dropped_samples(trainer, previous_batch, micro)
+        configured = (previous_batch, previous_accumulation) if isinstance(previous_batch, int) else None
+        planned = (micro, plan_dict["accumulate_grad_batches"])
+        warning = configured and last_window_warning("Lightning", self._train_samples, trainer.world_size,
+                                                     configured, planned)  # fmt: skip
+        if warning:
+            self._warn("last-window", warning)
         self._internals.forget_train_loader(trainer)
         self._internals.record_initial_hparam(trainer, pl_module, self.batch_arg_name, micro)
         if self.verbose:
