@@ -667,3 +667,34 @@ def test_with_rows_of_many_lengths_the_callback_measures_against_the_plans_figur
     trainer.train()
     windows = callback.monitor.history
     assert windows and {w.predicted_allocated_bytes for w in windows} == {callback.plan.predicted_allocated_bytes}
+
+
+def test_the_plan_is_the_same_however_the_configured_batch_is_split(tmp_path: Path) -> None:
+    """16 x 1 and 4 x 4 ask for the same effective batch. Configured without accumulation, the traces find
+    micro batch 1 where the interpolation said 2; checkpointing is weighed on that answer too, so both get the
+    checkpointed 4 x 4."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=320, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                pad_token_id=0))  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(100):
+        inputs, labels = (int(torch.randint(low, high, (1,), generator=generator)) for low, high in ((8, 40), (4, 20)))
+        rows.append({"input_ids": torch.randint(2, 320, (inputs,), generator=generator),
+                     "labels": torch.randint(2, 320, (labels,), generator=generator)})  # fmt: skip
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        pad = torch.nn.utils.rnn.pad_sequence
+        ids = pad([r["input_ids"] for r in batch], batch_first=True)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(),
+                "labels": pad([r["labels"] for r in batch], batch_first=True, padding_value=-100)}  # fmt: skip
+
+    plans = {}
+    for micro, steps in ((16, 1), (4, 4)):
+        args = training_args(tmp_path, per_device_train_batch_size=micro, gradient_accumulation_steps=steps)
+        plan = plan_training_arguments(model, args, rows, data_collator=collate, budget="4MiB").plan
+        plans[micro, steps] = (plan.micro_batch_size, plan.accumulate_grad_batches, plan.gradient_checkpointing)
+    assert set(plans.values()) == {(4, 4, True)}

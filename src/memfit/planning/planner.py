@@ -244,6 +244,13 @@ def plan(
         if isinstance(fit.outcome, _Miss):
             raise InsufficientMemoryError(fit.outcome.message)
     split = fit.outcome
+    if not split.checkpointing and confirm is not None:
+        # the traces found a smaller micro batch than the interpolation (the loop's accumulation keeps more than the
+        # traced step did): checkpointing is weighed on that one, as it would have been had the trace said so first
+        better = _checkpointing_pays(question, split, candidates, with_checkpointing, confirm)
+        if better is not None:
+            split, more = better
+            reasons.extend(more)
     chosen = _chosen_plan(question, split, [*reasons, *_explain(question, split)])
     if question.allocator is None:
         return chosen
@@ -454,6 +461,31 @@ def _checkpointing_fallback(
     if checkpointed is None or checkpointed.largest_micro < question.min_batch_size:
         return None
     return checkpointed
+
+
+def _checkpointing_pays(
+    question: _Question,
+    split: _Split,
+    candidates: _Candidates,
+    with_checkpointing: Callable[[], MemoryEstimate | None],
+    confirm: Confirm,
+) -> tuple[_Split, list[str]] | None:
+    """The checkpointed split, where the confirmed micro batch without checkpointing is small and checkpointing
+    buys a markedly larger one once traced too (``_candidates``' rule, on the traced answer)."""
+    largest = split.largest_micro
+    if candidates.hopeless or largest >= SMALL_MICRO_BATCH or largest >= question.cap:
+        return None
+    checkpointed = _candidate_with_checkpointing(question, with_checkpointing)
+    if checkpointed is None or checkpointed.largest_micro < CHECKPOINTING_MIN_GAIN * max(largest, 1):
+        return None
+    fit = _fit(question, checkpointed, confirm)
+    if isinstance(fit.outcome, _Miss) or fit.outcome.largest_micro < CHECKPOINTING_MIN_GAIN * max(largest, 1):
+        return None
+    reason = (
+        f"without checkpointing only micro batch {largest} fits once traced; with it {fit.outcome.largest_micro} "
+        "fits, worth its recompute (about 20-30 % slower per step)"
+    )
+    return fit.outcome, [*fit.reasons, reason]
 
 
 def _fit(question: _Question, candidate: _Candidate, confirm: Confirm | None) -> _Fit:
