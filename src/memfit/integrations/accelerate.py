@@ -144,14 +144,14 @@ class MemoryPlanner(ControlledRun):
 
         session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
         capacity = planning.capacity_bytes(device)
+        samples = dataset_length(dataloader.dataset)
         request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
                                        ranks=accelerator.num_processes, include_context=planning.include_context,
-                                       samples=dataset_length(dataloader.dataset))  # fmt: skip
+                                       samples=samples)  # fmt: skip
         decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
         chosen, traced = decision.plan, decision.estimate
         self.planned, self.estimate = chosen, traced
         accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
-        samples = dataset_length(dataloader.dataset)
         if samples is not None and dataloader.drop_last:  # what the run as configured trains on
             samples = samples // (configured * accelerator.num_processes) * configured * accelerator.num_processes
         warning = last_window_warning("accelerate", samples, accelerator.num_processes, (configured, accumulation),

@@ -17,7 +17,14 @@ from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanRequest
 
-__all__ = ["RunOptions", "check_flag", "check_positive", "last_window_scale", "last_window_warning"]
+__all__ = [
+    "RunOptions",
+    "check_flag",
+    "check_positive",
+    "dropped_samples_warning",
+    "last_window_scale",
+    "last_window_warning",
+]
 
 
 @dataclass(frozen=True)
@@ -126,5 +133,20 @@ def last_window_warning(
         f"every micro batch's loss by the full accumulation steps, so at {planned[0]} x {planned[1]} that window's "
         f"update is {ratio:.2f} x the one the run as configured ({configured[0]} x {configured[1]}) makes; a "
         f"training set whose length is a multiple of the effective batch ({effective}) keeps every update as "
+        "configured"
+    )
+
+
+def dropped_samples_warning(setting: str, samples: int | None, configured: int, planned: int) -> str | None:
+    """The warning a loader that drops its last incomplete batch (``setting``, as the framework names it) gets when
+    the planned batch size drops another number of its ``samples`` than the configured one; ``None`` otherwise."""
+    if not samples or samples % configured == samples % planned:
+        return None
+    before, after = samples % configured, samples % planned
+    change = f"{abs(before - after)} {'more' if before > after else 'fewer'}"
+    return (
+        f"memfit: {setting}=True drops the last incomplete batch: of the {samples} training samples an epoch, batches "
+        f"of {configured} dropped {before}, the planned {planned} drop {after}, so each epoch trains on {change} "
+        f"samples; use {setting}=False, or a training set whose length both batch sizes divide, to keep the epoch as "
         "configured"
     )

@@ -34,7 +34,7 @@ from memfit.integrations.huggingface.sharding import RunLayout, run_layout
 from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions
+from memfit.planning.run_options import RunOptions, dropped_samples_warning
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
@@ -158,20 +158,11 @@ def plan_training_arguments(
 def _warn_of_dropped_samples(args: TrainingArguments, dataset: Any, micro: int) -> None:
     """With ``dataloader_drop_last`` the planned batch size drops another number of samples an epoch: say so."""
     samples = dataset_length(dataset) if args.dataloader_drop_last else None
-    configured = args.per_device_train_batch_size * args.world_size
-    planned = micro * args.world_size
-    if samples is None or samples % configured == samples % planned:
-        return
-    before, after = samples % configured, samples % planned
-    change = f"{abs(before - after)} {'more' if before > after else 'fewer'}"
-    warnings.warn(
-        f"memfit: dataloader_drop_last=True: of the {samples} training samples an epoch, batches of {configured} "
-        f"dropped {before}, the planned {planned} drop {after}, so each epoch trains on {change} samples; use "
-        "dataloader_drop_last=False, or a dataset whose length both batch sizes divide, to keep the epoch as "
-        "configured",
-        UserWarning,
-        stacklevel=3,
-    )
+    ranks = args.world_size
+    warning = dropped_samples_warning("dataloader_drop_last", samples, args.per_device_train_batch_size * ranks,
+                                      micro * ranks)  # fmt: skip
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=3)
 
 
 def _layout(args: TrainingArguments, model: torch.nn.Module, precision: str, *, elsewhere_on_gpus: bool) -> RunLayout:

@@ -44,7 +44,13 @@ from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.planning.run_options import RunOptions, check_flag, check_positive, last_window_warning
+from memfit.planning.run_options import (
+    RunOptions,
+    check_flag,
+    check_positive,
+    dropped_samples_warning,
+    last_window_warning,
+)
 from memfit.planning.session import PlanningSession, restored_over_budget
 from memfit.planning.unmodelled import not_modelled
 from memfit.precision import Precision
@@ -490,17 +496,10 @@ class MemoryPlannerBase(ControlledRun):
             samples = len(loader.sampler) if getattr(loader, "drop_last", False) else None
         except Exception:  # no loader memfit can read: nothing to say
             return
-        if not isinstance(configured, int) or configured <= 0 or samples is None:
-            return
-        before, after = samples % configured, samples % micro
-        if before != after:
-            change = f"{abs(before - after)} {'more' if before > after else 'fewer'}"
-            self._warn("drop-last", (
-                f"memfit: the train dataloader drops its last incomplete batch (drop_last=True): of its {samples} "
-                f"samples an epoch, batches of {configured} dropped {before}, the planned {micro} drop {after}, so "
-                f"each epoch trains on {change} samples; use drop_last=False, or a dataset whose length both batch "
-                "sizes divide, to keep the epoch as configured"
-            ))  # fmt: skip
+        if isinstance(configured, int) and configured > 0:
+            warning = dropped_samples_warning("drop_last", samples, configured, micro)
+            if warning is not None:
+                self._warn("drop-last", warning)
 
     def _reapply_restored(self, trainer: Any, pl_module: Any) -> None:
         """On resume, keep the plan the run started with instead of whatever a fresh plan says."""
