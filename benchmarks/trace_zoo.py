@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 import memfit
-from memfit.monitoring.measure import nvml_device_used_bytes
+from memfit.run.measure import nvml_device_used_bytes
 from memfit.tracing.checkpointing import enable_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: harness/

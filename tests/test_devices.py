@@ -30,10 +30,10 @@ from memfit.devices import (
 )
 from memfit.errors import InvalidInputError
 from memfit.lightning import MemoryPlanner
-from memfit.monitoring.measure import PeakSampler
-from memfit.monitoring.recovery import is_out_of_memory
 from memfit.planning.capacity import free_device_bytes, parse_budget
 from memfit.planning.gpus import check_target, gpu_by_name, known_gpus, planning_target
+from memfit.run.measure import PeakSampler
+from memfit.run.recovery import is_out_of_memory
 from memfit.units import GiB
 from test_lightning import trainer
 

@@ -11,9 +11,9 @@ import torch
 
 from memfit.diagnostics import degrade, info, warn_once
 from memfit.errors import MemfitError, StrictModeError
-from memfit.monitoring.recovery import OOMRecovery
 from memfit.planning.capacity import free_device_bytes
 from memfit.reporting.figures import log_figure
+from memfit.run.recovery import OOMRecovery
 
 
 def _fails() -> None:
@@ -161,7 +161,7 @@ def test_a_failing_recovery_report_raises_under_strict_and_warns_once_otherwise(
 
 def test_an_nvml_reader_bug_is_not_mistaken_for_a_missing_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     pynvml = pytest.importorskip("pynvml")
-    from memfit.monitoring.measure import nvml_device_used_bytes
+    from memfit.run.measure import nvml_device_used_bytes
 
     def buggy(index: int) -> None:
         raise AttributeError("'NoneType' object has no attribute 'used'")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from memfit.monitoring.drift import CPU_LEAK_MIN_BYTES, LEAK_WARMUP_WINDOWS, LEAK_WINDOWS, DriftMonitor
-from memfit.monitoring.measure import MemorySample, PeakSampler
+from memfit.run.drift import CPU_LEAK_MIN_BYTES, LEAK_WARMUP_WINDOWS, LEAK_WINDOWS, DriftMonitor
+from memfit.run.measure import MemorySample, PeakSampler
 from memfit.units import GiB, MiB
 
 

@@ -20,9 +20,9 @@ from fault_models import Regression
 from lightning_models import TinyGPT
 from memfit.devices import cuda
 from memfit.lightning import MemoryPlanner
-from memfit.monitoring.drift import DriftMonitor
-from memfit.monitoring.measure import PeakSampler, nvml_device_used_bytes
 from memfit.planning.capacity import free_device_bytes
+from memfit.run.drift import DriftMonitor
+from memfit.run.measure import PeakSampler, nvml_device_used_bytes
 
 GiB = 1024**3
 

@@ -46,7 +46,7 @@ def test_native_fake_cuda_trace_is_within_ten_percent_of_measured() -> None:
 
 def test_measured_context_is_close_to_the_default() -> None:
     pytest.importorskip("pynvml")
-    from memfit.monitoring.measure import nvml_device_used_bytes
+    from memfit.run.measure import nvml_device_used_bytes
 
     torch.zeros(1, device="cuda")
     used = nvml_device_used_bytes(torch.cuda.current_device())

@@ -97,8 +97,9 @@ def test_csv_tensorboard_and_mlflow_receive_the_documented_keys(tmp_path: Path) 
     assert {int(r["step"]) for r in losses} == {1, 3, 5}
     assert set(rows[0]) >= DRIFT_KEYS
     assert not [key for key in rows[0] if key.startswith("memfit/drift_") or "from_rss" in key]
+    decision = callback.controller.decision
     for row in rows:
-        assert int(float(row["memfit/predicted_peak_allocated_bytes"])) == callback._decision.predicted_allocated_bytes
+        assert int(float(row["memfit/predicted_peak_allocated_bytes"])) == decision.predicted_allocated_bytes
         assert float(row["memfit/measured_peak_rss_bytes"]) > 50 * 2**20  # a Python process with torch loaded
         assert math.isfinite(float(row["memfit/measured_peak_rss_bytes"]))
     hparams = (Path(csv_logger.log_dir) / "hparams.yaml").read_text()

@@ -33,7 +33,7 @@ from fault_models import (
 )
 from memfit import UnrecoverableOutOfMemoryError
 from memfit.lightning import MemoryPlanner
-from memfit.monitoring.recovery import (
+from memfit.run.recovery import (
     OOMRecovery,
     OutOfMemoryFigures,
     is_out_of_memory,

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.monitoring.drift import DriftMonitor
-from memfit.monitoring.measure import MemorySample
-from memfit.monitoring.recovery import OOMRecovery, Recovery
-from memfit.monitoring.run_monitor import RunMonitor
 from memfit.planning.session import PlanningSession, PlanRequest
+from memfit.run.drift import DriftMonitor
+from memfit.run.measure import MemorySample
+from memfit.run.recovery import OOMRecovery, Recovery
+from memfit.run.run_monitor import RunMonitor
 from memfit.units import GiB
 
 

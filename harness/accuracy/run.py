@@ -127,7 +127,7 @@ def cpu_reference(config: Config, batch_size: int) -> dict[str, Any]:
 
 def gpu_measure(config_name: str, batch_size: int, steps: int = 3) -> dict[str, Any]:
     """Real steps on the GPU; run in a fresh process per configuration."""
-    from memfit.monitoring.measure import nvml_device_used_bytes
+    from memfit.run.measure import nvml_device_used_bytes
 
     config = next(c for c in configs("gpu") if c.name == config_name)
     # NVML's used memory before this process creates its CUDA context: what the device holds without

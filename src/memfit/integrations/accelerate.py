@@ -4,7 +4,7 @@ A custom loop has no callbacks, so the port is the loop's own calls: ``planner.p
 optimizer and dataloader before ``accelerator.prepare`` (it returns the dataloader at the planned micro batch,
 with the same sampler, so the samples and their order stay the run's, and sets the accelerator's
 accumulation), ``planner.step_end(step)`` after each optimizer step, ``planner.end()`` after training. The
-controller (``memfit.monitoring.controller.RunController``) measures, logs through ``accelerator.log`` and
+controller (``memfit.run.controller.RunController``) measures, logs through ``accelerator.log`` and
 warns; this module only reads the accelerator.
 """
 
@@ -13,33 +13,33 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError
-from memfit.monitoring.controller import ControlledRun, RunController
 from memfit.planning.capacity import parse_budget
-from memfit.planning.gpus import check_target, planning_target
+from memfit.planning.gpus import PlanningTarget, check_target, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, check_flag, check_positive, last_window_warning
-from memfit.planning.session import PlanningSession
 from memfit.precision import Precision
-from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.reporting.figures import log_figure
+from memfit.run.controller import ControlledRun, RunController
+from memfit.run.port import RunLayout, TrainingStep
 from memfit.tracing.batch import dataset_length, is_stream, longest_batch, longest_of_a_stream
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
-from memfit.tracing.config import TrainingLoop
+from memfit.tracing.config import Target
 from memfit.tracing.model_state import preserved_rng_state
 
 __all__ = ["MemoryPlanner"]
 
 # accelerate's ``mixed_precision`` names, as memfit's precisions
 _PRECISIONS = {"no": Precision.FP32, "bf16": Precision.BF16_MIXED, "fp16": Precision.FP16_MIXED}
+Value = TypeVar("Value")
 
 
 class MemoryPlanner(ControlledRun):
@@ -88,22 +88,20 @@ class MemoryPlanner(ControlledRun):
     ) -> None:
         if not hasattr(accelerator, "gradient_accumulation_steps") or not hasattr(accelerator, "device"):
             raise InvalidInputError(f"MemoryPlanner takes an accelerate.Accelerator, got {type(accelerator).__name__}")
-        self.options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
+        options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
         check_positive("log_every_n_steps", log_every_n_steps)
         check_flag("verbose", verbose)
         parse_budget(budget)  # a bad budget is named now, not when plan() runs
-        self.accelerator = accelerator
-        self.checkpoint_modules = checkpoint_modules
-        self.budget, self.target = budget, check_target(target, budget)
-        self.margin = self.options.margin
-        self.log_every_n_steps = log_every_n_steps
-        self.verbose = verbose
-        self.planned: Plan | None = None
-        self.estimate: MemoryEstimate | None = None
-        self.controller = RunController(_AcceleratorPort(accelerator), margin=self.margin, on_oom="raise",
-                                        verbose=verbose)  # fmt: skip
+        self.accelerator, self.log_every_n_steps = accelerator, log_every_n_steps
+        self.port = _AcceleratorPort(accelerator, budget, check_target(target, budget), checkpoint_modules)
+        self.controller = self.port.controller = RunController(self.port, options=options, on_oom="raise",
+                                                               verbose=verbose)  # fmt: skip
         self._steps = 0
-        self._restored: dict[str, Any] | None = None
+
+    @property
+    def planned(self) -> Plan | None:
+        """The plan ``plan()`` applied."""
+        return self.controller.plan
 
     def plan(
         self,
@@ -123,49 +121,16 @@ class MemoryPlanner(ControlledRun):
         positions)."""
         if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             raise InvalidInputError("plan() takes the torch DataLoader the loop iterates, built with batch_size=")
-        accelerator = self.accelerator
-        device = accelerator.device
-        planning = planning_target(self.target, self.budget, device)
-        notes: list[str] = [note] if (note := planning.note(device)) else []
-        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
-            sample = longest_batch(dataloader, notes=notes)
-        if is_stream(dataloader.dataset):  # planned at the longest batch it can produce
-            sample, notes = longest_of_a_stream(sample, model, dataloader.collate_fn, None, max_length, notes)
-        configured, accumulation = dataloader.batch_size, accelerator.gradient_accumulation_steps
-        precision = _PRECISIONS.get(str(accelerator.mixed_precision), Precision.FP32)
-        planning.check_precision(precision)
-
-        def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-            loop = TrainingLoop(accumulation_steps=accumulation_steps)
-            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                              gradient_checkpointing=checkpointing, checkpoint_modules=self.checkpoint_modules,
-                              target=planning.target, loss_fn=loss_fn, forward_fn=forward_fn, loop=loop)  # fmt: skip
-            return traced.with_notes(*notes)
-
-        session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-        capacity = planning.capacity_bytes(device)
-        samples = dataset_length(dataloader.dataset)
-        request = self.options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation,
-                                       ranks=accelerator.num_processes, include_context=planning.include_context,
-                                       samples=samples)  # fmt: skip
-        decision = session.decide_run(request, device=device, notes=notes, restored=self._restored)
-        chosen, traced = decision.plan, decision.estimate
-        self.planned, self.estimate = chosen, traced
-        accelerator.gradient_accumulation_steps = chosen.accumulate_grad_batches
-        if samples is not None and dataloader.drop_last:  # what the run as configured trains on
-            samples = samples // (configured * accelerator.num_processes) * configured * accelerator.num_processes
-        warning = last_window_warning("accelerate", samples, accelerator.num_processes, (configured, accumulation),
-                                      (chosen.micro_batch_size, chosen.accumulate_grad_batches))  # fmt: skip
-        if warning is not None:
-            self.controller.warn("last-window", warning)
-        if chosen.gradient_checkpointing:
-            enable_checkpointing(model, self.checkpoint_modules)
-        if self.verbose:
-            info("memfit plan: " + chosen.summary() + "".join(f"\n  - {r}" for r in chosen.reasons))
-        peak = traced.at(chosen.micro_batch_size)
-        self.controller.start_measuring(predicted_allocated_bytes=peak.allocated_bytes,
-                                        predicted_reserved_bytes=peak.reserved_bytes, estimate=traced)  # fmt: skip
-        return _rebatched(dataloader, chosen.micro_batch_size)
+        port = self.port
+        port.model, port.optimizer, port.loader, port.loss_fn, port.forward_fn = (model, optimizer, dataloader,
+                                                                                   loss_fn, forward_fn)  # fmt: skip
+        port.max_length = max_length
+        self.controller.plan_run(raise_errors=True)
+        decision = self.controller.decision
+        self.controller.start_measuring(predicted_allocated_bytes=decision.predicted_allocated_bytes,
+                                        predicted_reserved_bytes=decision.predicted_reserved_bytes,
+                                        estimate=self.controller.estimate)  # fmt: skip
+        return port.loader
 
     def step_end(self, step: int | None = None) -> None:
         """After an optimizer step (``accelerator.sync_gradients``), on every process: every ``log_every_n_steps``
@@ -180,14 +145,16 @@ class MemoryPlanner(ControlledRun):
     # ``accelerator.register_for_checkpointing(planner)`` saves the plan with the run; ``load_state`` before
     # ``plan()`` makes a resumed run keep it.
     def state_dict(self) -> dict[str, Any]:
-        return {"plan": self.planned.to_dict() if self.planned is not None else None}
+        return self.controller.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._restored = state.get("plan")
-        planned = self.planned.to_dict() if self.planned is not None else None
+        restored, planned = state.get("plan"), self.planned
+        if planned is None:
+            self.controller.restored = restored
+            return
         keys = ("micro_batch_size", "accumulate_grad_batches", "gradient_checkpointing")
-        if planned is not None and self._restored and any(planned[k] != self._restored[k] for k in keys):
-            saved, chosen = Plan.from_dict(self._restored).summary(), self.planned.summary()
+        if restored and any(planned.to_dict()[k] != restored[k] for k in keys):
+            saved, chosen = Plan.from_dict(restored).summary(), planned.summary()
             self.controller.warn("late-restore", (
                 f"memfit: the checkpoint's plan ({saved}) arrived after plan() chose another ({chosen}), which this "
                 "run keeps: the dataloader is already batched. To resume with the saved plan, call "
@@ -197,10 +164,21 @@ class MemoryPlanner(ControlledRun):
 
 
 class _AcceleratorPort:
-    """The accelerator's side of the run for ``RunController``."""
+    """The accelerator's side of the run for ``RunController``: the loop's model, optimizer and dataloader."""
 
-    def __init__(self, accelerator: Any) -> None:
-        self.accelerator = accelerator
+    loop_name = "accelerate"
+    every_rank_decides = False
+
+    def __init__(self, accelerator: Any, budget: Any, target: str | None, checkpoint_modules: Any) -> None:
+        self.accelerator, self.budget, self.target, self.checkpoint_modules = accelerator, budget, target, \
+            checkpoint_modules  # fmt: skip
+        self.model: Any = None  # the loop's, given to plan()
+        self.optimizer: Any = None
+        self.loader: Any = None  # the loop's dataloader, then the planned one
+        self.loss_fn: Any = None
+        self.forward_fn: Any = None
+        self.max_length: int | None = None
+        self.controller: RunController | None = None
 
     def device(self) -> torch.device:
         return self.accelerator.device
@@ -217,6 +195,78 @@ class _AcceleratorPort:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.gather(tensor)
 
+    def broadcast(self, value: Value) -> Value:
+        if self.world_size() <= 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    def planning_target(self) -> PlanningTarget:
+        return planning_target(self.target, self.budget, self.device())
+
+    def precision(self) -> Precision:
+        return _PRECISIONS.get(str(self.accelerator.mixed_precision), Precision.FP32)
+
+    def layout(self) -> RunLayout:
+        return RunLayout(name="accelerate", data_parallel_size=self.world_size())
+
+    def unplannable(self) -> str | None:
+        return None
+
+    def sample_batch(self, notes: list[str]) -> Any:
+        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
+            sample = longest_batch(self.loader, notes=notes)
+        if is_stream(self.loader.dataset):  # planned at the longest batch it can produce
+            sample, notes[:] = longest_of_a_stream(sample, self.model, self.loader.collate_fn, None, self.max_length,
+                                                   notes)  # fmt: skip
+        return sample
+
+    def configured_batch(self, sample: Any) -> int:
+        return int(self.loader.batch_size)
+
+    def training_samples(self) -> int | None:
+        return dataset_length(self.loader.dataset)
+
+    def training_step(self, sample: Any, target: Target, layout: RunLayout, notes: Sequence[str]) -> TrainingStep:
+        return TrainingStep(self.model, sample, self.optimizer, self.precision(), target, forward_fn=self.forward_fn,
+                            loss_fn=self.loss_fn, checkpoint_modules=self.checkpoint_modules, notes=notes)  # fmt: skip
+
+    def evaluation(self, training: Any) -> None:
+        return None  # the loop's evaluation is the user's own code
+
+    def apply(self, plan: Plan) -> bool:
+        """The accelerator's accumulation, checkpointing in the model, and the loader at the planned micro batch."""
+        loader, ranks = self.loader, self.world_size()
+        configured = (loader.batch_size, self.accelerator.gradient_accumulation_steps)
+        self.accelerator.gradient_accumulation_steps = plan.accumulate_grad_batches
+        samples = dataset_length(loader.dataset)
+        if samples is not None and loader.drop_last:  # what the run as configured trains on
+            samples = samples // (configured[0] * ranks) * configured[0] * ranks
+        warning = last_window_warning("accelerate", samples, ranks, configured,
+                                      (plan.micro_batch_size, plan.accumulate_grad_batches))  # fmt: skip
+        if warning is not None and self.controller is not None:
+            self.controller.warn("last-window", warning)
+        if plan.gradient_checkpointing:
+            enable_checkpointing(self.model, self.checkpoint_modules)
+        self.loader = _rebatched(loader, plan.micro_batch_size)
+        return True
+
+    def recovery_unsupported(self) -> str | None:
+        return "the loop body is the user's own code"
+
+    def install_step(self, recovery: Any) -> None:
+        raise NotImplementedError("an accelerate loop's step is the user's own code")
+
+    def uninstall_step(self) -> None:
+        return None
+
+    def reset_gradients(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def enable_checkpointing(self) -> Any:
+        return enable_checkpointing(self.model, self.checkpoint_modules)
+
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
         self.accelerator.log(metrics, step=step)  # the main process writes to the trackers
 
@@ -225,6 +275,9 @@ class _AcceleratorPort:
         writer = next((getattr(t, "writer", None) for t in self.accelerator.trackers if t.name == "tensorboard"), None)
         folder = getattr(self.accelerator, "project_dir", None)
         log_figure(figure, name, tensorboard=writer, folder=folder, step=step)
+
+    def log_plan(self, params: dict[str, Any]) -> None:
+        return None  # accelerate takes a run's hyperparameters in init_trackers, before memfit plans
 
     def warn(self, message: str) -> None:
         if is_rank_zero():

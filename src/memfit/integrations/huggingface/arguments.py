@@ -48,7 +48,7 @@ def held_batches(accumulation_steps: int, device: torch.device) -> int:
 
     The Trainer fetches a whole accumulation window before its first micro batch runs
     (``get_batch_samples``) and keeps it to the optimizer step; memfit's recovery replays those same
-    batches, so it holds nothing more (``memfit.monitoring.recovery.batches_held`` counts the same ones).
+    batches, so it holds nothing more (``memfit.run.recovery.batches_held`` counts the same ones).
     accelerate's loader also reads the next batch ahead; that one stays in host memory, which is the
     device's own only when training on the CPU.
     """

@@ -39,26 +39,28 @@ from memfit.integrations.huggingface.arguments import (
 )
 from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
 from memfit.integrations.huggingface.planning import PLAN_FILE, PlannedArguments, plan_training_arguments
-from memfit.integrations.huggingface.sharding import RunLayout, run_layout
-from memfit.monitoring.controller import ControlledRun, RunController
-from memfit.monitoring.recovery import (
-    OPTIMIZER_STEP_OOM,
-    LossReduction,
-    OnOOM,
-    check_loss_reduction,
-    check_on_oom,
-)
+from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.capacity import free_device_bytes
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, check_flag
 from memfit.planning.unmodelled import not_modelled
-from memfit.prediction.estimator import MemoryEstimate, estimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import log_figure
+from memfit.run.controller import ControlledRun, RunController
+from memfit.run.port import RunLayout, TrainingStep
+from memfit.run.ranks import gathered, process_group_size
+from memfit.run.recovery import (
+    OPTIMIZER_STEP_OOM,
+    LossReduction,
+    OnOOM,
+    OOMRecovery,
+    check_loss_reduction,
+    check_on_oom,
+)
 from memfit.tracing.batch import batch_examples, is_stream, longest_of_a_stream
 from memfit.tracing.checkpointing import enable_checkpointing
-from memfit.tracing.config import Target, TrainingLoop
+from memfit.tracing.config import Target
 from memfit.tracing.model_state import preserved_rng_state
 from memfit.units import format_bytes
 
@@ -229,7 +231,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     Out-of-memory errors in a training step (``on_oom="replan"``, the default, when attached): the
     failed batch is retried in chunks whose losses are weighted by their share of the batch, and
     later batches run in the same chunks, so the effective batch, the samples seen and the
-    optimizer steps stay as configured (see ``memfit.monitoring.recovery``). Each recovery is one
+    optimizer steps stay as configured (see ``memfit.run.recovery``). Each recovery is one
     warning and the metrics ``memfit/oom_recoveries``, ``memfit/micro_batch_size`` (the chunk) and
     ``memfit/gradient_checkpointing`` in the next log. An out-of-memory error in the optimizer step
     is not recoverable this way and ends the run, with a warning that says why and what helps.
@@ -258,21 +260,17 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     ) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise InvalidInputError(f"`plan` must be a memfit.Plan or None, got {type(plan).__name__}")
-        self.plan = plan
-        self.margin = RunOptions(margin=margin).margin  # refused in the words every port uses
-        self.on_oom = check_on_oom(on_oom)
-        self.loss_reduction = check_loss_reduction(loss_reduction)
-        check_flag("allow_checkpointing", allow_checkpointing)
+        options = RunOptions(margin=margin, allow_checkpointing=allow_checkpointing)  # refused in every port's words
         check_flag("verbose", verbose)
-        self.allow_checkpointing = allow_checkpointing
-        self.verbose = verbose
-        self.estimate: MemoryEstimate | None = None
+        self.on_oom, self.allow_checkpointing, self.verbose = check_on_oom(on_oom), allow_checkpointing, verbose
+        self.port = _TrainerPort(self)
+        reduction = check_loss_reduction(loss_reduction)
+        self.controller = RunController(self.port, options=options, on_oom=self.on_oom, loss_reduction=reduction,
+                                        verbose=verbose)  # fmt: skip
+        self.plan = plan
         self.evaluation: EvaluationPeak | None = None
-        self.controller = RunController(_TrainerPort(self), margin=self.margin, on_oom=self.on_oom,
-                                        loss_reduction=self.loss_reduction, verbose=verbose)  # fmt: skip
         self._args: TrainingArguments | None = None  # the arguments of the run under way
         self._trainer: Trainer | None = None  # set by attach()
-        self._restore: list[internals.Replaced] = []
         self._pending: dict[str, float] = {}
         self._first_log = True
         self._layout: RunLayout | None = None
@@ -285,24 +283,20 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         self._check_runs_the_plan(args)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        model = kwargs.get("model")
+        model = self.port.model = kwargs.get("model")
         self._args = args
         self.controller.monitor = self.controller.recovery = None
         self.controller.measuring = False
         if self._trainer is None and (trainer := internals.calling_trainer(Trainer)) is not None:
             _put_first(trainer, self)  # added with trainer.add_callback(...): attached as attach() would
         if self._trainer is None:
-            self._warn("not-attached", NOT_ATTACHED)
+            self.controller.warn("not-attached", NOT_ATTACHED)
         runs_the_plan = self._check_runs_the_plan(args)  # a plan given to attach() after the Trainer was built
-        kept = (
-            internals.keep_configured_loss(self._trainer, self.plan)
-            if self._trainer is not None and runs_the_plan
-            else None
-        )
+        kept = internals.keep_configured_loss(self._trainer, self.plan) if self._trainer and runs_the_plan else None
         if kept is not None:
             self.plan = self.plan.with_reason(kept)
             if self.verbose:
-                self._info(f"memfit: {kept}")
+                info(f"memfit: {kept}")
         try:
             self._predict(args, model, kwargs.get("train_dataloader"), kwargs.get("optimizer"))
         except Exception as error:  # never let memfit end the run
@@ -317,17 +311,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             except Exception as error:  # never let memfit end the run
                 degrade(f"memfit could not check evaluation ({type(error).__name__}: {error})", error,
                         key="evaluation", seen=self.controller.warned)  # fmt: skip
-        if self.on_oom == "replan" and self._layout is not None and self._layout.sharding is not None:
-            self._warn("recovery", f"memfit's out-of-memory recovery runs chunks beside the {self._layout.name} "
-                       "wrapper, which a sharded model cannot do: it stays off in this run")  # fmt: skip
-        elif self.on_oom == "replan":
-            try:
-                self._install_recovery(args, model)
-            except Exception as error:  # never let memfit end the run
-                self._uninstall_recovery()
-                why = f"{type(error).__name__}: {error}"
-                degrade(f"memfit cannot recover from out-of-memory errors in this run ({why}); an out-of-memory "
-                        "error will end it as usual", error, key="recovery", seen=self.controller.warned)  # fmt: skip
+        self.controller.install_recovery(checkpointing_on=bool(getattr(args, checkpointing_switch(args), False)))
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self.controller.end_accumulation_window()  # after the optimizer step
@@ -366,7 +350,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             (folder / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2))
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        self._uninstall_recovery()
+        self.port.uninstall_step()
         if state.is_world_process_zero:
             self.controller.finish(state.global_step)
 
@@ -379,7 +363,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         runs = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
         planned = (self.plan.micro_batch_size, self.plan.accumulate_grad_batches)
         if runs != planned:
-            self._warn(
+            self.controller.warn(
                 "mismatch",
                 f"the Trainer runs per_device_train_batch_size={runs[0]} x gradient_accumulation_steps={runs[1]}, not "
                 f"the planned {planned[0]} x {planned[1]}: pass the args plan_training_arguments returned to Trainer, "
@@ -388,42 +372,36 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         return runs == planned
 
     def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
+        """Trace the step that is about to run (its batch, accumulation, precision and optimizer) and measure the
+        run against it."""
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
         micro = args.per_device_train_batch_size
         device = next(model.parameters()).device
-        if self._measure_sharded(args, model, device, micro):
+        if self._measure_sharded(args, model, micro):
             return
-        notes = run_notes(args) + list(self._layout.notes)
         found: list[str] = []
         with preserved_rng_state():
             sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=found))
         if is_stream(loader.dataset):  # planned, as plan_training_arguments does, at the longest it can produce
             sample, found = longest_of_a_stream(sample, model, loader.collate_fn, None, None, found)
-        notes += found
         if self.verbose and self.plan is None:
             for note in found:
-                self._info(f"memfit: {note}")
-        accumulation = args.gradient_accumulation_steps
-        loop = TrainingLoop(accumulation_steps=accumulation, extra_batches=held_batches(accumulation, device),
-                            ddp=ddp_config(args, model))  # fmt: skip
-        traced = estimate(
-            model,
-            dict(sample) if isinstance(sample, dict) else sample,
-            batch_size=micro,
-            optimizer=running_optimizer(args, model, optimizer),
-            precision=run_precision(args),
-            loop=loop,
-            target=Target("cuda" if device.type == "cuda" else "cpu"),
-        )
-        self.estimate = traced = traced.with_notes(*notes)
+                info(f"memfit: {note}")
+        step = TrainingStep(
+            model, dict(sample) if isinstance(sample, dict) else sample, running_optimizer(args, model, optimizer),
+            run_precision(args), Target("cuda" if device.type == "cuda" else "cpu"), ddp=ddp_config(args, model),
+            held_batches=functools.partial(held_batches, device=device),
+            notes=(*run_notes(args), *self._layout.notes, *found),
+        )  # fmt: skip
+        self.estimate = traced = step.trace_at(micro, False, args.gradient_accumulation_steps)
         peak = traced.at(micro)
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-        plan = self.plan
-        if plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (micro, accumulation):
+        if self.plan is not None and self._check_runs_the_plan(args):
             # the run runs the plan: measured against the figures the plan quotes (traced on the batch it was planned
             # on, the longest), so the two agree whatever batch the loader hands out first
-            allocated, reserved = plan.predicted_allocated_bytes or allocated, plan.predicted_reserved_bytes or reserved
+            allocated = self.plan.predicted_allocated_bytes or allocated
+            reserved = self.plan.predicted_reserved_bytes or reserved
         self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
                                         estimate=traced)  # fmt: skip
         if self.verbose:
@@ -433,33 +411,32 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
                 else f"{format_bytes(allocated)} of tensors"
             )
             plan = f"; the plan it runs: {self.plan.summary()}" if self.plan else ""
-            run = device.type.upper()
-            self._info(f"memfit: predicted peak of this {run} run {figure} at micro batch {micro}{plan}")
+            info(f"memfit: predicted peak of this {device.type.upper()} run {figure} at micro batch {micro}{plan}")
 
-    def _measure_sharded(self, args: TrainingArguments, model: Any, device: torch.device, micro: int) -> bool:
+    def _measure_sharded(self, args: TrainingArguments, model: Any, micro: int) -> bool:
         """Under FSDP or DeepSpeed, start measuring against the plan's per-rank prediction (the model is
         already sharded: there is nothing whole left to trace) and return ``True``; otherwise ``False``."""
         try:
             self._layout = run_layout(args, model, precision=run_precision(args))
         except ShardingNotModelledError as error:
-            self._warn("sharding", not_modelled(str(error)))
+            self.controller.warn("sharding", not_modelled(str(error)))
             self._layout, predicted = RunLayout(), None
         else:
             if self._layout.sharding is None:
                 return False
             predicted = self.plan
             if predicted is None:
-                self._warn("sharding", f"memfit: under {self._layout.name} the Trainer hands callbacks the model "
-                           "already sharded, so there is no whole model to predict from here; pass plan= from "
-                           "plan_training_arguments to measure each rank against its prediction. Logging the "
-                           "measured peaks only.")  # fmt: skip
+                self.controller.warn("sharding", f"memfit: under {self._layout.label} the Trainer hands callbacks the "
+                                     "model already sharded, so there is no whole model to predict from here; pass "
+                                     "plan= from plan_training_arguments to measure each rank against its "
+                                     "prediction. Logging the measured peaks only.")  # fmt: skip
         allocated = predicted.predicted_allocated_bytes if predicted is not None else None
         reserved = predicted.predicted_reserved_bytes if predicted is not None else None
         self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
                                         estimate=None)  # fmt: skip
         if self.verbose and predicted is not None:
-            self._info(f"memfit: measuring each rank of this {self._layout.name} run against the plan's per-rank "
-                       f"prediction: {predicted.summary()}")  # fmt: skip
+            info(f"memfit: measuring each rank of this {self._layout.label} run against the plan's per-rank "
+                 f"prediction: {predicted.summary()}")  # fmt: skip
         return True
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
@@ -482,43 +459,17 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         budget = self.plan.budget_bytes if self.plan is not None else int(free * (1 - self.margin))
         if budget > 0 and self.evaluation.reserved_bytes > budget:
             steps = fitting_flush(self.evaluation, self.estimate, device, budget, include_context=False)
-            self._warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
-
-    def _install_recovery(self, args: TrainingArguments, model: Any) -> None:
-        """Run each batch of the Trainer's step in chunks through the controller's ``OOMRecovery``."""
-        self._uninstall_recovery()  # a run that ended in an error left its wrappers: never wrap them twice
-        trainer = self._trainer
-        if model is None:
-            raise InvalidInputError("the Trainer passed no model")
-        inner = trainer.accelerator.unwrap_model(model)
-        recovery = self.controller.install_recovery(
-            estimate=self.estimate,
-            reset_gradients=lambda: model.zero_grad(set_to_none=True),
-            enable_checkpointing=functools.partial(enable_checkpointing, inner) if self.allow_checkpointing else None,
-            checkpointing_on=bool(getattr(args, checkpointing_switch(args), False)),
-        )
-
-        def optimizer_oom() -> None:  # the Trainer has no exception hook: say why memfit cannot help
-            self._warn("optimizer-oom", OPTIMIZER_STEP_OOM)
-
-        internals.install_chunked_step(trainer, model, inner, recovery, optimizer_oom, self._restore)
-
-    def _uninstall_recovery(self) -> None:
-        internals.restore_attributes(self._restore)
-
-    def _warn(self, key: str, message: str) -> None:
-        self.controller.warn(key, message)
-
-    def _info(self, message: str) -> None:
-        info(message)
+            self.controller.warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
 
 
 class _TrainerPort:
-    """The Trainer's side of the run for ``RunController``: its arguments, process group and trackers. The
+    """The Trainer's side of the run for ``RunController``: its arguments, process group, step and trackers. The
     Trainer's trackers read the training logs, so scalars wait for the next ``on_log`` to join them."""
 
     def __init__(self, callback: MemoryPlannerCallback) -> None:
         self.callback = callback
+        self.model: Any = None  # the wrapped model the Trainer trains, at on_train_begin
+        self._replaced: list[internals.Replaced] = []
 
     def _args(self) -> TrainingArguments:
         args = self.callback._args
@@ -530,7 +481,7 @@ class _TrainerPort:
         return self._args().device
 
     def world_size(self) -> int:
-        return _world_size()
+        return process_group_size()
 
     def rank(self) -> int:
         return self._args().process_index
@@ -539,7 +490,33 @@ class _TrainerPort:
         return self._args().gradient_accumulation_steps
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _all_gather(tensor)
+        return gathered(tensor)
+
+    def recovery_unsupported(self) -> str | None:
+        layout = self.callback._layout
+        if layout is not None and layout.sharding is not None:
+            return (f"memfit's out-of-memory recovery runs chunks beside the {layout.label} wrapper, which a sharded "
+                    "model cannot do: it stays off in this run")  # fmt: skip
+        return None
+
+    def install_step(self, recovery: OOMRecovery) -> None:
+        """Each batch of the Trainer's step in chunks through ``recovery`` (``internals.install_chunked_step``)."""
+        trainer, controller = self.callback._trainer, self.callback.controller
+        if self.model is None or trainer is None:
+            raise InvalidInputError("the Trainer passed no model")
+        inner = trainer.accelerator.unwrap_model(self.model)
+        internals.install_chunked_step(trainer, self.model, inner, recovery,
+                                       lambda: controller.warn("optimizer-oom", OPTIMIZER_STEP_OOM),
+                                       self._replaced)  # fmt: skip
+
+    def uninstall_step(self) -> None:
+        internals.restore_attributes(self._replaced)
+
+    def reset_gradients(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def enable_checkpointing(self) -> Any:
+        return enable_checkpointing(self.callback._trainer.accelerator.unwrap_model(self.model))
 
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
         self.callback._pending.update(metrics)
@@ -555,27 +532,15 @@ class _TrainerPort:
         log_figure(figure, name, tensorboard=writer, mlflow_module=mlflow_module, folder=self._args().output_dir,
                    step=step)  # fmt: skip
 
+    def log_plan(self, params: dict[str, Any]) -> None:
+        return None  # the plan joins the first training log (on_log)
+
     def warn(self, message: str) -> None:
         if is_rank_zero():  # the controller says each kind once
             warnings.warn(message, UserWarning, stacklevel=4)
 
     def info(self, message: str) -> None:
         info(message)
-
-
-def _world_size() -> int:
-    distributed = torch.distributed
-    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
-
-
-def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every process's ``tensor``, stacked in rank order (the tensor alone outside a process group)."""
-    distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized()):
-        return tensor
-    out = [torch.empty_like(tensor) for _ in range(distributed.get_world_size())]
-    distributed.all_gather(out, tensor)
-    return torch.stack(out)
 
 
 def _plot(function: str, *args: Any) -> Any:

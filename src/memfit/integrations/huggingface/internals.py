@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from memfit.monitoring.controller import RunController
-from memfit.monitoring.recovery import OOMRecovery, is_out_of_memory
+from memfit.run.controller import RunController
+from memfit.run.recovery import OOMRecovery, is_out_of_memory
 from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -16,7 +18,9 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
+from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError, ShardingNotModelledError
+from memfit.integrations.huggingface import internals
 from memfit.integrations.huggingface.arguments import (
     checkpointing_switch,
     collated_sample,
@@ -30,16 +34,18 @@ from memfit.integrations.huggingface.arguments import (
 )
 from memfit.integrations.huggingface.evaluation import planned_evaluation
 from memfit.integrations.huggingface.internals import changed_arguments
-from memfit.integrations.huggingface.sharding import RunLayout, run_layout
+from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, dropped_samples_warning
-from memfit.planning.session import PlanningSession, PlanRequest
-from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.evaluation import EvaluationPeak
+from memfit.run.controller import RunController
+from memfit.run.port import PlanningOnly, RunLayout, TrainingStep
+from memfit.run.ranks import gathered, process_group_rank
 from memfit.tracing.batch import dataset_length
-from memfit.tracing.config import Target, TrainingLoop
+from memfit.tracing.config import Target
 from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 
@@ -121,135 +127,145 @@ def plan_training_arguments(
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
     options = RunOptions(margin, target_batch_size, min_batch_size, max_batch_size, allow_checkpointing)
-    runs_on = run_device(args)
-    planning = planning_target(target, budget, runs_on)
-    device = planning.target.torch_device  # the device planned for: where batches and the evaluation live
-    precision = run_precision(args)
-    planning.check_precision(precision)
-    layout = _layout(args, model, precision, elsewhere_on_gpus=device.type == "cuda" and runs_on.type != "cuda")
-    configured, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    sample_notes = run_notes(args) + ([note] if (note := planning.note(runs_on)) else []) + list(layout.notes)
-    sample = collated_sample(model, args, train_dataset, configured, data_collator, processing_class,
-                             notes=sample_notes, max_length=max_length)  # fmt: skip
-    _check_sample_length(model, sample)
-    trace_at = _step_tracer(model, args, sample, precision, planning.target, layout, sample_notes)
-    session = PlanningSession(trace_at, batch_size=configured, accumulation_steps=accumulation)
-    include_context = planning.include_context
-    restored = _saved_plan(args, resume_from_checkpoint)
-    request = _plan_request(planning, args, layout, configured, accumulation, options, dataset_length(train_dataset))
-    decision = session.decide_run(request, device=device, notes=sample_notes, restored=restored)
-    chosen, planned = decision.plan, decision.estimate
-    _warn_of_dropped_samples(args, train_dataset, chosen.micro_batch_size)
-    changes = _planned_changes(args, chosen, layout.checkpointing)
+    port = _ArgumentsPort(model, args, train_dataset, data_collator, processing_class, target, budget, max_length)
+    controller = RunController(port, options=options, verbose=False)
+    controller.restored = _saved_plan(args, resume_from_checkpoint)
+    controller.plan_run(raise_errors=True)
+    chosen, planned, changes = controller.plan, controller.estimate, port.changes
+    assert chosen is not None and planned is not None
     evaluation = None
     if eval_dataset is not None:
         evaluation, flush_every = planned_evaluation(
-            model, args, eval_dataset, planned, device, chosen.budget_bytes, include_context=include_context,
-            data_collator=data_collator, processing_class=processing_class, compute_metrics=compute_metrics,
+            model, args, eval_dataset, planned, port.planned_for(), chosen.budget_bytes,
+            include_context=controller.include_context, data_collator=data_collator,
+            processing_class=processing_class, compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )  # fmt: skip
         if flush_every is not None:
             changes["eval_accumulation_steps"] = flush_every
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
-    return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, layout.sharding)
+    sharding = port.read_layout.sharding if port.read_layout is not None else None
+    return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, sharding)
 
 
-def _warn_of_dropped_samples(args: TrainingArguments, dataset: Any, micro: int) -> None:
-    """With ``dataloader_drop_last`` the planned batch size drops another number of samples an epoch: say so."""
-    samples = dataset_length(dataset) if args.dataloader_drop_last else None
-    ranks = args.world_size
-    warning = dropped_samples_warning("dataloader_drop_last", samples, args.per_device_train_batch_size * ranks,
-                                      micro * ranks)  # fmt: skip
-    if warning is not None:
-        warnings.warn(warning, UserWarning, stacklevel=3)
+class _ArgumentsPort(PlanningOnly):
+    """The run a ``Trainer`` will train, read from what it is about to be built with: its arguments, model,
+    datasets, collator and processing class. Under ``torchrun`` every process plans, from the smallest capacity of
+    all of them, so the deterministic search gives every rank the same plan."""
 
+    loop_name = "the Trainer"
+    every_rank_decides = True
 
-def _layout(args: TrainingArguments, model: torch.nn.Module, precision: str, *, elsewhere_on_gpus: bool) -> RunLayout:
-    """The run's layout as accelerate will run it; one memfit cannot predict per rank is refused with what to do."""
-    try:
-        return run_layout(args, model, precision=precision, elsewhere_on_gpus=elsewhere_on_gpus)
-    except ShardingNotModelledError as error:
-        raise ShardingNotModelledError(
-            f"memfit cannot predict one rank's memory under {error}, so it cannot plan these arguments: set the "
-            "batch size yourself; MemoryPlannerCallback, attached, still logs the measured peaks"
-        ) from error
+    def __init__(self, model: torch.nn.Module, args: TrainingArguments, dataset: Any, collator: Any,
+                 processing_class: Any, target: str | None, budget: int | str | None,
+                 max_length: int | None) -> None:  # fmt: skip
+        self.model, self.args, self.dataset, self.collator = model, args, dataset, collator
+        self.processing_class, self.target, self.budget, self.max_length = processing_class, target, budget, max_length
+        self.runs_on = run_device(args)
+        self.read_layout: RunLayout | None = None
+        self.changes: dict[str, Any] = {}
 
+    def device(self) -> torch.device:
+        return self.runs_on
 
-def _check_sample_length(model: torch.nn.Module, sample: Any) -> None:
-    """Refuse token ids longer than the model's positions before the trace fails on them."""
-    ids = sample.get("input_ids") if isinstance(sample, dict) else None
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-        check_sequence_length(model, ids.shape[1], fix="truncate them (the tokenizer's or collator's max_length="
-                              "{positions}), or pass max_length= for a stream")  # fmt: skip
+    def planned_for(self) -> torch.device:
+        """The device planned for: where batches and the evaluation live."""
+        return self.planning_target().target.torch_device
 
+    def world_size(self) -> int:
+        return internals.world_size(self.args)  # the process group's: DeepSpeed on CPU misreports args.world_size
 
-def _step_tracer(
-    model: torch.nn.Module,
-    args: TrainingArguments,
-    sample: Any,
-    precision: str,
-    target: Target,
-    layout: RunLayout,
-    sample_notes: list[str],
-) -> Callable[[int, bool, int], MemoryEstimate]:
-    """``trace_at(micro, checkpointing, accumulation)``: the step the Trainer will run, with its optimizer, DDP
-    buckets and the batches it holds, on one rank of ``layout``."""
-    device = target.torch_device
-    optimizer = trainer_optimizer(args, model)
-    ddp = ddp_config(args, model, sharded=layout.sharding is not None)
+    def rank(self) -> int:
+        return process_group_rank()
 
-    def trace_at(micro: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
-        held = held_batches(accumulation_steps, device)
-        loop = TrainingLoop(accumulation_steps=accumulation_steps, extra_batches=held, ddp=ddp,
-                            sharding=layout.sharding)  # fmt: skip
-        with trainer_model_config(model, args):  # use_cache as the Trainer will set it
-            traced = estimate(model, sample, optimizer=optimizer, precision=precision, batch_size=micro,
-                              gradient_checkpointing=checkpointing, loop=loop, target=target,
-                              checkpoint_modules=layout.units)  # fmt: skip
-        return traced.with_notes(*sample_notes)
+    def accumulation(self) -> int:
+        return self.args.gradient_accumulation_steps
 
-    return trace_at
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return gathered(tensor)
 
+    def broadcast(self, value: Any) -> Any:
+        return value
 
-def _plan_request(
-    planning: PlanningTarget,
-    args: TrainingArguments,
-    layout: RunLayout,
-    configured: int,
-    accumulation: int,
-    options: RunOptions,
-    samples: int | None = None,
-) -> PlanRequest:
-    """What every rank asks alike: the smallest capacity of all ranks, over the data-parallel ranks the layout
-    runs (a restored plan is held to it too)."""
-    capacity = _smallest_of_all_ranks(planning.capacity_bytes(planning.target.torch_device), args)
-    ranks = layout.sharding.world_size if layout.sharding is not None else args.world_size
-    return options.request(capacity_bytes=capacity, configured=configured, accumulation=accumulation, ranks=ranks,
-                           include_context=planning.include_context, always_checkpoint=layout.checkpointing,
-                           samples=samples)  # fmt: skip
+    def planning_target(self) -> PlanningTarget:
+        return planning_target(self.target, self.budget, self.runs_on)
 
+    def precision(self) -> str:
+        return run_precision(self.args)
 
-def _planned_changes(args: TrainingArguments, chosen: Plan, layout_checkpoints: bool) -> dict[str, Any]:
-    """The arguments the plan sets; FSDP's own activation checkpointing excludes the Trainer's (the Trainer
-    refuses both)."""
-    switch = checkpointing_switch(args)
-    return {
-        "per_device_train_batch_size": chosen.micro_batch_size,
-        "gradient_accumulation_steps": chosen.accumulate_grad_batches,
-        switch: (chosen.gradient_checkpointing and not layout_checkpoints) or bool(getattr(args, switch)),
-    }
+    def layout(self) -> RunLayout:
+        """The run's layout as accelerate will run it; one memfit cannot predict per rank is refused with what to
+        do."""
+        elsewhere = self.planned_for().type == "cuda" and self.runs_on.type != "cuda"
+        try:
+            layout = run_layout(self.args, self.model, precision=self.precision(), elsewhere_on_gpus=elsewhere)
+        except ShardingNotModelledError as error:
+            raise ShardingNotModelledError(
+                f"memfit cannot predict one rank's memory under {error}, so it cannot plan these arguments: set the "
+                "batch size yourself; MemoryPlannerCallback, attached, still logs the measured peaks"
+            ) from error
+        self.read_layout = layout = dataclasses.replace(layout, notes=(*run_notes(self.args), *layout.notes))
+        return layout
 
+    def unplannable(self) -> None:
+        return None
 
-def _smallest_of_all_ranks(capacity: int, args: TrainingArguments) -> int:
-    """Under ``torchrun`` every process plans: from the smallest capacity of all of them, so the
-    deterministic search gives every rank the same plan (``TrainingArguments`` set up the process group)."""
-    distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() <= 1:
-        return capacity
-    value = torch.tensor([capacity], dtype=torch.int64, device=args.device)
-    distributed.all_reduce(value, op=distributed.ReduceOp.MIN)
-    return int(value.item())
+    def sample_batch(self, notes: list[str]) -> Any:
+        sample = collated_sample(self.model, self.args, self.dataset, self.args.per_device_train_batch_size,
+                                 self.collator, self.processing_class, notes=notes,
+                                 max_length=self.max_length)  # fmt: skip
+        ids = sample.get("input_ids") if isinstance(sample, dict) else None
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # refused before the trace fails on them
+            check_sequence_length(self.model, ids.shape[1], fix="truncate them (the tokenizer's or collator's "
+                                  "max_length={positions}), or pass max_length= for a stream")  # fmt: skip
+        return sample
+
+    def configured_batch(self, sample: Any) -> int:
+        return self.args.per_device_train_batch_size
+
+    def training_samples(self) -> int | None:
+        return dataset_length(self.dataset)
+
+    def training_step(self, sample: Any, target: Target, layout: RunLayout, notes: Sequence[str]) -> TrainingStep:
+        """The step the Trainer will run: its optimizer, DDP buckets, the batches it holds, ``use_cache`` as it
+        sets it, on one rank of ``layout``."""
+        model, args = self.model, self.args
+        return TrainingStep(
+            model, sample, trainer_optimizer(args, model), self.precision(), target,
+            ddp=ddp_config(args, model, sharded=layout.sharding is not None), sharding=layout.sharding,
+            checkpoint_modules=layout.units, held_batches=functools.partial(held_batches, device=target.torch_device),
+            settings=functools.partial(trainer_model_config, model, args), notes=notes,
+        )  # fmt: skip
+
+    def evaluation(self, training: MemoryEstimate) -> None:
+        return None  # plan_training_arguments plans the evaluation pass itself, after the training plan
+
+    def apply(self, plan: Plan) -> bool:
+        """The arguments the plan sets (into a copy); FSDP's own activation checkpointing excludes the Trainer's
+        (the Trainer refuses both). With ``dataloader_drop_last`` the planned batch size drops another number of
+        samples an epoch: said."""
+        args, switch = self.args, checkpointing_switch(self.args)
+        layout_checkpoints = self.read_layout is not None and self.read_layout.checkpointing
+        self.changes = {
+            "per_device_train_batch_size": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.accumulate_grad_batches,
+            switch: (plan.gradient_checkpointing and not layout_checkpoints) or bool(getattr(args, switch)),
+        }
+        samples = dataset_length(self.dataset) if args.dataloader_drop_last else None
+        ranks = args.world_size
+        warning = dropped_samples_warning("dataloader_drop_last", samples, args.per_device_train_batch_size * ranks,
+                                          plan.micro_batch_size * ranks)  # fmt: skip
+        if warning is not None:
+            self.warn(warning)
+        return True
+
+    def warn(self, message: str) -> None:
+        if is_rank_zero():
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def info(self, message: str) -> None:
+        info(message)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:

@@ -11,43 +11,17 @@ runs DDP, and that is what is planned then, with a note.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import InvalidInputError, ShardingNotModelledError
 from memfit.integrations.huggingface import internals
+from memfit.run.port import RunLayout
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.sharding_sources import FSDP1_STRATEGIES, sharding_from_deepspeed
 
 __all__ = ["RunLayout", "run_layout"]
 
 _HALF = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
-
-
-@dataclass(frozen=True)
-class RunLayout:
-    """What one rank of this Trainer run holds.
-
-    Attributes:
-        sharding: the ``ShardingConfig`` of an FSDP or DeepSpeed run, ``None`` when nothing is sharded.
-        checkpointing: FSDP checkpoints activations itself (``fsdp_config["activation_checkpointing"]``):
-            the plan keeps it on and must not set ``activation_checkpointing`` too (the Trainer refuses both).
-        notes: what the prediction should say (a requested strategy that will not run, a wrap policy).
-        units: the layer class names FSDP wraps as units (``transformer_layer_cls_to_wrap``), for the
-            estimate's ``checkpoint_modules`` (memfit's FSDP model takes its units there); ``None``: the
-            model's repeated blocks, which is what the transformer-based policy wraps by default.
-    """
-
-    sharding: ShardingConfig | None = None
-    checkpointing: bool = False
-    notes: tuple[str, ...] = ()
-    units: tuple[str, ...] | None = None
-
-    @property
-    def name(self) -> str:
-        if self.sharding is None:
-            return "DDP"
-        return "DeepSpeed" if self.sharding.is_zero else "FSDP"
 
 
 def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_gpus: bool = False) -> RunLayout:
@@ -77,7 +51,8 @@ def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_g
         config = internals.deepspeed_config(args) or {}
         stage = (config.get("zero_optimization") or {}).get("stage", 0)
         auto = internals.deepspeed_auto_values(model, zero3=stage == 3)
-        return RunLayout(sharding_from_deepspeed(config, world_size=world, gpus_per_node=per_node, auto=auto))
+        sharding = sharding_from_deepspeed(config, world_size=world, gpus_per_node=per_node, auto=auto)
+        return RunLayout(sharding, data_parallel_size=sharding.world_size)
     if not internals.fsdp_applies(kind) and not elsewhere_on_gpus:
         runs = "DDP" if world > 1 else "one process"
         return RunLayout(notes=(f"fsdp is set, but accelerate applies FSDP only across several GPU processes; this "
@@ -109,4 +84,5 @@ def run_layout(args: Any, model: Any, *, precision: str = "fp32", elsewhere_on_g
         )
     except InvalidInputError as error:
         raise ShardingNotModelledError(f"FSDP {strategy} ({error})") from error
-    return RunLayout(sharding, bool(options["activation_checkpointing"]), tuple(notes), options["wrap_classes"])
+    return RunLayout(sharding, data_parallel_size=world, checkpointing=bool(options["activation_checkpointing"]),
+                     notes=tuple(notes), units=options["wrap_classes"])  # fmt: skip

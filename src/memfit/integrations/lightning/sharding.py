@@ -1,4 +1,4 @@
-"""Read a Lightning strategy into what memfit plans one rank with: a ``ShardingConfig`` and the
+"""Read a Lightning strategy into the ``RunLayout`` memfit plans one rank with: a ``ShardingConfig`` and the
 data-parallel size the effective batch is counted over.
 
 Translation only: ``FSDPStrategy`` (FSDP1: ``sharding_strategy``, ``cpu_offload``, mixed precision,
@@ -11,45 +11,19 @@ read by ``memfit.tracing.sharding_sources``). DDP and single-device strategies s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from memfit.errors import InvalidInputError, ShardingNotModelledError
 from memfit.integrations.lightning.internals import LightningInternals
+from memfit.run.port import RunLayout
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.sharding_sources import FSDP1_STRATEGIES, sharding_from_deepspeed
 
-__all__ = ["SHARDING_STRATEGIES", "StrategyLayout", "sharding_strategy_name", "strategy_layout"]
+__all__ = ["SHARDING_STRATEGIES", "sharding_strategy_name", "strategy_layout"]
 
 SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
-
-
-@dataclass(frozen=True)
-class StrategyLayout:
-    """How the strategy spreads the step over ranks, as the plan needs it.
-
-    Attributes:
-        name: the strategy's class name (for messages).
-        sharding: what one rank holds, or ``None`` when nothing is sharded (DDP, one device).
-        data_parallel_size: ranks that each take their own micro batch (the effective batch is
-            micro x accumulation x this).
-        checkpointing: the strategy itself checkpoints activations (FSDP's activation checkpointing
-            policy): the plan keeps it on and memfit does not wrap blocks again.
-        checkpoint_modules: the block classes it checkpoints, when the policy names them.
-        unit_modules: the block classes FSDP wraps as units, when its ``auto_wrap_policy`` names them
-            (memfit's FSDP model takes its units where checkpointing would find its blocks).
-        notes: what the prediction should say about options memfit reads but does not model.
-    """
-
-    name: str
-    sharding: ShardingConfig | None
-    data_parallel_size: int
-    checkpointing: bool = False
-    checkpoint_modules: tuple[type, ...] | None = None
-    notes: tuple[str, ...] = ()
-    unit_modules: tuple[type, ...] | None = None
 
 
 def sharding_strategy_name(strategy: Any, internals: LightningInternals) -> str | None:
@@ -61,7 +35,7 @@ def sharding_strategy_name(strategy: Any, internals: LightningInternals) -> str 
     return type(strategy).__name__ if isinstance(strategy, kinds) else None
 
 
-def strategy_layout(trainer: Any, internals: LightningInternals) -> StrategyLayout:
+def strategy_layout(trainer: Any, internals: LightningInternals) -> RunLayout:
     """The layout of ``trainer.strategy`` (called in a callback's ``setup``, after the strategy set up
     its environment, before ``configure_model`` shards anything).
 
@@ -79,17 +53,17 @@ def strategy_layout(trainer: Any, internals: LightningInternals) -> StrategyLayo
             sharding = sharding_from_deepspeed(config, world_size=world_size, gpus_per_node=per_node)
         except ShardingNotModelledError as error:
             raise ShardingNotModelledError(f"{error} in {name}") from error
-        return StrategyLayout(name, sharding, world_size)
+        return RunLayout(sharding, name, world_size)
     fsdp = getattr(strategies, "FSDPStrategy", None)
     if fsdp is not None and isinstance(strategy, fsdp):
         return _fsdp1(strategy, name, world_size, per_node, internals)
     model_parallel = getattr(strategies, "ModelParallelStrategy", None)
     if model_parallel is not None and isinstance(strategy, model_parallel):
         return _fsdp2(strategy, name, world_size, per_node)
-    return StrategyLayout(name, None, world_size)
+    return RunLayout(None, name, world_size)
 
 
-def _fsdp1(strategy: Any, name: str, world_size: int, per_node: int, internals: LightningInternals) -> StrategyLayout:
+def _fsdp1(strategy: Any, name: str, world_size: int, per_node: int, internals: LightningInternals) -> RunLayout:
     kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy)).upper()
     if kind not in FSDP1_STRATEGIES:
         raise ShardingNotModelledError(f"FSDP sharding_strategy {kind} in {name}")
@@ -119,10 +93,10 @@ def _fsdp1(strategy: Any, name: str, world_size: int, per_node: int, internals: 
     except InvalidInputError as error:
         raise ShardingNotModelledError(f"{name} with {kind} ({error})") from error
     units = internals.fsdp_wrap_classes(strategy)
-    return StrategyLayout(name, sharding, world_size, checkpointing, blocks, tuple(notes), units)
+    return RunLayout(sharding, name, world_size, checkpointing, blocks, units, tuple(notes))
 
 
-def _fsdp2(strategy: Any, name: str, world_size: int, per_node: int) -> StrategyLayout:
+def _fsdp2(strategy: Any, name: str, world_size: int, per_node: int) -> RunLayout:
     mesh = strategy.device_mesh  # set up in setup_environment, before callbacks' setup
     data_parallel, tensor_parallel = mesh["data_parallel"].size(), mesh["tensor_parallel"].size()
     if tensor_parallel > 1:
@@ -136,7 +110,7 @@ def _fsdp2(strategy: Any, name: str, world_size: int, per_node: int) -> Strategy
     )
     per_node = per_node if data_parallel % per_node == 0 else data_parallel
     sharding = ShardingConfig("fsdp", world_size=data_parallel, gpus_per_node=per_node)
-    return StrategyLayout(name, sharding, data_parallel, notes=(note,))
+    return RunLayout(sharding, name, data_parallel, notes=(note,))
 
 
 def _dtype_name(dtype: Any) -> str | None:

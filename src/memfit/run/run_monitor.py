@@ -12,7 +12,7 @@ So they hand this class the step number and forward what it returns:
 
 The predictions are ``None`` for a run memfit measures without predicting (measured peaks only).
 On CPU the measure is the process's resident memory, which is never presented as drift (see
-``memfit.monitoring.drift``). A failure to measure stops measuring (one warning), never the run.
+``memfit.run.drift``). A failure to measure stops measuring (one warning), never the run.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from collections.abc import Callable
 import torch
 
 from memfit.diagnostics import degrade
-from memfit.monitoring.drift import Drift, DriftMonitor
-from memfit.monitoring.measure import PeakSampler
-from memfit.monitoring.recovery import OOMRecovery, Recovery
 from memfit.prediction.estimator import MemoryEstimate
+from memfit.run.drift import Drift, DriftMonitor
+from memfit.run.measure import PeakSampler
+from memfit.run.recovery import OOMRecovery, Recovery
 from memfit.units import format_bytes
 
 __all__ = ["RunMonitor"]

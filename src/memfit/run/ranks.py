@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["PER_RANK_KEYS", "per_rank_metrics"]
+__all__ = ["PER_RANK_KEYS", "gathered", "per_rank_metrics", "process_group_rank", "process_group_size"]
 
 PER_RANK_KEYS = (
     "predicted_peak_allocated_bytes",
@@ -50,3 +50,24 @@ def per_rank_metrics(
         for key, value in zip(PER_RANK_KEYS, row, strict=True)
         if not math.isnan(value)
     }
+
+
+def process_group_size() -> int:
+    """Processes in ``torch.distributed``'s default group (1 without one)."""
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
+
+
+def process_group_rank() -> int:
+    """This process's rank in ``torch.distributed``'s default group (0 without one)."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's ``tensor``, stacked in rank order (the tensor alone outside a process group)."""
+    if process_group_size() <= 1:
+        return tensor
+    out = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, tensor)
+    return torch.stack(out)

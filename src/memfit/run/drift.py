@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from memfit.monitoring.measure import MemorySample
 from memfit.prediction.estimator import MemoryEstimate
+from memfit.run.measure import MemorySample
 from memfit.units import MiB, format_bytes, format_margin
 
 __all__ = ["Drift", "DriftMonitor"]
