@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError
 from memfit.planning.capacity import parse_budget
 from memfit.planning.gpus import PlanningTarget, check_target, planning_target
@@ -29,11 +27,10 @@ from memfit.planning.run_options import RunOptions, check_flag, check_positive, 
 from memfit.precision import Precision
 from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
-from memfit.run.port import RunLayout, TrainingStep
-from memfit.tracing.batch import dataset_length, is_stream, longest_batch, longest_of_a_stream
+from memfit.run.port import RankZeroSpeaker, RunLayout, TrainingStep
+from memfit.tracing.batch import dataset_length, planning_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target
-from memfit.tracing.model_state import preserved_rng_state
 
 __all__ = ["MemoryPlanner"]
 
@@ -163,7 +160,7 @@ class MemoryPlanner(ControlledRun):
             ))  # fmt: skip
 
 
-class _AcceleratorPort:
+class _AcceleratorPort(RankZeroSpeaker):
     """The accelerator's side of the run for ``RunController``: the loop's model, optimizer and dataloader."""
 
     loop_name = "accelerate"
@@ -215,12 +212,7 @@ class _AcceleratorPort:
         return None
 
     def sample_batch(self, notes: list[str]) -> Any:
-        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
-            sample = longest_batch(self.loader, notes=notes)
-        if is_stream(self.loader.dataset):  # planned at the longest batch it can produce
-            sample, notes[:] = longest_of_a_stream(sample, self.model, self.loader.collate_fn, None, self.max_length,
-                                                   notes)  # fmt: skip
-        return sample
+        return planning_batch(self.loader, self.model, notes, max_length=self.max_length)
 
     def configured_batch(self, sample: Any) -> int:
         return int(self.loader.batch_size)
@@ -261,11 +253,8 @@ class _AcceleratorPort:
     def uninstall_step(self) -> None:
         return None
 
-    def reset_gradients(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-
-    def enable_checkpointing(self) -> Any:
-        return enable_checkpointing(self.model, self.checkpoint_modules)
+    def trained_module(self) -> torch.nn.Module:
+        return self.model
 
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
         self.accelerator.log(metrics, step=step)  # the main process writes to the trackers
@@ -278,13 +267,6 @@ class _AcceleratorPort:
 
     def log_plan(self, params: dict[str, Any]) -> None:
         return None  # accelerate takes a run's hyperparameters in init_trackers, before memfit plans
-
-    def warn(self, message: str) -> None:
-        if is_rank_zero():
-            warnings.warn(message, UserWarning, stacklevel=4)
-
-    def info(self, message: str) -> None:
-        info(message)
 
 
 def _rebatched(loader: DataLoader, batch_size: int) -> DataLoader:

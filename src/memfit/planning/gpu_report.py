@@ -31,7 +31,7 @@ from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.batch import sequence_length
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
-from memfit.tracing.positions import check_sequence_length
+from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import ZeroGrad
 

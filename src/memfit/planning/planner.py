@@ -227,23 +227,7 @@ def plan(
     candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
     if isinstance(candidates, _Miss):
         raise InsufficientMemoryError(_said_with(candidates.message, unavailable))
-    used = candidates.chosen
-    fit = _fit(question, used, confirm)
-    reasons = [*candidates.reasons, *fit.reasons]
-    if isinstance(fit.outcome, _Miss):
-        fallback = _checkpointing_fallback(question, candidates, with_checkpointing)
-        if fallback is None:
-            raise InsufficientMemoryError(_said_with(fit.outcome.message, unavailable))
-        reasons.append(
-            f"micro batch {min_batch_size} does not fit once traced at its size; checkpointing brings it within "
-            "(about 20-30 % slower per step)"
-        )
-        used = fallback
-        fit = _fit(question, used, confirm)
-        reasons.extend(fit.reasons)
-        if isinstance(fit.outcome, _Miss):
-            raise InsufficientMemoryError(fit.outcome.message)
-    split = fit.outcome
+    used, split, reasons = _fitted(question, candidates, with_checkpointing, confirm, unavailable)
     if not split.checkpointing and confirm is not None:
         # the traces found a smaller micro batch than the interpolation (the loop's accumulation keeps more than the
         # traced step did): checkpointing is weighed on that one, as it would have been had the trace said so first
@@ -261,6 +245,34 @@ def plan(
     else:  # the chosen loop keeps gradients the trace freed: its log is not at hand to replay
         return chosen
     return _at_the_limit(question, chosen, split, source)
+
+
+def _fitted(
+    question: _Question,
+    candidates: _Candidates,
+    with_checkpointing: Callable[[], MemoryEstimate | None],
+    confirm: Confirm | None,
+    unavailable: list[str],
+) -> tuple[_Candidate, _Split, list[str]]:
+    """The chosen candidate's split of the target, fitted (``_fit``); checkpointing as the fallback when the fit
+    misses without it. Raises ``InsufficientMemoryError`` when nothing fits."""
+    used = candidates.chosen
+    fit = _fit(question, used, confirm)
+    reasons = [*candidates.reasons, *fit.reasons]
+    if isinstance(fit.outcome, _Miss):
+        fallback = _checkpointing_fallback(question, candidates, with_checkpointing)
+        if fallback is None:
+            raise InsufficientMemoryError(_said_with(fit.outcome.message, unavailable))
+        reasons.append(
+            f"micro batch {question.min_batch_size} does not fit once traced at its size; checkpointing brings it "
+            "within (about 20-30 % slower per step)"
+        )
+        used = fallback
+        fit = _fit(question, used, confirm)
+        reasons.extend(fit.reasons)
+        if isinstance(fit.outcome, _Miss):
+            raise InsufficientMemoryError(fit.outcome.message)
+    return used, fit.outcome, reasons
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import TrainingLoop
 from memfit.tracing.ddp import DDPConfig
-from memfit.tracing.positions import check_sequence_length
+from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ZeroGrad
 from memfit.units import format_bytes

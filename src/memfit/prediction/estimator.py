@@ -52,9 +52,9 @@ from memfit.tracing.batch import Sample, infer_batch_size, sequence_length
 from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
 from memfit.tracing.paged import paged_note
-from memfit.tracing.positions import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.symbolic import symbolic_enabled
 from memfit.tracing.tracer import (

@@ -36,10 +36,12 @@ from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import drawn, matplotlib_available
 from memfit.run import deciding
 from memfit.run.deciding import RunDecision
-from memfit.run.port import PlanningPort, RunPort
+from memfit.run.port import PlanningPort, RunLayout, RunPort, TrainingStep
 from memfit.run.ranks import per_rank_metrics
 from memfit.run.recovery import OPTIMIZER_STEP_OOM, LossReduction, OnOOM, OOMRecovery, Recovery, is_out_of_memory
 from memfit.run.run_monitor import RunMonitor
+from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
+from memfit.units import format_bytes
 
 __all__ = ["ControlledRun", "PlanningPort", "RunController", "RunDecision", "RunPort"]
 
@@ -58,6 +60,7 @@ class RunController:
         loss_reduction: how the loss reduces a batch (``"mean"`` or ``"sum"``): it weights the chunks' losses.
         verbose: say the plan and the final drift line.
         value_advice: what to add to a planning error from a model that reads tensor values.
+        checkpoint_modules: the blocks a recovery checkpoints in a model without a switch of its own.
     """
 
     def __init__(
@@ -70,11 +73,13 @@ class RunController:
         loss_reduction: LossReduction = "mean",
         verbose: bool = True,
         value_advice: str = "",
+        checkpoint_modules: CheckpointTarget | None = None,
     ) -> None:
         self.port = port
         self.options = options or RunOptions()
         self.mode, self.on_oom, self.loss_reduction, self.verbose = mode, on_oom, loss_reduction, verbose
         self.value_advice = value_advice
+        self.checkpoint_modules = checkpoint_modules
         self.raise_errors = False  # planning raises what fails (a loop that plans in a call of its own)
         self.plan: Plan | None = None
         self.estimate: MemoryEstimate | None = None  # the step that runs (rank 0's trace)
@@ -235,6 +240,41 @@ class RunController:
         self.install_recovery(checkpointing_on=bool(self.mode == "plan" and self.plan and
                                                     self.plan.gradient_checkpointing))  # fmt: skip
 
+    def measure_configured(self, step: TrainingStep, micro_batch: int, accumulation: int) -> None:
+        """Trace the step about to run, as configured, and measure the run against it; against the figures the plan
+        quotes where the run runs the plan (traced on the batch it was planned on, the longest, so the two agree
+        whatever batch the loader hands out first). Says the prediction."""
+        self.estimate = traced = step.trace_at(micro_batch, False, accumulation)
+        peak, plan = traced.at(micro_batch), self.plan
+        allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
+        if plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (micro_batch, accumulation):
+            allocated = plan.predicted_allocated_bytes or allocated
+            reserved = plan.predicted_reserved_bytes or reserved
+        self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, estimate=traced)
+        if self.verbose:
+            on_cuda = traced.device == "cuda"
+            figure = f"reserved {format_bytes(reserved)} (allocated {format_bytes(allocated)})" if on_cuda else \
+                f"{format_bytes(allocated)} of tensors"  # fmt: skip
+            runs = f"; the plan it runs: {plan.summary()}" if plan else ""
+            self.info(f"memfit: predicted peak of this {self.port.device().type.upper()} run {figure} at micro batch "
+                      f"{micro_batch}{runs}")  # fmt: skip
+
+    def measure_against_plan(self, layout: RunLayout, *, without_plan: str) -> None:
+        """A sharded run whose model is sharded by the time memfit sees it (nothing whole is left to trace): measured
+        against the plan's per-rank prediction, or its measured peaks alone, with one warning (``without_plan``: how
+        to give it a plan), without a plan."""
+        plan = self.plan
+        if plan is None:
+            self.warn("sharding", f"memfit: under {layout.label} the model is already sharded here, so there is no "
+                      f"whole model to predict from; {without_plan} to measure each rank against its prediction. "
+                      "Logging the measured peaks only.")  # fmt: skip
+        self.start_measuring(predicted_allocated_bytes=plan.predicted_allocated_bytes if plan else None,
+                             predicted_reserved_bytes=plan.predicted_reserved_bytes if plan else None,
+                             estimate=None)  # fmt: skip
+        if self.verbose and plan is not None:
+            self.info(f"memfit: measuring each rank of this {layout.label} run against the plan's per-rank "
+                      f"prediction: {plan.summary()}")  # fmt: skip
+
     def start_measuring(
         self,
         *,
@@ -335,10 +375,10 @@ class RunController:
             self.warn("recovery", unsupported)
             return
         self.recovery = OOMRecovery(
-            reset_gradients=self.port.reset_gradients,
+            reset_gradients=lambda: self.port.trained_module().zero_grad(set_to_none=True),
             estimate=self.estimate,
             margin=self.margin,
-            enable_checkpointing=self.port.enable_checkpointing if self.options.allow_checkpointing else None,
+            enable_checkpointing=self._enable_checkpointing if self.options.allow_checkpointing else None,
             checkpointing_on=checkpointing_on,
             loss_reduction=self.loss_reduction,
             distributed=self.port.world_size() > 1,
@@ -351,6 +391,9 @@ class RunController:
             self.recovery = None
             degrade(f"memfit cannot recover from out-of-memory errors in this run ({type(error).__name__}: {error}); "
                     "an out-of-memory error will end it as usual", error, key="recovery", seen=self.warned)  # fmt: skip
+
+    def _enable_checkpointing(self) -> Any:
+        return enable_checkpointing(self.port.trained_module(), self.checkpoint_modules)
 
     def failed(self, error: BaseException, *, in_optimizer_step: bool) -> None:
         """The run stopped on ``error``: say why memfit could not help when it was the optimizer step's OOM."""

@@ -10,6 +10,7 @@ the controller's (``memfit.run.controller.RunController``), the same for every f
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from memfit.diagnostics import info, is_rank_zero
 from memfit.planning.gpus import PlanningTarget
 from memfit.planning.planner import Plan
 from memfit.precision import Precision
@@ -30,7 +32,7 @@ from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.sharding import ShardingConfig
 from memfit.tracing.tracer import ForwardFn, LossFn, ZeroGrad
 
-__all__ = ["PlanningOnly", "PlanningPort", "RunLayout", "RunPort", "TrainingStep"]
+__all__ = ["PlanningOnly", "PlanningPort", "RankZeroSpeaker", "RunLayout", "RunPort", "TrainingStep"]
 
 Value = TypeVar("Value")
 
@@ -137,11 +139,8 @@ class RunPort(Protocol):
     def uninstall_step(self) -> None:
         """The framework's own step again (called also when nothing was installed)."""
 
-    def reset_gradients(self) -> None:
-        """Free every gradient (a recovery that replays its window)."""
-
-    def enable_checkpointing(self) -> Any:
-        """Turn checkpointing on in the model now (a recovery that ran out of smaller chunks)."""
+    def trained_module(self) -> nn.Module:
+        """The model being trained, unwrapped (a recovery frees its gradients, or turns its checkpointing on)."""
 
     # ------------------------------------------------------------------ where figures go
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
@@ -214,11 +213,8 @@ class PlanningOnly:
     def uninstall_step(self) -> None:
         return None
 
-    def reset_gradients(self) -> None:
-        return None
-
-    def enable_checkpointing(self) -> None:
-        return None
+    def trained_module(self) -> nn.Module:
+        raise NotImplementedError(self.recovery_unsupported())
 
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
         return None
@@ -228,3 +224,15 @@ class PlanningOnly:
 
     def log_plan(self, params: dict[str, Any]) -> None:
         return None
+
+
+class RankZeroSpeaker:
+    """A port's warnings and lines said through memfit's own logger and ``warnings``, on rank 0 only
+    (``memfit.diagnostics``), for a framework without its own rank-zero helpers."""
+
+    def warn(self, message: str) -> None:
+        if is_rank_zero():
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def info(self, message: str) -> None:
+        info(message)

@@ -24,6 +24,7 @@ __all__ = [
     "infer_batch_size",
     "longest_batch",
     "longest_examples",
+    "planning_batch",
     "rebatch",
     "resequenced",
     "sequence_length",
@@ -280,7 +281,7 @@ def sequence_limit(
     collator's ``max_length``, the tokenizer's ``model_max_length`` (when it is a real bound, not the tokenizer's
     "unset"), the model's table of learned positions, the positions its config declares (a model inside a
     LightningModule included)."""
-    from memfit.tracing.positions import position_limit
+    from memfit.tracing.model_limits import position_limit
 
     if max_length is not None:
         return int(max_length), f"max_length={max_length}"
@@ -385,6 +386,21 @@ def _longest_batch(loader: DataLoader, notes: list[str] | None) -> Any:
             "would need more memory"
         )
     return next(iter(loader))
+
+
+def planning_batch(
+    loader: DataLoader, model: torch.nn.Module, notes: list[str], *, max_length: int | None = None
+) -> Any:
+    """The batch a run over ``loader`` peaks on: its longest (``longest_batch``), or a stream's first stretched to
+    the longest it can produce (``longest_of_a_stream``); ``notes`` gets what the choice could not know. Taking it
+    leaves the run's random streams (its shuffling, its random transforms) where they were."""
+    from memfit.tracing.model_state import preserved_rng_state  # it imports the device backends
+
+    with preserved_rng_state():
+        sample = longest_batch(loader, notes=notes)
+    if is_stream(loader.dataset):
+        sample, notes[:] = longest_of_a_stream(sample, model, loader.collate_fn, None, max_length, notes)
+    return sample
 
 
 def dataset_length(dataset: Any) -> int | None:

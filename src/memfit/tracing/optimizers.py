@@ -27,6 +27,7 @@ __all__ = [
     "OptimizerInfo",
     "OptimizerSpec",
     "build_optimizer",
+    "embeddings_in_32_bits",
     "optimizer_info",
     "optimizer_name",
     "stepping",
@@ -375,3 +376,22 @@ def stepping(optimizer: Optimizer | None) -> Iterator[None]:
         return
     with _StepSizeReads():
         yield
+
+
+def embeddings_in_32_bits(optimizer: Any, model: torch.nn.Module) -> None:
+    """Keep a bitsandbytes 8-bit optimizer's state of embeddings in 32 bits, as ``Trainer.create_optimizer`` does.
+
+    The Trainer registers that override in bitsandbytes' process-wide manager; this optimizer gets a
+    manager of its own with the same overrides (and whatever was registered before), so planning
+    leaves the process's manager as it was. The trace rebuilds the optimizer with a copy of it.
+    """
+    shared = optimizer.mng
+    private = type(shared).__new__(type(shared))
+    private.initialize()
+    private.module_weight_config_triple = list(shared.module_weight_config_triple)
+    private.pid2config = dict(shared.pid2config)
+    private.uses_config_override = shared.uses_config_override
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            private.register_module_override(module, "weight", {"optim_bits": 32})
+    optimizer.mng = private

@@ -23,7 +23,9 @@ from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import COMPILED_NOTE
 from memfit.tracing.batch import batch_examples, is_stream, longest_of_a_stream
 from memfit.tracing.ddp import DDPConfig
+from memfit.tracing.model_limits import check_token_ranges
 from memfit.tracing.model_state import preserved_rng_state
+from memfit.tracing.optimizers import embeddings_in_32_bits
 
 
 def run_device(args: TrainingArguments) -> torch.device:
@@ -157,82 +159,6 @@ def collated_sample(
     return dict(batch) if isinstance(batch, Mapping) else batch
 
 
-def check_token_ranges(model: torch.nn.Module, batch: Any) -> None:
-    """Refuse a batch the model's step would fail on: ``input_ids`` outside its vocabulary (the embedding
-    lookup raises, or reads out of bounds on a GPU), ``labels`` outside what its loss takes (the vocabulary for
-    a language-model head, ``num_labels`` for a classification head; -100 marks positions the loss ignores).
-    Only concrete tensors are read: a fake or ``meta`` batch has no values."""
-    if not isinstance(batch, Mapping):
-        return
-    base = _base_model(model)
-    ids = _values(batch.get("input_ids"))
-    vocabulary = _input_vocabulary(base)
-    if ids is not None and vocabulary is not None and ids.numel():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocabulary:
-            raise InvalidInputError(
-                f"the batch's input_ids hold token id {high if high >= vocabulary else low}, outside the model's "
-                f"vocabulary of {vocabulary} tokens (ids 0 to {vocabulary - 1}), so its embedding lookup would fail; "
-                "tokenize with the model's own tokenizer, or resize its embeddings to the tokenizer's "
-                "(model.resize_token_embeddings(len(tokenizer)))"
-            )
-    labels = _values(batch.get("labels"))
-    bound = _label_bound(base, labels)
-    if labels is None or bound is None:
-        return
-    counted = labels[labels != _IGNORED_LABEL]
-    if not counted.numel():
-        return
-    low, high = int(counted.min()), int(counted.max())
-    if low < 0 or high >= bound[0]:
-        raise InvalidInputError(
-            f"the batch's labels hold {high if high >= bound[0] else low}, outside the {bound[0]} {bound[1]} the "
-            f"model's loss takes (0 to {bound[0] - 1}, and {_IGNORED_LABEL} for positions it ignores), so its "
-            f"loss would fail; {bound[2]}"
-        )
-
-
-_IGNORED_LABEL = -100  # the ignore_index of every transformers loss
-
-
-def _values(tensor: Any) -> torch.Tensor | None:
-    """An integer tensor whose values can be read, else ``None`` (a fake or ``meta`` tensor has none)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
-        return None
-    return tensor if not tensor.dtype.is_floating_point and not tensor.dtype.is_complex else None
-
-
-def _input_vocabulary(model: torch.nn.Module) -> int | None:
-    """The rows of the model's input embedding table (after ``resize_token_embeddings``), else its config's
-    ``vocab_size``."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if isinstance(embeddings, torch.nn.Embedding):
-        return embeddings.num_embeddings
-    vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)
-    return vocabulary if isinstance(vocabulary, int) and vocabulary > 0 else None
-
-
-def _label_bound(model: torch.nn.Module, labels: torch.Tensor | None) -> tuple[int, str, str] | None:
-    """How many values ``labels`` can take, what they are, and what to do about one out of range: the output
-    vocabulary of a language-model head, the classes of a single-label classification head; ``None`` when the
-    model's loss is something else (regression, multi-label) or unknown."""
-    if labels is None:
-        return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    rows = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
-    if isinstance(rows, int) and rows > 0:
-        return rows, "token ids", "make the labels with the model's own tokenizer, -100 where the loss skips"
-    config = getattr(model, "config", None)
-    classes = getattr(config, "num_labels", None)
-    classifier = type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification"))
-    single_label = getattr(config, "problem_type", None) in (None, "single_label_classification")
-    if classifier and single_label and isinstance(classes, int) and classes > 1:
-        return classes, "classes", f"set num_labels (it is {classes}) to the dataset's number of classes"
-    return None
-
-
 def _signature_columns(model: torch.nn.Module, args: TrainingArguments) -> set[str]:
     """The example keys the Trainer keeps under ``remove_unused_columns``: the forward's parameters
     (of the base model under PEFT) and the label names."""
@@ -296,7 +222,7 @@ def trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
                     error, quiet=True)  # fmt: skip
         else:
             if "bitsandbytes" in str(optimizer_cls) and optimizer_kwargs.get("optim_bits") == 8:
-                _embeddings_in_32_bits(optimizer, model)
+                embeddings_in_32_bits(optimizer, model)
             return optimizer
 
     def build(params: Any) -> torch.optim.Optimizer:
@@ -304,25 +230,6 @@ def trainer_optimizer(args: TrainingArguments, model: torch.nn.Module) -> Any:
 
     build.__name__ = getattr(optimizer_cls, "__name__", optim)
     return build
-
-
-def _embeddings_in_32_bits(optimizer: Any, model: torch.nn.Module) -> None:
-    """Keep embeddings' state in 32 bits, as ``Trainer.create_optimizer`` does for bitsandbytes 8-bit.
-
-    The Trainer registers that override in bitsandbytes' process-wide manager; this optimizer gets a
-    manager of its own with the same overrides (and whatever was registered before), so planning
-    leaves the process's manager as it was. The trace rebuilds the optimizer with a copy of it.
-    """
-    shared = optimizer.mng
-    private = type(shared).__new__(type(shared))
-    private.initialize()
-    private.module_weight_config_triple = list(shared.module_weight_config_triple)
-    private.pid2config = dict(shared.pid2config)
-    private.uses_config_override = shared.uses_config_override
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            private.register_module_override(module, "weight", {"optim_bits": 32})
-    optimizer.mng = private
 
 
 def running_optimizer(args: TrainingArguments, model: torch.nn.Module, optimizer: Any) -> Any:

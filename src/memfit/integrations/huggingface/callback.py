@@ -1,12 +1,9 @@
-"""``attach`` and ``MemoryPlannerCallback``: measure the run against its prediction, recover from OOM.
+"""The Hugging Face Trainer port: ``attach`` and ``MemoryPlannerCallback``.
 
-Callbacks are never handed the ``Trainer``, and HF calls its ``report_to`` trackers before user
-callbacks, so a callback must hold the Trainer and run first to reach the trackers with its metrics and to
-wrap the training step. ``attach(trainer, budget=...)`` plans the built Trainer's batch and does both; a
-callback passed in ``Trainer(callbacks=[...])`` finds its Trainer and does the same. This module only
-translates: the plan comes from ``plan_training_arguments``, the prediction from ``memfit.estimate``, the
-measuring from ``RunMonitor``, the chunked step from ``OOMRecovery``; the Trainer's privates are in
-``internals``.
+Callbacks are never handed the ``Trainer``, and HF calls its ``report_to`` trackers before user callbacks, so the
+callback holds the Trainer and runs first (``attach``, or the callback finding the Trainer that calls it). Its
+events hand off to the run controller (``memfit.run.controller``); ``_TrainerPort`` translates the Trainer's
+arguments, process group, step and trackers; the Trainer's privates are in ``internals``.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +22,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
-from memfit.diagnostics import degrade, info, is_rank_zero
+from memfit.diagnostics import degrade, info
 from memfit.errors import InvalidInputError, MemfitError, ShardingNotModelledError
 from memfit.integrations.huggingface import internals
 from memfit.integrations.huggingface.arguments import (
@@ -48,7 +44,7 @@ from memfit.planning.unmodelled import not_modelled
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
-from memfit.run.port import RunLayout, TrainingStep
+from memfit.run.port import RankZeroSpeaker, RunLayout, TrainingStep
 from memfit.run.ranks import gathered, process_group_size
 from memfit.run.recovery import (
     OPTIMIZER_STEP_OOM,
@@ -59,10 +55,8 @@ from memfit.run.recovery import (
     check_on_oom,
 )
 from memfit.tracing.batch import batch_examples, is_stream, longest_of_a_stream
-from memfit.tracing.checkpointing import enable_checkpointing
 from memfit.tracing.config import Target
 from memfit.tracing.model_state import preserved_rng_state
-from memfit.units import format_bytes
 
 __all__ = ["MemoryPlannerCallback", "attach"]
 
@@ -95,32 +89,23 @@ def attach(
         attach(trainer, budget="h100")  # or budget=None: the free memory of the device the run uses
         trainer.train()
 
-    With ``budget``, ``target`` or ``target_batch_size`` it plans what ``plan_training_arguments`` plans, on the
-    Trainer's own model, arguments, datasets, collator and processing class, and applies it to the built
-    Trainer: the largest micro batch that fits, the accumulation that keeps the effective batch
-    (``per_device_train_batch_size x gradient_accumulation_steps x world size``, or ``target_batch_size``),
-    gradient checkpointing only when needed, and ``eval_accumulation_steps`` when the evaluation's outputs
-    would not fit. ``trainer.args`` becomes the planned copy (the arguments you built it with are not
-    changed). Without them it attaches only, with the ``plan`` you give (from ``plan_training_arguments``) or
-    none.
-
-    Attached, the callback runs first, so its ``memfit/*`` keys reach every ``report_to`` tracker; holding the
-    Trainer, it recovers from out-of-memory errors in a step (``on_oom="replan"``) and checks the evaluation
-    pass. A ``MemoryPlannerCallback`` passed in ``Trainer(callbacks=[...])`` attaches itself the same way when
-    the Trainer is built; ``attach`` then uses (and plans for) that one when no ``callback`` is given.
+    With ``budget``, ``target`` or ``target_batch_size`` it plans what ``plan_training_arguments`` plans, on what
+    the Trainer was built with, and applies it to the Trainer (``trainer.args`` becomes the planned copy); without
+    them it attaches only, with the ``plan`` you give or none. Attached, the callback runs first, so its
+    ``memfit/*`` keys reach every ``report_to`` tracker, and it can wrap the Trainer's step for the out-of-memory
+    recovery and check the evaluation pass (docs/huggingface.md).
 
     Args:
         trainer: the ``transformers.Trainer`` about to train.
         callback: the callback to attach; default: the one the Trainer has, else a new one.
         budget, target, target_batch_size, min_batch_size, max_batch_size, resume_from_checkpoint, max_length:
-            as for ``plan_training_arguments`` (``resume_from_checkpoint``: the one you will pass to ``train``, so a
-            resumed run keeps the plan saved in its checkpoint).
-        options: ``MemoryPlannerCallback`` arguments (``margin``, ``on_oom``, ``allow_checkpointing``, ...) for a
-            new one; ``margin`` and ``allow_checkpointing`` also apply to the plan.
+            as for ``plan_training_arguments`` (``resume_from_checkpoint``: the one you will pass to ``train``).
+        options: ``MemoryPlannerCallback`` arguments for a new one; ``margin`` and ``allow_checkpointing`` also
+            apply to the plan.
 
     Returns:
-        The attached callback (``callback.plan`` is the plan applied; its ``estimate``, ``monitor`` and
-        ``recovery`` are filled in by ``train()``).
+        The attached callback (``callback.plan`` is the plan applied; ``estimate``, ``monitor`` and ``recovery``
+        are filled in by ``train()``).
     """
     if not isinstance(trainer, Trainer):
         raise InvalidInputError(f"attach() takes a transformers.Trainer, got {type(trainer).__name__}")
@@ -193,59 +178,29 @@ def _put_first(trainer: Trainer, callback: MemoryPlannerCallback) -> None:
 class MemoryPlannerCallback(ControlledRun, TrainerCallback):
     """Measure peak memory while the Trainer trains and log it against memfit's prediction.
 
-    Attach it with ``memfit.huggingface.attach(trainer, budget=...)``. At ``on_train_begin`` it traces
-    the model with the batch size, accumulation, precision, optimizer and checkpointing that are
-    about to run (one batch built from the train dataloader's dataset and collator), in the
-    Trainer's loop: gradients freed after the optimizer step, kept through an accumulation window,
-    DDP's gradient buckets when the Trainer wraps the model in ``DistributedDataParallel``, the
-    window's batches the recovery keeps. Every ``logging_steps`` it reads the peaks of the window
-    and adds the metrics below to the Trainer's logs before the ``report_to`` trackers see them, so
-    TensorBoard, MLflow, W&B and the rest all receive them. The plan from
-    ``plan_training_arguments`` is saved into each checkpoint (``memfit_plan.json``) so a resumed
-    run keeps it.
+    Attach it with ``memfit.huggingface.attach(trainer, budget=...)`` (passed in ``Trainer(callbacks=[...])`` it
+    attaches itself). At ``on_train_begin`` it traces the step that is about to run, in the Trainer's loop, and
+    every ``logging_steps`` adds the window's figures to the Trainer's logs before the ``report_to`` trackers see
+    them. The plan is saved into each checkpoint (``memfit_plan.json``) so a resumed run keeps it. Under FSDP or
+    DeepSpeed the model it is handed is sharded already: each rank is measured against the per-rank prediction of
+    the ``plan`` from ``plan_training_arguments``. An out-of-memory error in a step (``on_oom="replan"``) is
+    recovered as in every port (``memfit.run.recovery``); any failure inside memfit is one warning.
 
-    Passed in ``Trainer(callbacks=[...])`` (or ``trainer.add_callback``) it attaches itself when the Trainer is
-    built (or starts training), as ``attach`` does: it finds the Trainer calling it. Only a callback whose
-    events do not come from a Trainer stays unattached: its metrics then reach only callbacks that run after
-    it, without out-of-memory recovery or the evaluation check, and it warns once saying so.
-
-    Logged keys (only those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
+    Logged keys (those measured on the device): ``memfit/predicted_peak_allocated_bytes``,
     ``memfit/predicted_peak_reserved_bytes``, ``memfit/measured_peak_allocated_bytes``,
-    ``memfit/measured_peak_reserved_bytes``, ``memfit/drift_allocated_pct``,
-    ``memfit/drift_reserved_pct``, ``memfit/measured_device_used_bytes`` (CUDA; NVML with
-    ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes`` (CPU: the whole process's resident
-    memory, not comparable with the predicted tensor bytes, so no drift on CPU);
-    ``memfit/alarm_over_margin``, ``memfit/alarm_leak`` (1 in the window an alarm is raised). The
-    predicted peaks are ``MemoryEstimate.at(micro batch)``, the figures a plan quotes. With a plan,
-    the first log also carries ``memfit/micro_batch_size``, ``memfit/accumulate_grad_batches``,
-    ``memfit/gradient_checkpointing`` and ``memfit/effective_batch_size``. With several processes, rank 0
-    also logs every rank's own peaks as ``memfit/rank{r}/<key>``.
-
-    Under FSDP or DeepSpeed (``fsdp``/``fsdp_config``, ``deepspeed``, or ``accelerate launch``) the Trainer
-    hands callbacks the model already sharded, so the callback does not trace it: it measures each rank
-    against the per-rank prediction of the ``plan`` from ``plan_training_arguments`` (without a plan, the
-    measured peaks only, with one warning), and its out-of-memory recovery stays off. Where memfit cannot
-    predict a rank (DeepSpeed tensor parallelism, ZeRO++, MiCS), one warning names it and the measured
-    peaks alone are logged.
-
-    Out-of-memory errors in a training step (``on_oom="replan"``, the default, when attached): the
-    failed batch is retried in chunks whose losses are weighted by their share of the batch, and
-    later batches run in the same chunks, so the effective batch, the samples seen and the
-    optimizer steps stay as configured (see ``memfit.run.recovery``). Each recovery is one
-    warning and the metrics ``memfit/oom_recoveries``, ``memfit/micro_batch_size`` (the chunk) and
-    ``memfit/gradient_checkpointing`` in the next log. An out-of-memory error in the optimizer step
-    is not recoverable this way and ends the run, with a warning that says why and what helps.
-
-    Any failure inside memfit becomes one warning and training goes on untouched.
+    ``memfit/measured_peak_reserved_bytes``, ``memfit/drift_allocated_pct``, ``memfit/drift_reserved_pct``,
+    ``memfit/measured_device_used_bytes`` (CUDA; NVML with ``nvidia-ml-py``); ``memfit/measured_peak_rss_bytes``
+    (CPU: the whole process, not compared with the predicted tensor bytes); ``memfit/alarm_over_margin``,
+    ``memfit/alarm_leak``; with a plan, in the first log, ``memfit/micro_batch_size``,
+    ``memfit/accumulate_grad_batches``, ``memfit/gradient_checkpointing``, ``memfit/effective_batch_size``; after a
+    recovery, ``memfit/oom_recoveries``; with several processes, each rank's own as ``memfit/rank{r}/<key>``.
 
     Args:
-        plan: the ``Plan`` returned by ``plan_training_arguments`` (optional; logged and checkpointed).
+        plan: the ``Plan`` from ``plan_training_arguments`` (optional; logged and checkpointed).
         margin: drift above this fraction of the prediction raises a warning (once).
         on_oom: ``"replan"`` to recover from out-of-memory errors in a step, ``"raise"`` to let them end the run.
-        loss_reduction: how the model's loss reduces a batch (``"mean"``, what HF models return, or
-            ``"sum"``); it decides how chunk losses are weighted.
-        allow_checkpointing: whether a recovery may turn on gradient checkpointing once chunks of
-            one sample still run out of memory.
+        loss_reduction: how the model's loss reduces a batch (``"mean"``, what HF models return, or ``"sum"``).
+        allow_checkpointing: whether a recovery may turn on gradient checkpointing.
         verbose: log the prediction and the final drift line.
     """
 
@@ -373,14 +328,23 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
 
     def _predict(self, args: TrainingArguments, model: Any, loader: Any, optimizer: Any) -> None:
         """Trace the step that is about to run (its batch, accumulation, precision and optimizer) and measure the
-        run against it."""
+        run against it; under FSDP or DeepSpeed the model is sharded already, and the plan's per-rank figures are
+        measured against."""
         if model is None or loader is None:
             raise InvalidInputError("the Trainer passed no model or train dataloader")
-        micro = args.per_device_train_batch_size
-        device = next(model.parameters()).device
-        if self._measure_sharded(args, model, micro):
+        try:
+            self._layout = run_layout(args, model, precision=run_precision(args))
+        except ShardingNotModelledError as error:
+            self.controller.warn("sharding", not_modelled(str(error)))
+            self._layout = RunLayout()
+            self.controller.start_measuring(predicted_allocated_bytes=None, predicted_reserved_bytes=None,
+                                            estimate=None)  # fmt: skip
             return
-        found: list[str] = []
+        if self._layout.sharding is not None:
+            self.controller.measure_against_plan(self._layout, without_plan="the Trainer hands callbacks the model "
+                                                 "sharded: pass plan= from plan_training_arguments")  # fmt: skip
+            return
+        micro, device, found = args.per_device_train_batch_size, next(model.parameters()).device, []
         with preserved_rng_state():
             sample = loader.collate_fn(batch_examples(loader.dataset, micro, args.length_column_name, notes=found))
         if is_stream(loader.dataset):  # planned, as plan_training_arguments does, at the longest it can produce
@@ -391,53 +355,9 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         step = TrainingStep(
             model, dict(sample) if isinstance(sample, dict) else sample, running_optimizer(args, model, optimizer),
             run_precision(args), Target("cuda" if device.type == "cuda" else "cpu"), ddp=ddp_config(args, model),
-            held_batches=functools.partial(held_batches, device=device),
-            notes=(*run_notes(args), *self._layout.notes, *found),
+            held_batches=functools.partial(held_batches, device=device), notes=(*run_notes(args), *found),
         )  # fmt: skip
-        self.estimate = traced = step.trace_at(micro, False, args.gradient_accumulation_steps)
-        peak = traced.at(micro)
-        allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-        if self.plan is not None and self._check_runs_the_plan(args):
-            # the run runs the plan: measured against the figures the plan quotes (traced on the batch it was planned
-            # on, the longest), so the two agree whatever batch the loader hands out first
-            allocated = self.plan.predicted_allocated_bytes or allocated
-            reserved = self.plan.predicted_reserved_bytes or reserved
-        self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
-                                        estimate=traced)  # fmt: skip
-        if self.verbose:
-            figure = (
-                f"reserved {format_bytes(reserved)} (allocated {format_bytes(allocated)})"
-                if device.type == "cuda"
-                else f"{format_bytes(allocated)} of tensors"
-            )
-            plan = f"; the plan it runs: {self.plan.summary()}" if self.plan else ""
-            info(f"memfit: predicted peak of this {device.type.upper()} run {figure} at micro batch {micro}{plan}")
-
-    def _measure_sharded(self, args: TrainingArguments, model: Any, micro: int) -> bool:
-        """Under FSDP or DeepSpeed, start measuring against the plan's per-rank prediction (the model is
-        already sharded: there is nothing whole left to trace) and return ``True``; otherwise ``False``."""
-        try:
-            self._layout = run_layout(args, model, precision=run_precision(args))
-        except ShardingNotModelledError as error:
-            self.controller.warn("sharding", not_modelled(str(error)))
-            self._layout, predicted = RunLayout(), None
-        else:
-            if self._layout.sharding is None:
-                return False
-            predicted = self.plan
-            if predicted is None:
-                self.controller.warn("sharding", f"memfit: under {self._layout.label} the Trainer hands callbacks the "
-                                     "model already sharded, so there is no whole model to predict from here; pass "
-                                     "plan= from plan_training_arguments to measure each rank against its "
-                                     "prediction. Logging the measured peaks only.")  # fmt: skip
-        allocated = predicted.predicted_allocated_bytes if predicted is not None else None
-        reserved = predicted.predicted_reserved_bytes if predicted is not None else None
-        self.controller.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved,
-                                        estimate=None)  # fmt: skip
-        if self.verbose and predicted is not None:
-            info(f"memfit: measuring each rank of this {self._layout.label} run against the plan's per-rank "
-                 f"prediction: {predicted.summary()}")  # fmt: skip
-        return True
+        self.controller.measure_configured(step, micro, args.gradient_accumulation_steps)
 
     def _check_evaluation(self, args: TrainingArguments, model: Any) -> None:
         """Predict the Trainer's evaluation pass beside this run's training state; warn when it would not fit."""
@@ -462,7 +382,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             self.controller.warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
 
 
-class _TrainerPort:
+class _TrainerPort(RankZeroSpeaker):
     """The Trainer's side of the run for ``RunController``: its arguments, process group, step and trackers. The
     Trainer's trackers read the training logs, so scalars wait for the next ``on_log`` to join them."""
 
@@ -512,11 +432,8 @@ class _TrainerPort:
     def uninstall_step(self) -> None:
         internals.restore_attributes(self._replaced)
 
-    def reset_gradients(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-
-    def enable_checkpointing(self) -> Any:
-        return enable_checkpointing(self.callback._trainer.accelerator.unwrap_model(self.model))
+    def trained_module(self) -> torch.nn.Module:
+        return self.callback._trainer.accelerator.unwrap_model(self.model)
 
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
         self.callback._pending.update(metrics)
@@ -534,13 +451,6 @@ class _TrainerPort:
 
     def log_plan(self, params: dict[str, Any]) -> None:
         return None  # the plan joins the first training log (on_log)
-
-    def warn(self, message: str) -> None:
-        if is_rank_zero():  # the controller says each kind once
-            warnings.warn(message, UserWarning, stacklevel=4)
-
-    def info(self, message: str) -> None:
-        info(message)
 
 
 def _plot(function: str, *args: Any) -> Any:

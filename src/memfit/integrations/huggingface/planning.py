@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -18,7 +17,6 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("memfit.huggingface needs transformers and accelerate: pip install 'memfit[hf]'") from error
 
-from memfit.diagnostics import info, is_rank_zero
 from memfit.errors import InvalidInputError, ShardingNotModelledError
 from memfit.integrations.huggingface import internals
 from memfit.integrations.huggingface.arguments import (
@@ -42,11 +40,11 @@ from memfit.planning.run_options import RunOptions, dropped_samples_warning
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.run.controller import RunController
-from memfit.run.port import PlanningOnly, RunLayout, TrainingStep
+from memfit.run.port import PlanningOnly, RankZeroSpeaker, RunLayout, TrainingStep
 from memfit.run.ranks import gathered, process_group_rank
 from memfit.tracing.batch import dataset_length
 from memfit.tracing.config import Target
-from memfit.tracing.positions import check_sequence_length
+from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.sharding import ShardingConfig
 
 PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back on resume
@@ -86,43 +84,32 @@ def plan_training_arguments(
 ) -> PlannedArguments:
     """Plan micro batch, accumulation and checkpointing for a Trainer that is about to be built.
 
-    With an ``eval_dataset`` the evaluation pass is predicted too, beside the optimizer state
-    training leaves, with the outputs the Trainer collects for ``compute_metrics``. When it would
-    not fit, ``eval_accumulation_steps`` (if you left it unset) is set to the most batches whose
-    outputs fit on the GPU before they move to the CPU; otherwise a warning says what to change.
-
-    Under FSDP or DeepSpeed (``fsdp``/``fsdp_config``, ``deepspeed``, or ``accelerate launch``) the plan is
-    one rank's, with the ``ShardingConfig`` read from the arguments (``PlannedArguments.sharding``; see
-    ``memfit.integrations.huggingface.sharding``): what accelerate will actually run, so ``fsdp=`` under
-    ``torchrun`` on CPU, where accelerate runs DDP, is planned as DDP, with a note. Under ``torchrun``
-    every process plans from the smallest capacity of all ranks, so all ranks get the same plan.
+    The step the Trainer will run is traced on the longest batch its collator builds of ``train_dataset``, with
+    its optimizer, precision and loop; the plan is one rank's under FSDP or DeepSpeed, as accelerate will run it.
+    Under ``torchrun`` every process plans from the smallest capacity of all ranks. With an ``eval_dataset`` the
+    evaluation pass is predicted too, and ``eval_accumulation_steps`` (if you left it unset) is set to the most
+    batches of collected outputs that fit (docs/huggingface.md).
 
     Args:
         model, args, train_dataset, data_collator, processing_class, eval_dataset, compute_metrics,
             preprocess_logits_for_metrics: what you will pass to ``Trainer``.
-        budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the
-            device the run will use (the CUDA GPU if there is one, else the available RAM), or the memory
-            of the GPU ``target`` names.
-        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name (``"h100"``: CUDA semantics
-            with that card's compute capability). Default: the device the run will use, or the GPU
-            ``budget`` names, so ``budget="h100"`` plans for an H100 even on a machine without one. A
-            device other than the run's needs a budget or a GPU name.
-        margin: fraction of the budget kept free.
-        target_batch_size: effective batch to keep; default ``per_device_train_batch_size x
-            gradient_accumulation_steps x world_size``; ``"max"`` for the largest micro batch.
-        max_length: the longest sequence a streamed dataset's batches have (default: the collator's
-            ``max_length``, the tokenizer's ``model_max_length``, else the model's positions): a stream's first
-            examples are planned stretched to it, as its lengths cannot be read ahead.
-        resume_from_checkpoint: as for ``Trainer.train``: when the checkpoint holds a memfit plan,
-            that plan is returned unchanged so a resumed run keeps its batch.
+        budget: memory per device: bytes, ``"20GiB"`` or a GPU name; default: the free memory of the device the
+            run will use, or the memory of the GPU ``target`` names.
+        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name (``"h100"``); default: the run's,
+            or the GPU ``budget`` names.
+        margin, target_batch_size, allow_checkpointing, min_batch_size, max_batch_size: as for every port;
+            the effective batch kept by default is ``per_device_train_batch_size x gradient_accumulation_steps x
+            world_size``.
+        max_length: the longest sequence a streamed dataset's batches have (default: the collator's, the
+            tokenizer's ``model_max_length``, else the model's positions).
+        resume_from_checkpoint: as for ``Trainer.train``: a memfit plan in the checkpoint is returned unchanged.
 
     Returns:
-        ``PlannedArguments(args, plan, estimate, evaluation, sharding)``; ``args`` is a copy, the input is
-        not changed.
+        ``PlannedArguments(args, plan, estimate, evaluation, sharding)``; ``args`` is a copy.
 
     Raises:
-        ShardingNotModelledError: a layout memfit cannot predict per rank (DeepSpeed tensor parallelism,
-            ZeRO++, MiCS), named in the message.
+        ShardingNotModelledError: a layout memfit cannot predict per rank (DeepSpeed tensor parallelism, ZeRO++,
+            MiCS), named in the message.
     """
     if not isinstance(args, TrainingArguments):
         raise InvalidInputError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
@@ -149,7 +136,7 @@ def plan_training_arguments(
     return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, sharding)
 
 
-class _ArgumentsPort(PlanningOnly):
+class _ArgumentsPort(PlanningOnly, RankZeroSpeaker):
     """The run a ``Trainer`` will train, read from what it is about to be built with: its arguments, model,
     datasets, collator and processing class. Under ``torchrun`` every process plans, from the smallest capacity of
     all of them, so the deterministic search gives every rank the same plan."""
@@ -259,13 +246,6 @@ class _ArgumentsPort(PlanningOnly):
         if warning is not None:
             self.warn(warning)
         return True
-
-    def warn(self, message: str) -> None:
-        if is_rank_zero():
-            warnings.warn(message, UserWarning, stacklevel=4)
-
-    def info(self, message: str) -> None:
-        info(message)
 
 
 def _saved_plan(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> dict[str, Any] | None:

@@ -39,7 +39,7 @@ from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
 from memfit.run.port import RunLayout, TrainingStep
 from memfit.run.recovery import LossReduction, OnOOM, OOMRecovery, batches_held, check_loss_reduction, check_on_oom
-from memfit.tracing.batch import dataset_length, infer_batch_size, is_stream, longest_batch, longest_of_a_stream
+from memfit.tracing.batch import dataset_length, infer_batch_size, longest_batch, planning_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target
 from memfit.tracing.ddp import DDPConfig
@@ -48,51 +48,30 @@ from memfit.tracing.model_state import preserved_rng_state
 # The callback's docstring, shared by memfit.lightning and memfit.pytorch_lightning (neither imports the other)
 _DOC = """Plan micro batch, gradient accumulation and checkpointing before the first batch; log drift.
 
-    At ``setup`` (stage ``"fit"``) the callback takes one batch from the train dataloader (or ``sample``): where the
-    dataloader's ``collate_fn`` pads batches of a map-style dataset, the batch of its longest examples, since the
-    longest batch makes the peak. It traces two training steps of the real LightningModule (its ``training_step``,
-    the first optimizer from ``configure_optimizers``, the trainer's precision) on fake tensors, and plans the
-    largest micro batch whose predicted peak fits the budget minus the margin, the accumulation that keeps the
-    effective batch, and checkpointing only if needed. In ``mode="plan"`` it applies the plan: the micro batch
-    through ``lightning_setattr`` on the module, its hparams or the datamodule (attribute ``batch_arg_name``, as
-    ``BatchSizeFinder``), ``trainer.accumulate_grad_batches``, and checkpointing (Hugging Face models inside the
-    module use their own switch; other modules get ``torch.utils.checkpoint`` around ``checkpoint_modules`` or the
-    longest list of identical blocks). In ``mode="observe"`` it changes nothing and only logs drift. Under DDP, the
-    smallest free memory of all ranks is used, rank 0 decides and every rank applies the same plan. Under
-    ``FSDPStrategy``, ``ModelParallelStrategy`` (``fully_shard`` over its data-parallel dimension) and
-    ``DeepSpeedStrategy`` the plan is one rank's (``memfit.integrations.lightning.sharding``): the effective batch
-    counts micro x accumulation x data-parallel ranks. What memfit cannot model per rank (tensor parallelism,
-    DeepSpeed's ZeRO++) is named in one warning; memfit then plans nothing and logs the measured peaks only.
-
-    The trace follows the loop the step runs in: Lightning's closure zeroes gradients between ``training_step`` and
-    ``backward``, so its forward carries the last step's gradients (memfit's recovering closure, ``on_oom="replan"``,
-    zeroes them first instead and keeps an accumulation window's earlier batches to replay them); accumulation
-    keeps gradients through a window; a ``DDPStrategy`` adds DDP's gradient buckets. The trace calls
-    ``training_step`` on fake tensors (``torch._subclasses.fake_tensor.is_fake`` tells them apart), with
-    ``self.log`` silenced; Python side effects of ``training_step`` (counters, lists) happen for those calls too.
-
-    An out-of-memory error in a training step (``on_oom="replan"``, the default, also in observe mode) does not end
-    the run: the failed batch is retried in chunks whose losses are weighted by their share of the batch, and later
-    batches run in the same chunks, so the effective batch, the samples seen and the optimizer steps stay as
-    configured (``memfit.run.recovery``). Each recovery is one warning with the old and new plan and the metrics
-    ``memfit/oom_recoveries`` and ``memfit/micro_batch_size``; under DDP every rank takes the smallest chunk any rank
-    needed.
-
-    If the plan cannot be made (a model the trace cannot run, no batch-size attribute, ...), the callback warns once
-    and training runs exactly as configured, its measured peaks still logged. A budget too small for
-    ``min_batch_size`` even with checkpointing raises ``memfit.InsufficientMemoryError`` before training starts.
+    At ``setup`` (stage ``"fit"``) the callback traces two training steps of the real LightningModule (its
+    ``training_step``, the first optimizer, the trainer's precision and strategy) on fake tensors, on the longest
+    batch of the train dataloader (or ``sample``), and plans the largest micro batch whose predicted peak fits the
+    budget minus the margin, the accumulation that keeps the effective batch, and checkpointing only if needed. In
+    ``mode="plan"`` it applies the plan: the micro batch through ``lightning_setattr`` (attribute
+    ``batch_arg_name`` on the module, its hparams or the datamodule, as ``BatchSizeFinder``),
+    ``trainer.accumulate_grad_batches``, and checkpointing; ``mode="observe"`` changes nothing. Under DDP rank 0
+    plans on the smallest free memory of all ranks and every rank applies the plan; under FSDP, ModelParallel and
+    DeepSpeed strategies the plan is one rank's. ``training_step`` runs on fake tensors during the trace
+    (``torch._subclasses.fake_tensor.is_fake`` tells them apart), with ``self.log`` silenced. An out-of-memory
+    error in a step (``on_oom="replan"``) is retried in chunks, so the effective batch, the samples and the
+    optimizer steps stay as configured (``memfit.run.recovery``). A plan that cannot be made is one warning and
+    the run trains as configured; a budget too small even for ``min_batch_size`` with checkpointing raises
+    ``memfit.InsufficientMemoryError`` before training starts. The plan is saved in checkpoints and kept on
+    resume. What each step does, and why: docs/lightning.md.
 
     Args:
         budget: memory per device: bytes, a size (``"20GiB"``) or a GPU name (``"h100"``). Default: the device's
-            free memory at setup (CUDA) or the machine's available RAM (CPU); with a GPU name in ``target``, that
-            GPU's memory.
-        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name (``"h100"``: CUDA semantics with
-            that card's compute capability). Default: the device the run uses, or the GPU ``budget`` names, so
-            ``budget="h100"`` plans for an H100 even on a machine without one. A device other than the run's needs
-            a budget or a GPU name.
+            free memory at setup (CUDA) or the available RAM (CPU); with a GPU name in ``target``, its memory.
+        target: the device the plan is for: ``"cuda"``, ``"cpu"`` or a GPU name; default: the run's device, or the
+            GPU ``budget`` names (``budget="h100"`` plans for an H100 on a machine without one).
         margin: fraction of the budget kept free (default ``DEFAULT_MARGIN``, 1.5 %: the prediction's measured error).
-        target_batch_size: effective batch to keep (micro x accumulation x devices). Default: the batch size
-            configured x ``accumulate_grad_batches`` x world size. ``"max"``: the largest micro batch, no accumulation.
+        target_batch_size: effective batch to keep (micro x accumulation x devices); default: as configured;
+            ``"max"``: the largest micro batch, no accumulation.
         batch_arg_name: attribute holding the batch size on the module, hparams or datamodule.
         allow_checkpointing: whether checkpointing may be turned on.
         checkpoint_modules: block classes or qualified names to checkpoint in plain (non-HF) modules.
@@ -101,34 +80,19 @@ _DOC = """Plan micro batch, gradient accumulation and checkpointing before the f
         min_batch_size, max_batch_size: bounds on the micro batch.
         log_every_n_steps: drift logging cadence in optimizer steps (default: the trainer's).
         on_oom: ``"replan"`` to recover from out-of-memory errors in a step, ``"raise"`` to let them end the run.
-        loss_reduction: how ``training_step``'s loss reduces a batch, ``"mean"`` (the usual) or ``"sum"``; it
-            decides how chunk losses are weighted after a recovery.
+        loss_reduction: how ``training_step``'s loss reduces a batch, ``"mean"`` or ``"sum"`` (chunk weights).
         verbose: print the plan and the final drift line.
 
-    Logged metrics (every ``log_every_n_steps`` and at the end of training, through ``trainer.loggers``, rank 0
-    only; peaks are per window, the counters reset after each read):
-
-    * ``memfit/predicted_peak_allocated_bytes``: predicted ``max_memory_allocated`` (CPU: tensor bytes)
-    * ``memfit/predicted_peak_reserved_bytes`` (CUDA): predicted ``max_memory_reserved``, the plan's peak without
-      the CUDA context
-    * ``memfit/measured_peak_allocated_bytes``, ``memfit/measured_peak_reserved_bytes`` (CUDA)
-    * ``memfit/drift_allocated_pct``, ``memfit/drift_reserved_pct`` (CUDA): 100 x (measured - predicted) / predicted
-    * ``memfit/measured_device_used_bytes`` (CUDA with ``nvidia-ml-py``): NVML used memory of the device
-    * ``memfit/measured_peak_rss_bytes`` (CPU): the process's peak resident memory (interpreter, libraries and data
-      included): not comparable with the predicted tensor bytes, so no drift is computed on CPU
-    * ``memfit/rank{r}/<key>`` (more than one rank): each rank's own predicted and measured peaks, gathered to rank 0
-    * ``memfit/alarm_over_margin``, ``memfit/alarm_leak``: 1 in the window a warning is raised (measured reserved
-      above predicted by more than the margin; peaks growing in three windows in a row after the first, on CPU by
-      64 MiB at least)
-
-    With manual optimization (``automatic_optimization = False``) nothing is predicted yet: the callback warns once,
-    plans nothing, and logs the measured keys only (``MANUAL_OPTIMIZATION`` says why). Lightning privates (the loop's
-    closure, the dataloader source) are used through ``memfit.integrations.lightning.internals`` only; on a
-    Lightning release it was not tested on, the callback warns once and leaves the out-of-memory recovery off.
-
-    The plan is logged once as hyperparameters (``memfit/micro_batch_size``, ``memfit/accumulate_grad_batches``,
-    ``memfit/gradient_checkpointing``, ``memfit/effective_batch_size``, ``memfit/predicted_peak_bytes``,
-    ``memfit/budget_bytes``, ...), saved in checkpoints and restored on resume.
+    Logged metrics (rank 0, through ``trainer.loggers``, every ``log_every_n_steps`` and at the end; peaks per
+    window): ``memfit/predicted_peak_allocated_bytes``, ``memfit/predicted_peak_reserved_bytes`` (CUDA: without the
+    context), ``memfit/measured_peak_allocated_bytes``, ``memfit/measured_peak_reserved_bytes``,
+    ``memfit/drift_allocated_pct``, ``memfit/drift_reserved_pct`` (CUDA), ``memfit/measured_device_used_bytes``
+    (CUDA with ``nvidia-ml-py``), ``memfit/measured_peak_rss_bytes`` (CPU: the whole process, not compared with the
+    predicted tensor bytes), ``memfit/rank{r}/<key>`` (each rank's own, with several), ``memfit/alarm_over_margin``
+    and ``memfit/alarm_leak`` (1 in a window that warned), ``memfit/oom_recoveries`` and
+    ``memfit/micro_batch_size`` after a recovery. The plan is logged once as hyperparameters (``memfit/<field>``).
+    With manual optimization nothing is predicted (``MANUAL_OPTIMIZATION``); on a Lightning release memfit was not
+    tested on, the out-of-memory recovery stays off (``memfit.integrations.lightning.internals``).
     """
 
 __all__ = ["MANUAL_OPTIMIZATION", "LightningPort", "MemoryPlannerBase"]
@@ -190,7 +154,7 @@ class MemoryPlannerBase(ControlledRun):
         self.port = LightningPort(self, LightningInternals(self._pl))
         self.controller = RunController(self.port, options=options, mode=mode, on_oom=self.on_oom,
                                         loss_reduction=check_loss_reduction(loss_reduction), verbose=verbose,
-                                        value_advice=_VALUE_ADVICE)  # fmt: skip
+                                        value_advice=_VALUE_ADVICE, checkpoint_modules=checkpoint_modules)  # fmt: skip
 
     @property
     def validation(self) -> EvaluationPeak | None:
@@ -289,11 +253,7 @@ class LightningPort:
                 f"the train dataloader is a {type(loader).__name__}; pass sample= (one batch) to MemoryPlanner"
             )
         self._samples = dataset_length(loader.dataset)
-        with preserved_rng_state():  # taking a batch must not shift the run's shuffling
-            sample = longest_batch(loader, notes=notes)
-        if is_stream(loader.dataset):  # its longest batch is not among its first: planned at the longest it can be
-            sample, notes[:] = longest_of_a_stream(sample, self.module, loader.collate_fn, None, None, notes)
-        return sample
+        return planning_batch(loader, self.module, notes)
 
     def configured_batch(self, sample: Any) -> int:
         configured = self._batch_attribute() or (infer_batch_size(sample) if not callable(sample) else None)
@@ -394,11 +354,8 @@ class LightningPort:
         if self.trainer is not None:
             self.internals.uninstall_step(self.trainer)
 
-    def reset_gradients(self) -> None:
-        self.module.zero_grad(set_to_none=True)
-
-    def enable_checkpointing(self) -> Any:
-        return enable_checkpointing(self.module, self.callback.checkpoint_modules)
+    def trained_module(self) -> nn.Module:
+        return self.module
 
     # ------------------------------------------------------------------ where figures go
     def log_scalars(self, metrics: dict[str, float], step: int | None) -> None:
