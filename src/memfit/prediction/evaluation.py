@@ -19,13 +19,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import format_bytes
 
-__all__ = ["CollectedOutputs", "EvaluationPeak", "evaluation_peak", "largest_flush_every"]
+__all__ = [
+    "CollectedOutputs",
+    "EvaluationPeak",
+    "evaluation_peak",
+    "fitted_evaluation",
+    "largest_flush_every",
+    "nested_tensor_bytes",
+]
 
 _CARRIED = (Category.OPTIMIZER_STATE, Category.GRADIENT_BUCKETS)
 
@@ -185,6 +195,45 @@ def largest_flush_every(
         middle = (low + high + 1) // 2
         low, high = (middle, high) if needed(middle) <= budget_bytes else (low, middle - 1)
     return low
+
+
+def fitted_evaluation(
+    evaluation: EvaluationPeak, training: MemoryEstimate | None, budget_bytes: int, *, include_context: bool
+) -> tuple[EvaluationPeak, int | None, bool]:
+    """The pass within ``budget_bytes`` inside training: as it is where it fits, else with its collected outputs moved
+    off the device every ``flush`` batches, the most that fit (a CUDA pass collecting on the device and flushing
+    nothing yet). Returns ``(pass, flush, fits)``; ``flush`` is ``None`` where nothing is to be moved."""
+    needed = evaluation.device_bytes if include_context else evaluation.reserved_bytes
+    if needed <= budget_bytes:
+        return evaluation, None, True
+    flush = fitting_flush(evaluation, training, budget_bytes, include_context=include_context)
+    if flush is None or evaluation.collected is None or evaluation.forward is None:
+        return evaluation, flush, False
+    collected = evaluation.collected.flushed_every(flush)
+    return evaluation_peak(training, evaluation.forward, collected=collected, keeps_training_batches=True), flush, True
+
+
+def fitting_flush(
+    evaluation: EvaluationPeak, training: MemoryEstimate | None, budget_bytes: int, *, include_context: bool
+) -> int | None:
+    """The most batches of collected outputs that fit before they move off the device, where moving them helps (a
+    CUDA pass that collects on the device and flushes nothing yet); ``None`` otherwise."""
+    collected, forward = evaluation.collected, evaluation.forward
+    if collected is None or collected.flush_every is not None or forward is None or forward.device != "cuda":
+        return None
+    return largest_flush_every(training, forward, collected, budget_bytes, include_context=include_context,
+                               keeps_training_batches=True)  # fmt: skip
+
+
+def nested_tensor_bytes(value: Any, only: torch.dtype | None = None) -> int:
+    """Bytes of the tensors in ``value`` (nested in dicts, lists and tuples), of dtype ``only`` if given."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() if only in (None, value.dtype) else 0
+    if isinstance(value, dict):
+        return sum(nested_tensor_bytes(v, only) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nested_tensor_bytes(v, only) for v in value)
+    return 0
 
 
 def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutputs) -> tuple[int, int]:

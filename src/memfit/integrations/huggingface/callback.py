@@ -33,7 +33,7 @@ from memfit.integrations.huggingface.arguments import (
     run_precision,
     running_optimizer,
 )
-from memfit.integrations.huggingface.evaluation import evaluation_warning, fitting_flush, predict_evaluation
+from memfit.integrations.huggingface.evaluation import evaluation_warning, predict_evaluation
 from memfit.integrations.huggingface.planning import PLAN_FILE, PlannedArguments, plan_training_arguments
 from memfit.integrations.huggingface.sharding import run_layout
 from memfit.planning.capacity import free_device_bytes
@@ -41,7 +41,7 @@ from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, check_flag
 from memfit.planning.unmodelled import not_modelled
-from memfit.prediction.evaluation import EvaluationPeak
+from memfit.prediction.evaluation import EvaluationPeak, fitting_flush
 from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
 from memfit.run.port import RankZeroSpeaker, RunLayout, TrainingStep
@@ -378,7 +378,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
         free = free_device_bytes(device) if self.plan is None else 0
         budget = self.plan.budget_bytes if self.plan is not None else int(free * (1 - self.margin))
         if budget > 0 and self.evaluation.reserved_bytes > budget:
-            steps = fitting_flush(self.evaluation, self.estimate, device, budget, include_context=False)
+            steps = fitting_flush(self.evaluation, self.estimate, budget, include_context=False)
             self.controller.warn("evaluation", evaluation_warning(self.evaluation, budget, steps))
 
 

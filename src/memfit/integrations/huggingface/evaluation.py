@@ -21,7 +21,13 @@ from memfit.integrations.huggingface.arguments import (
     run_precision,
 )
 from memfit.prediction.estimator import MemoryEstimate, estimate
-from memfit.prediction.evaluation import CollectedOutputs, EvaluationPeak, evaluation_peak, largest_flush_every
+from memfit.prediction.evaluation import (
+    CollectedOutputs,
+    EvaluationPeak,
+    evaluation_peak,
+    fitted_evaluation,
+    nested_tensor_bytes,  # fmt: skip
+)
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.tracing.trace_cache import Uncacheable
 from memfit.units import format_bytes
@@ -45,14 +51,10 @@ def planned_evaluation(
     except Exception as error:  # the training plan stands; only this check is lost
         degrade(f"memfit could not check the evaluation pass ({type(error).__name__}: {error})", error, quiet=True)
         return None, None
-    if _needed(evaluation, include_context) <= budget_bytes:
-        return evaluation, None
-    steps = fitting_flush(evaluation, training, device, budget_bytes, include_context)
-    if steps is not None:
-        collected = evaluation.collected.flushed_every(steps)
-        return evaluation_peak(training, evaluation.forward, collected=collected, keeps_training_batches=True), steps
-    warnings.warn(evaluation_warning(evaluation, budget_bytes), UserWarning, stacklevel=3)
-    return evaluation, None
+    fitted, flush, fits = fitted_evaluation(evaluation, training, budget_bytes, include_context=include_context)
+    if not fits:
+        warnings.warn(evaluation_warning(evaluation, budget_bytes), UserWarning, stacklevel=3)
+    return fitted, flush if fits else None
 
 
 def predict_evaluation(
@@ -245,18 +247,18 @@ class _PredictionStep:
                         f"{error}); memfit cannot size what it keeps"
                     ) from error
             kept["predictions"] = predictions
-            collected["predictions"] = _tensor_bytes(predictions) / samples
+            collected["predictions"] = nested_tensor_bytes(predictions) / samples
             if labels is not None:
                 kept["labels"] = labels
-                collected["labels"] = _tensor_bytes(labels) / samples
+                collected["labels"] = nested_tensor_bytes(labels) / samples
             if self.collect_inputs and isinstance(batch.get(self.main_input_name), torch.Tensor):
                 kept["inputs"] = batch[self.main_input_name]
-                collected["inputs"] = _tensor_bytes(batch[self.main_input_name]) / samples
+                collected["inputs"] = nested_tensor_bytes(batch[self.main_input_name]) / samples
         self.bytes_per_sample = collected
         # numpy has no bfloat16: the Trainer hands such collections to compute_metrics as float32 copies
-        copies = {name: _tensor_bytes(value, only=torch.bfloat16) * 2 for name, value in kept.items()}
+        copies = {name: nested_tensor_bytes(value, only=torch.bfloat16) * 2 for name, value in kept.items()}
         self.numpy_copy_bytes_per_sample = {
-            name: copy * (collected[name] / _tensor_bytes(kept[name])) for name, copy in copies.items() if copy
+            name: copy * (collected[name] / nested_tensor_bytes(kept[name])) for name, copy in copies.items() if copy
         }
         return outputs
 
@@ -266,35 +268,6 @@ def _leading_dim(batch: dict[str, Any]) -> int:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
     raise InvalidInputError("the evaluation batch holds no tensor with a batch dimension")
-
-
-def _tensor_bytes(value: Any, only: torch.dtype | None = None) -> int:
-    """Bytes of the tensors in ``value`` (nested in dicts, lists and tuples), of dtype ``only`` if given."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size() if only in (None, value.dtype) else 0
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v, only) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v, only) for v in value)
-    return 0
-
-
-def fitting_flush(
-    evaluation: EvaluationPeak, training: MemoryEstimate, device: torch.device, budget_bytes: int,
-    include_context: bool,
-) -> int | None:  # fmt: skip
-    """The most batches of collected outputs that fit before they move to the CPU, when moving them helps."""
-    collected = evaluation.collected
-    if collected is None or collected.flush_every is not None or device.type != "cuda" or evaluation.forward is None:
-        return None
-    return largest_flush_every(
-        training, evaluation.forward, collected, budget_bytes, include_context=include_context,
-        keeps_training_batches=True,
-    )  # fmt: skip
-
-
-def _needed(evaluation: EvaluationPeak, include_context: bool) -> int:
-    return evaluation.device_bytes if include_context else evaluation.reserved_bytes
 
 
 def evaluation_warning(evaluation: EvaluationPeak, budget_bytes: int, flush_every: int | None = None) -> str:
