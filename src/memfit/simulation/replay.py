@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from memfit.categories import Category, Phase
+from memfit.errors import InvalidInputError
 from memfit.simulation.allocator import AllocatorConfig, CachingAllocatorSimulator, round_size
 from memfit.tracing.recorder import PhaseMark, StorageRecorder
 
@@ -98,11 +99,12 @@ def replay(
     every = max(1, (len(events) - first) // MAX_TIMELINE_POINTS)
     categories_order = list(Category)
 
+    assert list(by_category) == categories_order  # a timeline point's bytes are in Category order
+
     def sample(index: int, mark: PhaseMark) -> None:
         if timeline is not None:
             reserved = allocator.reserved_bytes if allocator else ledger.allocated
-            snapshot = tuple(by_category[c] for c in categories_order)
-            timeline.append(TimelinePoint(index, mark.step, mark.phase, snapshot, reserved))
+            timeline.append(TimelinePoint(index, mark.step, mark.phase, tuple(by_category.values()), reserved))
 
     for mark, end in zip(marks, boundaries, strict=True):
         peak_allocated = ledger.allocated
@@ -117,9 +119,10 @@ def replay(
                 sample(index, mark)
             elif index % every == 0:
                 sample(index, mark)
-            peak_tensors = max(peak_tensors, ledger.tensors)
-            if allocator:
-                peak_reserved = max(peak_reserved, allocator.reserved_bytes)
+            if ledger.tensors > peak_tensors:
+                peak_tensors = ledger.tensors
+            if allocator is not None and allocator._reserved > peak_reserved:
+                peak_reserved = allocator._reserved
         if not allocator:
             peak_reserved = peak_allocated
         peaks.append(PhasePeak(mark.step, mark.phase, peak_allocated, peak_reserved, breakdown, peak_tensors))
@@ -134,12 +137,16 @@ class _Ledger:
     """What the replay holds after each event: each live storage's size, the bytes by category, the allocated and
     tensor totals; with ``allocator``, sizes are its blocks."""
 
-    __slots__ = ("allocated", "allocator", "by_category", "categories", "held", "sizes", "tensors")
+    __slots__ = ("allocated", "allocator", "by_category", "held", "storages", "tensors")
 
     def __init__(self, recorder: StorageRecorder, allocator: CachingAllocatorSimulator | None) -> None:
         self.allocator = allocator
-        self.categories = recorder.categories
-        self.sizes = recorder.sizes
+        # each storage's (size, its block's size, category), checked and rounded once for the whole log
+        categories, temporaries = recorder.categories, Category.TEMPORARIES
+        self.storages: dict[int, tuple[int, int, Category]] = {
+            sid: (size, round_size(size) if allocator is not None else size, categories.get(sid, temporaries))
+            for sid, size in recorder.sizes.items()
+        }
         self.held: dict[int, int] = {}
         self.by_category: dict[Category, int] = dict.fromkeys(Category, 0)
         self.allocated = 0
@@ -147,24 +154,30 @@ class _Ledger:
 
     def apply(self, event: int, key: int | None = None) -> None:
         """One event of storage ``abs(event)``, held under ``key`` (the storage itself unless a repeated step's)."""
-        allocator, sizes = self.allocator, self.sizes
-        sid = abs(event)
-        key = sid if key is None else key
-        category = self.categories.get(sid, Category.TEMPORARIES)
+        allocator = self.allocator
+        sid = event if event > 0 else -event
+        if key is None:
+            key = sid
+        nbytes, rounded, category = self.storages[sid]
         if event > 0:
-            size = allocator.malloc(key, sizes[sid]) if allocator else sizes[sid]
+            if allocator is None:
+                size = nbytes
+            else:
+                if key in allocator._live:  # as malloc refuses it
+                    raise InvalidInputError(f"storage {key!r} is already allocated; free it before allocating it again")
+                size = allocator.allocate_rounded(key, nbytes, rounded)
             self.held[key] = size
             self.allocated += size
-            self.tensors += round_size(sizes[sid]) if allocator else sizes[sid]
+            self.tensors += rounded
             self.by_category[category] += size
         else:
             size = self.held.pop(key, None)
             if size is None:
                 return
-            if allocator:
+            if allocator is not None:
                 allocator.free(key)
             self.allocated -= size
-            self.tensors -= round_size(sizes[sid]) if allocator else sizes[sid]
+            self.tensors -= rounded
             self.by_category[category] -= size
 
 
