@@ -208,3 +208,36 @@ def test_the_warning_on_an_epochs_last_window_gives_the_update_a_real_loop_makes
     (warning,) = [m for m in messages if "incomplete accumulation window" in m]
     assert "window of 4 samples" in warning and "update is 0.50 x" in warning
     assert planned / configured == pytest.approx(0.5)
+
+
+def test_a_stream_is_rebatched_with_the_same_samples_in_the_same_order() -> None:
+    """An IterableDataset has no sampler to hand on: the planned loader iterates the same stream, regrouped."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(48):
+                row = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+                yield {"input_ids": row, "labels": row}
+
+    accelerator, model = Accelerator(cpu=True), tiny_gpt2()
+    planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
+    configured = torch.utils.data.DataLoader(Stream(), batch_size=12)
+    planned = planner.plan(model, torch.optim.AdamW(model.parameters()), configured)
+    assert (planner.planned.micro_batch_size, accelerator.gradient_accumulation_steps) == (3, 4)
+    ids = [batch["input_ids"] for batch in planned]
+    assert {len(b) for b in ids} == {3}
+    assert torch.equal(torch.cat(ids), torch.cat([b["input_ids"] for b in configured]))
+
+
+def test_a_loader_plan_cannot_rebatch_is_named_with_what_to_pass() -> None:
+    accelerator, model = Accelerator(cpu=True), tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    planner = MemoryPlanner(accelerator, budget="1GiB", verbose=False)
+    data = token_loader().dataset
+    sampled = torch.utils.data.DataLoader(data, batch_sampler=torch.utils.data.BatchSampler(range(len(data)), 4, False))
+    with pytest.raises(memfit.InvalidInputError, match="built with batch_sampler=: build it with batch_size="):
+        planner.plan(model, optimizer, sampled)
+    _, _, prepared = accelerator.prepare(model, optimizer, token_loader())
+    with pytest.raises(memfit.InvalidInputError, match=r"before accelerator\.prepare"):
+        planner.plan(model, optimizer, prepared)

@@ -244,6 +244,21 @@ def test_a_resumed_run_is_measured_against_the_restored_plans_prediction(tmp_pat
     assert logged == {first_planner.plan.predicted_allocated_bytes}
 
 
+def test_a_run_resumed_on_a_budget_nothing_fits_in_keeps_its_saved_plan_with_one_warning(tmp_path: Path) -> None:
+    """Setup finds nothing that fits the budget given now, before Lightning restores the callback's state: the
+    checkpoint's plan is kept (its batches stay the run's), with the warning that it is over the budget."""
+    module = TinyGPT(batch_size=12)
+    first = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(module, 3), margin=MARGIN, verbose=False),
+                    max_steps=2, enable_checkpointing=True)  # fmt: skip
+    first.fit(module)
+    resumed_module = TinyGPT(batch_size=12)
+    callback = MemoryPlanner(budget=100_000, verbose=False)  # nothing fits: a fresh run raises before training
+    with pytest.warns(UserWarning, match=r"restored from the checkpoint \(micro batch 3 x 4\) is predicted at"):
+        trainer(tmp_path, callback, max_steps=4).fit(resumed_module, ckpt_path=first.checkpoint_callback.best_model_path)
+    assert resumed_module.batch_size == 3 and set(resumed_module.seen_batch_sizes) == {3}
+    assert callback.plan.reasons[-1] == "restored from the checkpoint"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -28,7 +28,7 @@ from memfit.precision import Precision
 from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
 from memfit.run.port import RankZeroSpeaker, RunLayout, TrainingStep
-from memfit.tracing.batch import dataset_length, planning_batch
+from memfit.tracing.batch import dataset_length, is_stream, planning_batch
 from memfit.tracing.checkpointing import CheckpointTarget, enable_checkpointing
 from memfit.tracing.config import Target
 
@@ -116,8 +116,7 @@ class MemoryPlanner(ControlledRun):
         and ``forward_fn(model, batch)`` as for ``memfit.estimate``, for a model that does not return its loss; a
         stream is planned at the longest batch it can produce (``max_length``, the collator's, or the model's
         positions)."""
-        if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
-            raise InvalidInputError("plan() takes the torch DataLoader the loop iterates, built with batch_size=")
+        _check_loader(dataloader)
         port = self.port
         port.model, port.optimizer, port.loader, port.loss_fn, port.forward_fn = (model, optimizer, dataloader,
                                                                                    loss_fn, forward_fn)  # fmt: skip
@@ -241,6 +240,12 @@ class _AcceleratorPort(RankZeroSpeaker):
             self.controller.warn("last-window", warning)
         if plan.gradient_checkpointing:
             enable_checkpointing(self.model, self.checkpoint_modules)
+        if loader.drop_last and is_stream(loader.dataset) and plan.micro_batch_size != configured[0]:
+            self.controller.warn("drop-last", (
+                f"memfit: drop_last=True on a stream drops its last incomplete batch, whose length memfit cannot read "
+                f"ahead: at the planned {plan.micro_batch_size} samples a batch an epoch may train on up to "
+                f"{configured[0] - 1} samples the run as configured ({configured[0]} a batch) dropped"
+            ))  # fmt: skip
         self.loader = _rebatched(loader, plan.micro_batch_size)
         return True
 
@@ -269,19 +274,38 @@ class _AcceleratorPort(RankZeroSpeaker):
         return None  # accelerate takes a run's hyperparameters in init_trackers, before memfit plans
 
 
+def _check_loader(loader: Any) -> None:
+    """Refuse what ``plan()`` cannot re-batch, each in one line that says what to pass instead."""
+    if not isinstance(loader, DataLoader):
+        raise InvalidInputError(f"plan() takes the torch DataLoader the loop iterates, got {type(loader).__name__}")
+    if type(loader).__module__.startswith("accelerate"):
+        raise InvalidInputError(
+            f"plan() got a {type(loader).__name__} that accelerator.prepare() made: call planner.plan(model, "
+            "optimizer, dataloader) before accelerator.prepare(...), with the DataLoader you built"
+        )
+    if loader.batch_size is None:
+        how = "batch_sampler=" if loader.batch_sampler is not None else "batch_size=None"
+        raise InvalidInputError(
+            f"plan() re-batches the DataLoader at the planned micro batch, and this one is built with {how}: build "
+            "it with batch_size= (and sampler=, shuffle=, drop_last= as you need)"
+        )
+
+
 def _rebatched(loader: DataLoader, batch_size: int) -> DataLoader:
     """``loader`` with ``batch_size`` examples a batch: the same dataset, sampler (so the same samples in the same
     order), collate function and worker settings. With ``drop_last`` the last incomplete batch of the loader's own
     size is dropped, as the run configured did, so every epoch sees the same samples."""
     if batch_size == loader.batch_size:
         return loader
-    samples = len(loader.sampler)
-    drops_other_samples = loader.drop_last and samples % loader.batch_size != samples % batch_size
-    batching: dict[str, Any] = (
-        {"batch_sampler": _Rebatched(loader.sampler, loader.batch_size, batch_size)}
-        if drops_other_samples
-        else {"batch_size": batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
-    )
+    batching: dict[str, Any] = {"batch_size": batch_size, "drop_last": loader.drop_last}
+    if not is_stream(loader.dataset):  # a stream has no sampler: the same stream, in the same order, regrouped
+        samples = len(loader.sampler)
+        drops_other_samples = loader.drop_last and samples % loader.batch_size != samples % batch_size
+        batching = (
+            {"batch_sampler": _Rebatched(loader.sampler, loader.batch_size, batch_size)}
+            if drops_other_samples
+            else {**batching, "sampler": loader.sampler}
+        )
     return DataLoader(
         loader.dataset,
         **batching,

@@ -91,6 +91,8 @@ class RunController:
         self.samples: int | None = None  # the training set's length, where it has one
         self.include_context = True  # whether the plan counted the CUDA context within the budget
         self.restored: dict[str, Any] | None = None  # the plan a checkpoint holds
+        self.capacity = 0  # the smallest capacity of all ranks, planned for
+        self.pending: InsufficientMemoryError | None = None  # nothing fits: raised when training starts
         self.monitor: RunMonitor | None = None
         self.recovery: OOMRecovery | None = None
         self.warned: set[str] = set()
@@ -121,20 +123,24 @@ class RunController:
     def plan_run(self, *, raise_errors: bool = False) -> None:
         """At setup, on every rank: the smallest capacity of all ranks, one decision (rank 0's, broadcast, or every
         rank's own where the port says so), applied on every rank. A budget nothing fits in raises
-        ``InsufficientMemoryError``; any other failure is one warning and the run trains as configured, or, with
-        ``raise_errors`` (a loop that plans in a call of its own), raised on every rank."""
+        ``InsufficientMemoryError`` when training starts (a run resumed from a checkpoint takes the checkpoint's plan
+        instead); any other failure is one warning and the run trains as configured. With ``raise_errors`` (a loop
+        that plans in a call of its own) both are raised at once, on every rank."""
         port = cast(PlanningPort, self.port)
         self.raise_errors = raise_errors
         try:
             capacity = port.planning_target().capacity_bytes(port.device())
         except InvalidInputError:  # no device to plan for: the decision says why
             capacity = 0
-        smallest = min(self._gather_ints(capacity))
+        self.capacity = smallest = min(self._gather_ints(capacity))
         decides_here = port.every_rank_decides or port.rank() == 0
         decision = self._decide_or_say_why(smallest, raise_errors) if decides_here else None
         self.decision = decision = decision if port.every_rank_decides else port.broadcast(decision)
-        if decision.insufficient_memory:
+        if decision.insufficient_memory and raise_errors:
             raise InsufficientMemoryError(decision.error)
+        if decision.insufficient_memory:  # raised before the first batch, unless a checkpoint's plan replaces it
+            self.pending = InsufficientMemoryError(decision.error)
+            return
         if decision.failure is not None:
             raise decision.failure
         if decision.error is not None:
@@ -190,6 +196,7 @@ class RunController:
         """On resume, keep the plan the run started with instead of whatever a fresh plan says."""
         if self.mode != "plan":
             return
+        self.pending = None  # the run takes the plan it started with, whatever a fresh plan says
         current = self.plan.to_dict() if self.plan else None
         if current is not None and all(current[k] == saved[k] for k in _PLAN_KEYS):
             return
@@ -203,8 +210,7 @@ class RunController:
         if self.session is not None:  # rank 0 planned: the trace of the step the restored plan runs
             micro, checkpointing = saved["micro_batch_size"], saved["gradient_checkpointing"]
             self.estimate = self.session.trace_at(micro, checkpointing, saved["accumulate_grad_batches"])
-            capacity = current["capacity_bytes"] if current is not None else 0
-            over = restored_over_budget(self.plan, self.estimate, capacity, self.margin, self.include_context)
+            over = restored_over_budget(self.plan, self.estimate, self.capacity, self.margin, self.include_context)
             if over is not None:
                 self.warn("restored-over-budget", over)
         if self.decision is not None:  # every rank measures against the restored plan's own prediction
@@ -216,6 +222,8 @@ class RunController:
     def training_started(self, step: int, *, figure_step: int | None = None) -> None:
         """Before the first batch, on every rank: measuring against the decision's prediction, the timeline and the
         plan sent to the trackers (rank 0), and the step wrapped for the out-of-memory recovery."""
+        if self.pending is not None:  # nothing fits, and no checkpoint's plan replaced the verdict
+            raise self.pending
         self.session = None  # a restored plan has been traced by now; the session holds the sample batch
         self._steps_seen = step
         decision = self.decision
