@@ -253,8 +253,9 @@ def test_a_run_resumed_on_a_budget_nothing_fits_in_keeps_its_saved_plan_with_one
     first.fit(module)
     resumed_module = TinyGPT(batch_size=12)
     callback = MemoryPlanner(budget=100_000, verbose=False)  # nothing fits: a fresh run raises before training
+    saved = first.checkpoint_callback.best_model_path
     with pytest.warns(UserWarning, match=r"restored from the checkpoint \(micro batch 3 x 4\) is predicted at"):
-        trainer(tmp_path, callback, max_steps=4).fit(resumed_module, ckpt_path=first.checkpoint_callback.best_model_path)
+        trainer(tmp_path, callback, max_steps=4).fit(resumed_module, ckpt_path=saved)
     assert resumed_module.batch_size == 3 and set(resumed_module.seen_batch_sizes) == {3}
     assert callback.plan.reasons[-1] == "restored from the checkpoint"
 
