@@ -193,6 +193,15 @@ def test_sizes_that_cannot_be_read_are_memfit_input_errors() -> None:
             memfit.parse_bytes(bad)
 
 
+def test_a_fraction_of_a_byte_is_refused_with_the_unit_it_likely_meant() -> None:
+    """``budget=3.5`` read as 3 bytes would plan for nothing; a whole float (``8e9``) is still bytes."""
+    with pytest.raises(InvalidInputError, match=r"whole number, got 3\.5; .* such as '3\.5GiB'"):
+        memfit.parse_bytes(3.5)
+    with pytest.raises(InvalidInputError, match="non-negative number, got inf"):
+        memfit.parse_bytes(float("inf"))
+    assert memfit.parse_bytes(8e9) == 8_000_000_000
+
+
 def test_plan_takes_a_size_or_a_gpu_name_and_refuses_other_strings_in_one_line() -> None:
     """``memfit.plan(estimate, "h100")`` plans for that card's memory, ``"20GiB"`` for that size, as budgets do."""
     est = memfit.estimate(nn.Linear(8, 8), torch.randn(4, 8), batch_size=4, loss_fn=lambda out, batch: out.sum())

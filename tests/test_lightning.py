@@ -195,6 +195,19 @@ def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> No
     assert {w.predicted_allocated_bytes for w in callback.monitor.history} == {callback.estimate.at(12).allocated_bytes}
 
 
+def test_without_a_batch_attribute_a_plan_that_is_the_run_as_configured_says_nothing_is_missing(
+    tmp_path: Path,
+) -> None:
+    module = NoBatchAttribute()
+    callback = MemoryPlanner(budget=budget_for_micro_batch(TinyGPT(), 12), margin=MARGIN)  # 12 x 1 fits
+    fit = trainer(tmp_path, callback, max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module)
+    assert not [w for w in caught if "found no `batch_size`" in str(w.message)]
+    assert callback.plan.micro_batch_size == 12 and set(module.seen_batch_sizes) == {12}
+
+
 @pytest.mark.usefixtures("lenient")
 def test_a_model_memfit_cannot_trace_still_trains(tmp_path: Path) -> None:
     module = ReadsValues(batch_size=12)
@@ -529,3 +542,47 @@ def test_an_epochs_last_window_whose_update_the_plan_changes_is_named(tmp_path: 
     with pytest.warns(UserWarning, match=r"window of 2 samples; Lightning divides .* at 3 x 4 that window's update is "
                                          r"0\.25 x the one the run as configured \(12 x 1\) makes"):  # fmt: skip
         fit.fit(module)
+
+
+class SummedRegression(L.LightningModule):
+    """A loss summed over the batch, and the first update's gradient recorded."""
+
+    def __init__(self, batch_size: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.batch_size = batch_size
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.first_gradient: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return ((self.net(x) - y) ** 2).sum()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.first_gradient is None:
+            self.first_gradient = self.net[0].weight.grad.clone()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(48, 16, generator=generator), torch.randn(48, 1, generator=generator)
+        )
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+def test_a_summed_loss_whose_accumulation_the_plan_changes_is_named_with_the_update_lightning_makes(
+    tmp_path: Path,
+) -> None:
+    """Lightning divides every micro batch's loss by the accumulation steps: a summed loss planned from 12 x 1 to
+    3 x 4 makes each update a quarter of the configured one. The warning says so, and the gradients agree."""
+    configured = SummedRegression()
+    trainer(tmp_path, None, max_steps=1).fit(configured)
+    planned = SummedRegression()
+    callback = MemoryPlanner(budget="1GiB", max_batch_size=3, loss_reduction="sum", verbose=False)
+    with pytest.warns(UserWarning, match=r"loss_reduction='sum': Lightning .* at 3 x 4 each update is 0\.25 x"):
+        trainer(tmp_path, callback, max_steps=1).fit(planned)
+    assert (planned.batch_size, callback.plan.accumulate_grad_batches) == (3, 4)
+    torch.testing.assert_close(planned.first_gradient, 0.25 * configured.first_gradient)

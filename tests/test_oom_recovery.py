@@ -36,6 +36,7 @@ from memfit.lightning import MemoryPlanner
 from memfit.run.recovery import (
     OOMRecovery,
     OutOfMemoryFigures,
+    Recovery,
     is_out_of_memory,
     out_of_memory_figures,
     split_batch,
@@ -397,3 +398,13 @@ def test_hf_optimizer_step_oom_says_why_it_cannot_be_recovered_and_a_second_run_
         trainer.train()
     assert trainer.state.global_step == 3
     assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)
+
+
+def test_the_recovery_warning_names_the_chunks_each_micro_batch_runs_in() -> None:
+    """A batch of 32 in chunks of at most 7 runs 7, 7, 7, 7 and 4 samples: the new plan is said that way, not as a
+    micro batch times an accumulation whose product is not the effective batch."""
+    record = Recovery(step=3, batch_size=32, chunk_before=32, chunk_after=7, checkpointing_enabled=False,
+                      replayed_batches=0, error="OutOfMemoryError")  # fmt: skip
+    warning = record.warning(accumulation=2, world_size=1, rank=0)
+    assert "micro batch 32 x accumulation 2 -> each micro batch of 32 in chunks of 7, 7, 7, 7, 4 samples" in warning
+    assert warning.endswith("x accumulation 2; the effective batch stays 64.")

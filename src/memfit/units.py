@@ -48,8 +48,13 @@ def parse_bytes(value: int | float | str) -> int:
             raise InvalidInputError(f"a size in bytes cannot be negative, got {value!r}")
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
+        if value < 0 or value != value or value == float("inf"):
             raise InvalidInputError(f"a size in bytes must be a non-negative number, got {value!r}")
+        if not value.is_integer():
+            raise InvalidInputError(
+                f"a size in bytes must be a whole number, got {value!r}; for a size in a unit write it as a string, "
+                f"such as '{value:g}GiB'"
+            )
         return int(value)
     if not isinstance(value, str):
         raise InvalidInputError(f"expected a number of bytes or a size such as '20GiB', got {value!r}")

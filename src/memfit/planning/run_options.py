@@ -24,6 +24,7 @@ __all__ = [
     "dropped_samples_warning",
     "last_window_scale",
     "last_window_warning",
+    "summed_loss_warning",
 ]
 
 
@@ -149,4 +150,19 @@ def dropped_samples_warning(setting: str, samples: int | None, configured: int, 
         f"of {configured} dropped {before}, the planned {planned} drop {after}, so each epoch trains on {change} "
         f"samples; use {setting}=False, or a training set whose length both batch sizes divide, to keep the epoch as "
         "configured"
+    )
+
+
+def summed_loss_warning(loop: str, configured: tuple[int, int], planned: tuple[int, int]) -> str | None:
+    """The warning a ``loop`` that divides every micro batch's loss by the accumulation steps gets when its loss is a
+    sum over the batch (``loss_reduction="sum"``) and the plan changes the accumulation: each update then scales by
+    configured / planned steps. ``None`` when the accumulation stays."""
+    (micro_c, steps_c), (micro_p, steps_p) = configured, planned
+    if steps_c == steps_p:
+        return None
+    return (
+        f"memfit: loss_reduction='sum': {loop} divides every micro batch's loss by the accumulation steps, so at "
+        f"{micro_p} x {steps_p} each update is {steps_c / steps_p:.2f} x the one the run as configured "
+        f"({micro_c} x {steps_c}) makes; multiply the loss by the accumulation steps in training_step, or average it "
+        "over the batch, to keep the updates as configured"
     )

@@ -255,7 +255,11 @@ class RunController:
         self.estimate = traced = step.trace_at(micro_batch, False, accumulation)
         peak, plan = traced.at(micro_batch), self.plan
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-        if plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (micro_batch, accumulation):
+        runs_plan = plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (
+            micro_batch,
+            accumulation,
+        )
+        if plan is not None and runs_plan:
             allocated = plan.predicted_allocated_bytes or allocated
             reserved = plan.predicted_reserved_bytes or reserved
         self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, estimate=traced)
@@ -263,9 +267,14 @@ class RunController:
             on_cuda = traced.device == "cuda"
             figure = f"reserved {format_bytes(reserved)} (allocated {format_bytes(allocated)})" if on_cuda else \
                 f"{format_bytes(allocated)} of tensors"  # fmt: skip
-            runs = f"; the plan it runs: {plan.summary()}" if plan else ""
+            said = ""
+            if plan is not None:
+                budget = plan.budget_bytes
+                over = f", over the {format_bytes(budget)} it planned within" if reserved > budget else ""
+                said = f"; the plan it runs: {plan.summary()}" if runs_plan else \
+                    f" accumulating {accumulation}, not the plan ({plan.summary()}){over}"  # fmt: skip
             self.info(f"memfit: predicted peak of this {self.port.device().type.upper()} run {figure} at micro batch "
-                      f"{micro_batch}{runs}")  # fmt: skip
+                      f"{micro_batch}{said}")  # fmt: skip
 
     def measure_against_plan(self, layout: RunLayout, *, without_plan: str) -> None:
         """A sharded run whose model is sharded by the time memfit sees it (nothing whole is left to trace): measured

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from memfit.errors import ShardingNotModelledError
+from memfit.errors import InsufficientMemoryError, ShardingNotModelledError
 from memfit.planning.session import PlanningSession
 from memfit.planning.unmodelled import not_modelled
 from memfit.units import format_bytes, format_margin
@@ -78,7 +78,12 @@ def decide(controller: RunController, capacity: int) -> RunDecision:
                               samples=controller.samples)  # fmt: skip
     as_configured = controller.estimate.at(configured)
     controller.configured_estimate = controller.estimate
-    decision = session.decide_run(request, device=device, notes=notes, restored=controller.restored)
+    try:
+        decision = session.decide_run(request, device=device, notes=notes, restored=controller.restored)
+    except InsufficientMemoryError as error:  # what the traced batch rests on can be why: said with the verdict
+        if not notes:
+            raise
+        raise InsufficientMemoryError(f"{error} (planned on: {'; '.join(notes)})") from error
     plan = controller.plan = decision.plan
     controller.estimate = decision.estimate
     check_evaluation(controller, capacity)

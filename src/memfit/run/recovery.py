@@ -163,11 +163,13 @@ class Recovery:
 
     def warning(self, *, accumulation: int, world_size: int, rank: int) -> str:
         """The one warning a recovery gives: what happened and the plan before and after."""
-        chunks = -(-self.batch_size // self.chunk_after)
+        size, chunk = self.batch_size, self.chunk_after
+        sizes = [min(chunk, size - start) for start in range(0, size, chunk)]
+        shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}, ... ({len(sizes)} of them)"
         return (
             f"memfit (rank {rank}): {self.describe()}. Plan: micro batch {self.batch_size} x accumulation "
-            f"{accumulation} -> micro batch {self.chunk_after} x accumulation {accumulation * chunks}; the "
-            f"effective batch stays {self.batch_size * accumulation * world_size}."
+            f"{accumulation} -> each micro batch of {self.batch_size} in chunks of {shown} samples, x accumulation "
+            f"{accumulation}; the effective batch stays {self.batch_size * accumulation * world_size}."
         )
 
 

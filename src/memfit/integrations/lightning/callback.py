@@ -30,7 +30,8 @@ from memfit.planning.run_options import (
     check_flag,
     check_positive,
     dropped_samples_warning,
-    last_window_warning,  # fmt: skip
+    last_window_warning,
+    summed_loss_warning,
 )
 from memfit.precision import Precision
 from memfit.prediction.estimator import MemoryEstimate, estimate
@@ -304,6 +305,8 @@ class LightningPort:
         trainer, module, name = self.trainer, self.module, self.callback.batch_arg_name
         micro, accumulation, parsing = plan.micro_batch_size, plan.accumulate_grad_batches, self.pl.utilities.parsing
         if not parsing.lightning_hasattr(module, name):
+            if (self._loader_batch_size(), trainer.accumulate_grad_batches) == (micro, accumulation):
+                return True  # the plan is the run as configured: nothing to set
             self._warn("no-batch-attribute", (
                 f"memfit planned micro batch {micro} x {accumulation} accumulation steps but found no `{name}` on the "
                 "module, its hparams or the datamodule to set it; nothing was changed and the run trains as "
@@ -328,6 +331,10 @@ class LightningPort:
                                           (previous_batch, previous_accumulation), (micro, accumulation))  # fmt: skip
             if warning:
                 self._warn("last-window", warning)
+            summed = self.callback.controller.loss_reduction == "sum" and summed_loss_warning(
+                "Lightning", (previous_batch, previous_accumulation), (micro, accumulation))  # fmt: skip
+            if summed:
+                self._warn("summed-loss", summed)
         self.internals.forget_train_loader(trainer)
         self.internals.record_initial_hparam(trainer, module, name, micro)
         return True
@@ -415,6 +422,12 @@ class LightningPort:
         if len(optimizers) > 1:
             self._warn("optimizers", "memfit plans with the first of several optimizers")
         return optimizers[0] if optimizers else None
+
+    def _loader_batch_size(self) -> int | None:
+        try:
+            return self.internals.train_dataloader(self.trainer).batch_size
+        except Exception:  # no loader memfit can read
+            return None
 
     def _warn_of_dropped_samples(self, configured: int, micro: int) -> None:
         """A loader that drops its last incomplete batch drops another number of samples at the planned batch size:
