@@ -130,6 +130,15 @@ def test_observe_mode_changes_nothing_and_still_logs(tmp_path: Path) -> None:
     assert len(rows) == 2
 
 
+def test_observe_mode_logs_its_mode_and_the_prediction_it_measures_against(tmp_path: Path) -> None:
+    callback = MemoryPlanner(budget="1GiB", mode="observe", verbose=False)
+    fit = trainer(tmp_path, callback, max_steps=1)
+    fit.fit(TinyGPT(batch_size=12))
+    hparams = (Path(fit.logger.log_dir) / "hparams.yaml").read_text()
+    assert "memfit/mode: observe" in hparams
+    assert f"memfit/predicted_allocated_bytes: {callback.controller.decision.predicted_allocated_bytes}" in hparams
+
+
 def test_batch_size_on_the_datamodule_is_planned(tmp_path: Path) -> None:
     module = ModuleForDataModule()
     data = TokenData(batch_size=12)

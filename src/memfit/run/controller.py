@@ -21,13 +21,13 @@ warning once. Nothing here imports a framework.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 
 from memfit.diagnostics import degrade, raise_if_strict
-from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError, ValueDependentError
+from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitError
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions
 from memfit.planning.session import PlanningSession, restored_over_budget
@@ -59,7 +59,7 @@ class RunController:
         on_oom: ``"replan"``: recover from an out-of-memory error in a step; ``"raise"``: let it end the run.
         loss_reduction: how the loss reduces a batch (``"mean"`` or ``"sum"``): it weights the chunks' losses.
         verbose: say the plan and the final drift line.
-        value_advice: what to add to a planning error from a model that reads tensor values.
+        advice: the library's advice in planning errors (``forward_fn=``, ``loss_fn=``), as this framework says it.
         checkpoint_modules: the blocks a recovery checkpoints in a model without a switch of its own.
     """
 
@@ -72,13 +72,13 @@ class RunController:
         on_oom: OnOOM = "replan",
         loss_reduction: LossReduction = "mean",
         verbose: bool = True,
-        value_advice: str = "",
+        advice: Mapping[str, str] | None = None,
         checkpoint_modules: CheckpointTarget | None = None,
     ) -> None:
         self.port = port
         self.options = options or RunOptions()
         self.mode, self.on_oom, self.loss_reduction, self.verbose = mode, on_oom, loss_reduction, verbose
-        self.value_advice = value_advice
+        self.advice = dict(advice or {})
         self.checkpoint_modules = checkpoint_modules
         self.raise_errors = False  # planning raises what fails (a loop that plans in a call of its own)
         self.plan: Plan | None = None
@@ -164,8 +164,8 @@ class RunController:
             if raise_errors:
                 return RunDecision(None, None, None, error=str(error), failure=error)
             reason = str(error) if isinstance(error, MemfitError) else f"{type(error).__name__}: {error}"
-            if isinstance(error, ValueDependentError) and self.value_advice:
-                reason += " " + self.value_advice
+            for library, framework in self.advice.items():
+                reason = reason.replace(library, framework)
             raise_if_strict(f"memfit could not plan this run ({reason})", error)
             return RunDecision(None, None, None, error=reason, measured_only=True)  # the run is still measured
 
@@ -241,9 +241,12 @@ class RunController:
                 capacity = (decision.plan or {}).get("budget_bytes")
                 self.figure("memfit/timeline", lambda: _plot("plot_timeline", self.estimate, capacity_bytes=capacity),
                             step if figure_step is None else figure_step)  # fmt: skip
-            if decision.plan is not None and not self._plan_logged:
-                self._plan_logged = True
-                params = {f"memfit/{k}": v for k, v in decision.plan.items() if k != "reasons"}
+            if not self._plan_logged and (decision.plan is not None or self.mode == "observe"):
+                self._plan_logged = True  # the plan, or in observe mode the prediction of the run as configured
+                params = {f"memfit/{k}": v for k, v in (decision.plan or {}).items() if k != "reasons"} or {
+                    "memfit/predicted_allocated_bytes": decision.predicted_allocated_bytes,
+                    "memfit/predicted_reserved_bytes": decision.predicted_reserved_bytes,
+                }
                 self.port.log_plan({**params, "memfit/mode": self.mode})
         self.install_recovery(checkpointing_on=bool(self.mode == "plan" and self.plan and
                                                     self.plan.gradient_checkpointing))  # fmt: skip

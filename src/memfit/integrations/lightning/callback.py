@@ -107,9 +107,16 @@ MANUAL_OPTIMIZATION = (
     "optimizers itself): it plans and predicts nothing for this run and logs the measured peaks only "
     "(memfit/measured_peak_*). Set the batch size yourself."
 )
-# What a LightningModule that reads tensor values can do about it
-_VALUE_ADVICE = ("In a LightningModule, skip such reads while memfit traces: they see fake tensors, which "
-                 "`torch._subclasses.fake_tensor.is_fake(tensor)` tells apart.")  # fmt: skip
+# The library's advice in a planning error, as a LightningModule's author acts on it (memfit calls training_step)
+_ADVICE = {
+    "pass forward_fn=lambda model, batch: ... if the model is called another way": "memfit calls training_step(batch, "
+    "0) with one batch of the train dataloader, or with sample= when given",
+    "pass a forward_fn/loss_fn that avoids it, or use memfit.estimate_from_counts() for a formula estimate.": "or, "
+    "in a LightningModule, skip such reads while memfit traces: they see fake tensors, which "
+    "`torch._subclasses.fake_tensor.is_fake(tensor)` tells apart.",
+    "pass loss_fn=lambda output, batch: <scalar loss>": "return the loss from training_step (a tensor, or a dict "
+    "with 'loss')",
+}
 
 Mode = Literal["plan", "observe"]
 Value = TypeVar("Value")
@@ -155,7 +162,7 @@ class MemoryPlannerBase(ControlledRun):
         self.port = LightningPort(self, LightningInternals(self._pl))
         self.controller = RunController(self.port, options=options, mode=mode, on_oom=self.on_oom,
                                         loss_reduction=check_loss_reduction(loss_reduction), verbose=verbose,
-                                        value_advice=_VALUE_ADVICE, checkpoint_modules=checkpoint_modules)  # fmt: skip
+                                        advice=_ADVICE, checkpoint_modules=checkpoint_modules)  # fmt: skip
 
     @property
     def validation(self) -> EvaluationPeak | None:
