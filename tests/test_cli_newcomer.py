@@ -63,6 +63,14 @@ def test_a_plan_where_nothing_fits_exits_1_and_its_json_is_still_the_answer(
     assert "exit status: 0 when the step fits" in _help(["plan", "--help"], capsys)
 
 
+def test_a_sequence_sweep_of_a_factory_without_token_ids_is_refused_in_one_line(
+    factory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--model", factory, "--budget", "2GiB", "--seq-len", "128,256"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "holds no token ids (an integer [batch, seq] tensor) to vary" in error
+
+
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert main(argv) == 0
     return " ".join(capsys.readouterr().out.split())

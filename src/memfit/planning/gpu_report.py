@@ -204,6 +204,14 @@ def plan_for_gpus(
     precisions = [_card_precision(gpu, precision, default, inference) for _, _, gpu in targets]
     spec = _meta_spec(hf_config, model, seq_len, image_size, layers, show_progress)
     check_sequence_length(spec.model, max((seq_len, *more_seq_lens)), fix="use --seq-len {positions} or less")
+    if model is not None and more_seq_lens:  # a factory's own sample sets its shapes: a sweep needs token ids in it
+        sample = spec.sample(2) if callable(spec.sample) else spec.sample
+        if sequence_length(sample, 2) is None:
+            raise InvalidInputError(
+                f"--seq-len {','.join(map(str, (seq_len, *more_seq_lens)))} sweeps sequence lengths, but the sample of "
+                f"--model {model} holds no token ids (an integer [batch, seq] tensor) to vary: drop --seq-len, or "
+                "make the factory's sample(batch_size) build token ids"
+            )
     parameters = sum(p.numel() for p in spec.model.parameters())
     finetune = from_config_quantization(spec, finetune or FinetuneSpec())
     spec = apply_finetune(spec, finetune, default, inference=inference)
