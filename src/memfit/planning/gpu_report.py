@@ -191,10 +191,8 @@ def plan_for_gpus(
     every GPU planned in the same precision.
 
     ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``).
-
     ``more_seq_lens`` plans every GPU again at each of those sequence lengths, read off the same traces (their
     sequence length is symbolic: ``MemoryEstimate.for_seq_len``); those rows carry their ``seq_len``.
-
     ``allocator``: the caching allocator's options the run will have (default: ``PYTORCH_ALLOC_CONF`` here); each
     micro batch is fitted where the allocator, freeing its cache and retrying, really runs out of memory."""
     if not gpus and budget is None:
@@ -204,14 +202,8 @@ def plan_for_gpus(
     precisions = [_card_precision(gpu, precision, default, inference) for _, _, gpu in targets]
     spec = _meta_spec(hf_config, model, seq_len, image_size, layers, show_progress)
     check_sequence_length(spec.model, max((seq_len, *more_seq_lens)), fix="use --seq-len {positions} or less")
-    if model is not None and more_seq_lens:  # a factory's own sample sets its shapes: a sweep needs token ids in it
-        sample = spec.sample(2) if callable(spec.sample) else spec.sample
-        if sequence_length(sample, 2) is None:
-            raise InvalidInputError(
-                f"--seq-len {','.join(map(str, (seq_len, *more_seq_lens)))} sweeps sequence lengths, but the sample of "
-                f"--model {model} holds no token ids (an integer [batch, seq] tensor) to vary: drop --seq-len, or "
-                "make the factory's sample(batch_size) build token ids"
-            )
+    if model is not None and more_seq_lens:
+        _check_sweep(spec, model, (seq_len, *more_seq_lens))
     parameters = sum(p.numel() for p in spec.model.parameters())
     finetune = from_config_quantization(spec, finetune or FinetuneSpec())
     spec = apply_finetune(spec, finetune, default, inference=inference)
@@ -251,6 +243,17 @@ def plan_for_gpus(
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def _check_sweep(spec: Any, model: str, lengths: Sequence[int]) -> None:
+    """A factory's own sample sets its shapes: a sweep of sequence lengths needs token ids in it."""
+    sample = spec.sample(2) if callable(spec.sample) else spec.sample
+    if sequence_length(sample, 2) is None:
+        raise InvalidInputError(
+            f"--seq-len {','.join(map(str, lengths))} sweeps sequence lengths, but the sample of --model {model} holds "
+            "no token ids (an integer [batch, seq] tensor) to vary: drop --seq-len, or make the factory's "
+            "sample(batch_size) build token ids"
+        )
 
 
 def _meta_spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None, layers: int | None,

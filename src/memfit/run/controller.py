@@ -430,30 +430,6 @@ class RunController:
         if self.recovery is not None and self.port.world_size() > 1 and (chunk := self.recovery.agree_across_ranks()):
             self.info(f"memfit: every rank now runs chunks of at most {chunk} samples, as another rank had to")
 
-    @staticmethod
-    def chunk_runner(
-        wrapper: Any,
-        through_wrapper: Callable[[Any, float], Result],
-        bare: Callable[[Any, float], Result],
-    ) -> Callable[[Any, float, bool], Result]:
-        """``run_chunk(chunk, weight, last)`` for ``OOMRecovery.run_batch``: the last chunk of a batch goes through
-        the data-parallel ``wrapper`` (its gradient all-reduce, once per batch on every rank), the others through
-        the bare module (no collective this rank alone would start). A batch retried after an out-of-memory error
-        goes through the wrapper a second time: DDP must not broadcast its buffers again then, as the failed
-        attempt already did."""
-        forwarded = False
-
-        def run_chunk(chunk: Any, weight: float, last: bool) -> Result:
-            nonlocal forwarded
-            if not last:
-                return bare(chunk, weight)
-            if forwarded and hasattr(wrapper, "require_forward_param_sync"):
-                wrapper.require_forward_param_sync = False
-            forwarded = True
-            return through_wrapper(chunk, weight)
-
-        return run_chunk
-
     def _recovered(self, record: Recovery) -> None:
         port = self.port
         message = record.warning(accumulation=port.accumulation(), world_size=port.world_size(), rank=port.rank())

@@ -51,6 +51,7 @@ __all__ = [
     "OutOfMemoryFigures",
     "Recovery",
     "batches_held",
+    "chunk_runner",
     "is_out_of_memory",
     "out_of_memory_figures",
     "release_memory",
@@ -410,3 +411,27 @@ def out_of_memory_figures(error: BaseException) -> OutOfMemoryFigures | None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def chunk_runner(
+    wrapper: Any,
+    through_wrapper: Callable[[Any, float], R],
+    bare: Callable[[Any, float], R],
+) -> Callable[[Any, float, bool], R]:
+    """``run_chunk(chunk, weight, last)`` for ``OOMRecovery.run_batch``: the last chunk of a batch goes through
+    the data-parallel ``wrapper`` (its gradient all-reduce, once per batch on every rank), the others through
+    the bare module (no collective this rank alone would start). A batch retried after an out-of-memory error
+    goes through the wrapper a second time: DDP must not broadcast its buffers again then, as the failed
+    attempt already did."""
+    forwarded = False
+
+    def run_chunk(chunk: Any, weight: float, last: bool) -> R:
+        nonlocal forwarded
+        if not last:
+            return bare(chunk, weight)
+        if forwarded and hasattr(wrapper, "require_forward_param_sync"):
+            wrapper.require_forward_param_sync = False
+        forwarded = True
+        return through_wrapper(chunk, weight)
+
+    return run_chunk

@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from memfit.run.controller import RunController
-from memfit.run.recovery import OOMRecovery, is_out_of_memory
+from memfit.run.recovery import OOMRecovery, chunk_runner, is_out_of_memory
 from memfit.tracing.sharding_sources import load_deepspeed_config
 
 __all__ = [
@@ -211,7 +210,7 @@ def install_chunked_step(
 
             return run
 
-        run_chunk = RunController.chunk_runner(model, through_wrapper=step_of(model), bare=step_of(inner))
+        run_chunk = chunk_runner(model, through_wrapper=step_of(model), bare=step_of(inner))
         losses = recovery.run_batch(inputs, run_chunk, step=trainer.state.global_step, sync=sync)
         chunk_state["window_done"] = sync
         return sum(losses[1:], losses[0])

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from memfit.run.controller import RunController
-from memfit.run.recovery import OOMRecovery
+from memfit.run.recovery import OOMRecovery, chunk_runner
 
 __all__ = ["TESTED_VERSIONS", "LightningInternals", "RecoveringStep"]
 
@@ -197,7 +196,7 @@ class RecoveringStep:
             zero_grad()
         strategy = trainer.strategy
         wrapper = strategy.model if strategy.model is not self.pl_module else None
-        run_chunk = RunController.chunk_runner(wrapper, through_wrapper=self._chunk_step(kwargs, backward, True),
+        run_chunk = chunk_runner(wrapper, through_wrapper=self._chunk_step(kwargs, backward, True),
                                                bare=self._chunk_step(kwargs, backward, False))  # fmt: skip
         sync = not internals.should_accumulate(trainer)
         done = [r for r in recovery.run_batch(kwargs["batch"], run_chunk, step=trainer.global_step, sync=sync) if r]
