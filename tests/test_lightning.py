@@ -553,6 +553,18 @@ def test_an_epochs_last_window_whose_update_the_plan_changes_is_named(tmp_path: 
         fit.fit(module)
 
 
+def test_no_last_window_is_named_where_the_configured_loader_drops_the_samples_it_would_hold(tmp_path: Path) -> None:
+    """242 samples in batches of 12 with drop_last: the run as configured drops the last 2, so its epochs end with
+    a whole window, as 3 x 4 ones do (their 80 batches of 3 drop the same 2): nothing to warn of."""
+    module = DropsLast(samples=242)
+    fit = trainer(tmp_path, MemoryPlanner(budget=budget_for_micro_batch(TinyGPT(), 3), margin=MARGIN), max_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module)
+    assert module.batch_size == 3
+    assert not [w for w in caught if "incomplete accumulation window" in str(w.message)]
+
+
 class SummedRegression(L.LightningModule):
     """A loss summed over the batch, and the first update's gradient recorded."""
 

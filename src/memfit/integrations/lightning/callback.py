@@ -333,8 +333,8 @@ class LightningPort:
                     key="apply", seen=self.callback.controller.warned)  # fmt: skip
             return False
         if isinstance(previous_batch, int) and previous_batch > 0:
-            self._warn_of_dropped_samples(previous_batch, micro)
-            warning = last_window_warning("Lightning", self._samples, trainer.world_size,
+            trained = self._warn_of_dropped_samples(previous_batch, micro)
+            warning = last_window_warning("Lightning", trained, trainer.world_size,
                                           (previous_batch, previous_accumulation), (micro, accumulation))  # fmt: skip
             if warning:
                 self._warn("last-window", warning)
@@ -436,17 +436,19 @@ class LightningPort:
         except Exception:  # no loader memfit can read
             return None
 
-    def _warn_of_dropped_samples(self, configured: int, micro: int) -> None:
+    def _warn_of_dropped_samples(self, configured: int, micro: int) -> int | None:
         """A loader that drops its last incomplete batch drops another number of samples at the planned batch size:
-        the batch size is all memfit sets, so it says what changes."""
+        the batch size is all memfit sets, so it says what changes. Returns the samples the run as configured
+        trains on an epoch (``None`` where that cannot be read)."""
         try:
             loader = self.internals.train_dataloader(self.trainer)
             samples = len(loader.sampler) if getattr(loader, "drop_last", False) else None
         except Exception:  # no loader memfit can read: nothing to say
-            return
+            return self._samples
         warning = dropped_samples_warning("drop_last", samples, configured, micro)
         if warning is not None:
             self._warn("drop-last", warning)
+        return self._samples if samples is None else samples // configured * configured
 
     def _validation_sample(self) -> Any:
         """One batch of the first validation dataloader, or ``None`` when the fit runs no validation."""
