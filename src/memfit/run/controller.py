@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +45,6 @@ from memfit.units import format_bytes
 
 __all__ = ["ControlledRun", "PlanningPort", "RunController", "RunDecision", "RunPort"]
 
-Result = TypeVar("Result")
 _PLAN_KEYS = ("micro_batch_size", "accumulate_grad_batches", "gradient_checkpointing")
 
 
