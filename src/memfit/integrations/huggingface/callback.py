@@ -143,8 +143,7 @@ def attach(
         callback.plan = planned.plan
         if (kept := internals.keep_configured_loss(trainer, callback.plan)) is not None:
             callback.plan = callback.plan.with_reason(kept)
-        if callback.verbose:
-            info("memfit plan: " + callback.plan.summary() + "".join(f"\n  - {r}" for r in callback.plan.reasons))
+        callback.controller.say_plan(callback.plan)
     _put_first(trainer, callback)
     return callback
 
