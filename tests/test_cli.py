@@ -207,6 +207,30 @@ def test_python_dash_m_memfit_runs_the_cli() -> None:
     assert "Traceback" not in bad.stderr
 
 
+def test_the_console_command_flushes_runs_exit_handlers_and_exits_with_the_answers_status(tmp_path: Path) -> None:
+    """``console()`` skips the interpreter's teardown: the output must still all arrive, exit handlers still run,
+    and the status be ``main()``'s (0 for an answer, 2 for bad input)."""
+    marker = tmp_path / "handled"
+    script = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'ran')\n"
+        "from memfit.cli.main import console\n"
+        "sys.argv = ['memfit', *sys.argv[1:]]\n"
+        "console()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    for argv, status in (([*SEED_ARGS, "--json"], 0), (["estimate", "--params", "lots"], 2)):
+        marker.unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
+                              timeout=120, check=False)  # fmt: skip
+        assert done.returncode == status, done.stderr
+        assert marker.read_text() == "ran"
+        if status == 0:
+            assert json.loads(done.stdout)["total_bytes"] == 288_000_000  # the whole answer, flushed
+        else:
+            assert done.stderr.startswith("memfit: error: ") and done.stdout == ""
+
+
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}  # fmt: skip
 
