@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -610,10 +611,8 @@ def console() -> NoReturn:
     run first, as at a normal exit. A process with other threads still running exits the normal way."""
     code = main()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the reader went away, or the stream was closed
             stream.flush()
-        except (OSError, ValueError):  # the reader went away, or the stream was closed: nothing more to say
-            pass
     if threading.active_count() > 1:
         raise SystemExit(code)
     atexit._run_exitfuncs()  # logging's shutdown and every library's own clean-up, as the interpreter runs them
