@@ -303,11 +303,6 @@ class _Pool:
         del self.free[i]
         del self.by_address[block.address]
 
-    def best_fit(self, size: int) -> _Block | None:
-        """The smallest free block of ``size`` bytes or more, lowest address first (get_free_block)."""
-        i = bisect_left(self.free, (size,))
-        return None if i == len(self.free) else self.by_address[self.free[i][1]]
-
     def split(self, block: _Block, size: int) -> None:
         """Keep ``size`` bytes of ``block``; the rest becomes a free block of its own, after it."""
         rest = _Block(block.segment, block.address - block.offset, block.offset + size, block.size - size)
@@ -408,6 +403,7 @@ class CachingAllocatorSimulator:
             _check_nbytes(capacity_bytes, "capacity_bytes")
         self._capacity = capacity_bytes
         self.config = config or AllocatorConfig()
+        self._lookups_counted = self._garbage_collects()  # get_free_block counts lookups only for garbage collection
         self._small = _Pool("small", is_small=True)
         self._large = _Pool("large", is_small=False)
         self._segments: dict[int, _Segment] = {}
@@ -453,6 +449,7 @@ class CachingAllocatorSimulator:
         if capacity_bytes is not None:
             _check_nbytes(capacity_bytes, "capacity_bytes")
         self._capacity = capacity_bytes
+        self._lookups_counted = self._garbage_collects()
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -534,12 +531,31 @@ class CachingAllocatorSimulator:
             self._live[key] = None
             return 0
         pool = self._small if size <= SMALL_SIZE else self._large
-        block = self._free_block(pool, size)
+        # get_free_block, then taking the block out of the pool: one search of the sorted free list serves both
+        if self._lookups_counted:
+            pool.lookups += 1
+        free = pool.free
+        index = bisect_left(free, (size,))
+        block = None if index == len(free) else pool.by_address[free[index][1]]
+        limit = self.config.max_split_size
+        # max_split_size: an oversize block is not handed to a smaller request, nor a much larger one to a large one
+        if (
+            block is not None
+            and limit is not None
+            and block.size >= (limit if size < limit else size + self.config.max_non_split_rounding)
+        ):
+            block = None
         if block is None:
             block = self._new_block(pool, size, nbytes)
         else:
-            pool.remove(block)
-        if self._should_split(pool, block, size):
+            del free[index]
+            del pool.by_address[block.address]
+        remaining = block.size - size  # should_split
+        if pool.is_small or self.config.expandable_segments:
+            split = remaining >= MIN_BLOCK_SIZE
+        else:
+            split = (limit is None or size < limit) and remaining > SMALL_SIZE
+        if split:
             pool.split(block, size)
         block.allocated = True
         self._live[key] = block
@@ -566,20 +582,6 @@ class CachingAllocatorSimulator:
         self._release_cached_blocks()
 
     # -- finding memory -----------------------------------------------------------------------------------
-
-    def _free_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``get_free_block``: the best-fitting cached block, unless ``max_split_size`` rules it out."""
-        if self.config.garbage_collection_threshold > 0 and self._capacity is not None:  # _garbage_collects()
-            pool.lookups += 1
-        block = pool.best_fit(size)
-        limit = self.config.max_split_size
-        if block is None or limit is None:
-            return block
-        if size < limit and block.size >= limit:  # an oversize block is not handed to a smaller request
-            return None
-        if size >= limit and block.size >= size + self.config.max_non_split_rounding:
-            return None  # nor a much larger one to a large request
-        return block
 
     def _new_block(self, pool: _Pool, size: int, nbytes: int) -> _Block:
         """Memory from the driver (``alloc_block``), freeing cached memory and retrying at the capacity as the
@@ -769,14 +771,3 @@ class CachingAllocatorSimulator:
         segment = self._segments.pop(block.segment)
         segment.pool.remove(block)
         self._reserved -= segment.size
-
-    # -- blocks -------------------------------------------------------------------------------------------
-
-    def _should_split(self, pool: _Pool, block: _Block, size: int) -> bool:
-        """Small and expandable blocks split off any leftover of 512 bytes or more, large ones only leftovers over
-        1 MiB, and never a block of ``max_split_size`` or more."""
-        remaining = block.size - size
-        if pool.is_small or self.config.expandable_segments:
-            return remaining >= MIN_BLOCK_SIZE
-        limit = self.config.max_split_size
-        return (limit is None or size < limit) and remaining > SMALL_SIZE

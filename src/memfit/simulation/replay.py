@@ -195,13 +195,13 @@ def _settle(
     start, successors = steady
     stride = max(recorder.sizes, default=0) + 1  # keys of a repeated run's storages, apart from every traced one
     first = next(i for i, mark in enumerate(marks) if mark.event_index >= start)
+    again = _RunAgain(events[start:], successors, stride)
     for run in range(1, MAX_STEADY_REPEATS + 1):
         reserved_before = allocator.reserved_bytes
-        made: set[int] = set()
         for index in range(first, len(marks)):
             end = boundaries[index]
             peak_allocated, peak_tensors, breakdown = ledger.allocated, ledger.tensors, None
-            for event, key in _run_again(events[marks[index].event_index : end], made, successors, run, stride):
+            for event, key in again.run(run, marks[index].event_index - start, end - start):
                 ledger.apply(event, key)
                 if ledger.allocated > peak_allocated:
                     peak_allocated, breakdown = ledger.allocated, dict(ledger.by_category)
@@ -217,22 +217,40 @@ def _settle(
             break
 
 
-def _run_again(
-    events: Sequence[int], made: set[int], successors: dict[int, int], run: int, stride: int
-) -> Iterator[tuple[int, int]]:
-    """``(event, key)`` of the steady step's ``run``-th run again: its own storages under keys apart from every
-    earlier run's, and what the run before left for it to free (``_steady_step``) under that run's keys."""
-    for event in events:
-        sid = abs(event)
-        if event > 0:
-            made.add(sid)
-            yield event, sid + run * stride
-        elif sid in made:
-            yield event, sid + run * stride
-        elif sid in successors:
-            yield event, successors[sid] + (run - 1) * stride
-        else:
-            yield event, sid
+class _RunAgain:
+    """The keys of the steady step's events when it runs again: in its ``run``-th run, its own storages under keys
+    apart from every earlier run's (``key + run * stride``), what the run before left for it to free
+    (``_steady_step``) under that run's keys, anything else under its own. Worked out once per log: the runs differ
+    only in ``run``."""
+
+    __slots__ = ("events", "keys", "moves", "stride")
+
+    def __init__(self, events: Sequence[int], successors: dict[int, int], stride: int) -> None:
+        self.events, self.stride = events, stride
+        self.keys: list[int] = []
+        self.moves: list[bool] = []  # whether the event's key moves on by ``stride`` with each run
+        made: set[int] = set()
+        for event in events:
+            sid = abs(event)
+            if event > 0:
+                made.add(sid)
+                key, moves = sid, True
+            elif sid in made:
+                key, moves = sid, True
+            elif sid in successors:
+                key, moves = successors[sid] - stride, True  # the run before's: successors[sid] + (run - 1) * stride
+            else:
+                key, moves = sid, False
+            self.keys.append(key)
+            self.moves.append(moves)
+
+    def run(self, number: int, begin: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
+        """``(event, key)`` of events ``begin:end`` of the ``number``-th run again."""
+        shift = number * self.stride
+        stop = len(self.events) if end is None else end
+        events, keys, moves = self.events, self.keys, self.moves
+        for index in range(begin, stop):
+            yield events[index], keys[index] + shift if moves[index] else keys[index]
 
 
 def _steady_step(recorder: StorageRecorder) -> tuple[int, dict[int, int]] | None:
@@ -307,13 +325,14 @@ class LimitReplayer:
 
     def __init__(self, recorder: StorageRecorder, config: AllocatorConfig | None = None) -> None:
         self._recorder, self._config = recorder, config
+        self._rounded = _rounded_sizes(recorder)
         allocator = CachingAllocatorSimulator(config=config)
         self._checkpoints: list[tuple[int, int, CachingAllocatorSimulator]] = []  # (event index, reserved, state)
         if allocator.config.garbage_collection_threshold > 0:  # the limit acts throughout: nothing to resume
             self.unlimited = replay_at_limit(recorder, 1 << 62, config)
             return
         every = max(1, len(recorder.events) // self.CHECKPOINTS)
-        self.unlimited = _replay_from(allocator, recorder, 0, 1 << 62, False, (every, self._checkpoints))
+        self.unlimited = _replay_from(allocator, recorder, 0, 1 << 62, False, (every, self._checkpoints), self._rounded)
 
     def at(self, limit_bytes: int, *, until_oom: bool = False) -> LimitFit:
         """``replay_at_limit(recorder, limit_bytes, config, until_oom=until_oom)``, from the latest checkpoint that
@@ -326,7 +345,7 @@ class LimitReplayer:
         if allocator is None:
             return replay_at_limit(self._recorder, limit_bytes, self._config, until_oom=until_oom)
         allocator.set_capacity(max(0, limit_bytes))
-        return _replay_from(allocator, self._recorder, start, limit_bytes, until_oom)
+        return _replay_from(allocator, self._recorder, start, limit_bytes, until_oom, rounded=self._rounded)
 
     def least(self) -> int:
         """``least_reserved``: bisected between the peak of the blocks and the unlimited reserved peak."""
@@ -348,34 +367,43 @@ def _replay_from(
     limit_bytes: int,
     until_oom: bool,
     checkpoints: tuple[int, list[tuple[int, int, CachingAllocatorSimulator]]] | None = None,
+    rounded: dict[int, int] | None = None,
 ) -> LimitFit:
     """The log from event ``start`` on, then the steady step until the allocator settles; with ``checkpoints``
     (every, into), a copy of the allocator every ``every`` events of the log, with its reserved bytes then."""
     sizes = recorder.sizes
+    rounded = rounded if rounded is not None else _rounded_sizes(recorder)
+    live = allocator._live
+    malloc, free = allocator.allocate_rounded, allocator.free
     every, into = checkpoints if checkpoints is not None else (0, [])
     for index, event in enumerate(recorder.events[start:], start):
         if every and index and index % every == 0:
             into.append((index, allocator.reserved_bytes, allocator.clone()))
         if event > 0:
-            allocator.malloc(event, sizes[event])
-            if until_oom and allocator.oom:
+            if event in live:  # as malloc refuses it
+                raise InvalidInputError(f"storage {event!r} is already allocated; free it before allocating it again")
+            malloc(event, sizes[event], rounded[event])
+            if until_oom and allocator._num_ooms:
                 break
         else:
-            allocator.free(-event)
+            free(-event)
     steady = None if until_oom and allocator.oom else _steady_step(recorder)
     if steady is not None:  # run again until the allocator settles, as ``replay`` does
         start, successors = steady
-        stride = max(sizes, default=0) + 1
+        again = _RunAgain(recorder.events[start:], successors, max(sizes, default=0) + 1)
         for run in range(1, MAX_STEADY_REPEATS + 1):
             before = (allocator.segments_made, allocator.peak_reserved_bytes, allocator.num_alloc_retries)
             reserved_before = allocator.reserved_bytes
-            for event, key in _run_again(recorder.events[start:], set(), successors, run, stride):
+            for event, key in again.run(run):
                 if event > 0:
-                    allocator.malloc(key, sizes[event])
-                    if until_oom and allocator.oom:
+                    if key in live:
+                        raise InvalidInputError(f"storage {key!r} is already allocated; free it before allocating "
+                                                "it again")  # fmt: skip
+                    malloc(key, sizes[event], rounded[event])
+                    if until_oom and allocator._num_ooms:
                         break
                 else:
-                    allocator.free(key)
+                    free(key)
             if until_oom and allocator.oom:
                 break
             after = (allocator.segments_made, allocator.peak_reserved_bytes, allocator.num_alloc_retries)
@@ -385,6 +413,11 @@ def _replay_from(
         limit_bytes, not allocator.oom, allocator.num_alloc_retries, allocator.peak_allocated_bytes,
         allocator.peak_reserved_bytes,
     )  # fmt: skip
+
+
+def _rounded_sizes(recorder: StorageRecorder) -> dict[int, int]:
+    """Each storage's block size (``round_size``), checked once for the whole log."""
+    return {sid: round_size(size) for sid, size in recorder.sizes.items()}
 
 
 def least_reserved(recorder: StorageRecorder, config: AllocatorConfig | None = None) -> int:
