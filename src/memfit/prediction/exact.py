@@ -76,6 +76,7 @@ class StepSession:
         self.length_unavailable: str | None = None  # why there is none
         self.unavailable: str | None = None  # why the step cannot be traced symbolically
         self.trace_seconds = 0.0
+        self.deep_sessions: dict[int, DeepSession] = {}  # depth -> the deep model's session built from this one
         self._factory = callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
         self.seq_len = sequence_length(*self._sample_at(2)) if self._factory else sequence_length(sample, sample_batch)
         self._cache_key = trace_cache.session_key(model, sample, sample_batch, settings)
@@ -678,7 +679,11 @@ def deep_session(
     low, high = (_depth_of(model) for model in models)
     if high != low + 1:
         raise DepthMismatch(f"the shallow models must be one block apart, got {low} and {high} blocks")
-    return DeepSession(shallow, deeper, depth, (low, high))
+    # kept with the shallow session, as its traces are: a planner asking again builds (and checks) the log once
+    kept = shallow.deep_sessions.get(depth)
+    if kept is None or kept._deeper is not deeper:
+        kept = shallow.deep_sessions[depth] = DeepSession(shallow, deeper, depth, (low, high))
+    return kept
 
 
 def exact_estimates(

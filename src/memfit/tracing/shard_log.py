@@ -183,15 +183,8 @@ def apply_rank_plan(recorder: StorageRecorder, plan: RankPlan) -> StorageRecorde
                 (m.event_index for m in marks[number + 1 :] if m.step == mark.step and m.phase is buffer.end), None
             )
             log.put(end if end is not None and buffer.end is not None else ends[mark.step], -sid, _RELEASE)
-    events: list[int] = []
-    moved_to: list[int] = []
-    for index in range(len(recorder.events) + 1):
-        events.extend(log.events_at(index))
-        moved_to.append(len(events))
-        if index < len(recorder.events):
-            event = recorder.events[index]
-            if abs(event) not in dropped and -event not in log.moved_frees:
-                events.append(event)
+    events, moved_to = log.merged(recorder.events, {*dropped, *(-sid for sid in dropped | log.moved_frees)},
+                                  [m.event_index for m in marks])  # fmt: skip
     rewritten = StorageRecorder(
         workspace_bytes=recorder.workspace_bytes,
         cuda_target=recorder.cuda_target,
@@ -240,6 +233,22 @@ class _Insertions:
 
     def events_at(self, index: int) -> list[int]:
         return [event for _, _, event in sorted(self._at.get(index, ()))]
+
+    def merged(self, traced: list[int], removed: set[int], wanted: list[int]) -> tuple[list[int], dict[int, int]]:
+        """The log: ``traced``'s events but ``removed`` with these inserted in front of theirs; and where, for each
+        index of ``wanted``, the traced event there (or the end) lands once its insertions are in."""
+        events: list[int] = []
+        landed: dict[int, int] = {}
+        done = 0  # traced events copied so far
+        for index in sorted({*self._at, *wanted}):
+            chunk = traced[done:index]
+            events.extend([event for event in chunk if event not in removed] if removed else chunk)
+            done = max(done, index)
+            events.extend(self.events_at(index))
+            landed[index] = len(events)
+        chunk = traced[done:]
+        events.extend([event for event in chunk if event not in removed] if removed else chunk)
+        return events, landed
 
     def after_mark(self, index: int) -> int:
         return sum(1 for kind, _, _ in self._at.get(index, ()) if kind == _ALLOCATE)
