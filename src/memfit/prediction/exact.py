@@ -17,6 +17,7 @@ answers the same whether or not the caller kept the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -31,6 +32,7 @@ from torch import nn
 from memfit.categories import Category, Phase
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
+from memfit.prediction import forked
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.replay import LimitFit, LimitReplayer, PhasePeak, StepReplays, TimelinePoint, replay, replay_step
 from memfit.simulation.runtime import CudaRuntime
@@ -77,6 +79,7 @@ class StepSession:
         self.unavailable: str | None = None  # why the step cannot be traced symbolically
         self.trace_seconds = 0.0
         self.deep_sessions: dict[int, DeepSession] = {}  # depth -> the deep model's session built from this one
+        self._prefetched: dict[str, tuple[Any, float]] = {}  # part -> a trace a forked child took (``aside``)
         self._factory = callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple))
         self.seq_len = sequence_length(*self._sample_at(2)) if self._factory else sequence_length(sample, sample_batch)
         self._cache_key = trace_cache.session_key(model, sample, sample_batch, settings)
@@ -172,6 +175,48 @@ class StepSession:
             self.concrete[batch] = self._concrete(model, self._sample, self.sample_batch, batch)
         return self.concrete[batch]
 
+    def aside(self, part: str) -> contextlib.AbstractContextManager[None]:
+        """A ``with`` block during which a forked child takes this session's trace ``part`` (``symbolic:<hint>:<0|1>``
+        or ``concrete:<batch>:None``) while the body takes another's (``memfit.prediction.forked``); nothing where the
+        session has it, the cache keeps it, or no child can be forked."""
+        model = self._model()
+        kind, value, flag = part.split(":")
+        had = {"symbolic": self.symbolic or self.unavailable is not None, "concrete": int(value) in self.concrete}
+        if flag == "1":
+            had["symbolic"] = self.with_length is not None or self.length_unavailable is not None
+        if model is None or had[kind] or part in self._prefetched or self._kept_on_disk(part):
+            return contextlib.nullcontext()
+        sample, sample_batch, settings = self._sample, self.sample_batch, self.settings
+
+        def compute() -> Any:
+            if kind == "concrete":
+                return trace_data.encode_trace(trace_steps(model, sample, sample_batch, int(value), settings))
+            try:
+                traced = trace_symbolic(model, sample, sample_batch, settings, hint=int(value),
+                                        symbolic_sequence=flag == "1")  # fmt: skip
+            except SymbolicUnavailable as exc:
+                return {"unavailable": exc.reason}
+            return {"trace": trace_data.encode_symbolic(traced)}
+
+        return forked.aside(compute, lambda data, seconds: self._prefetched.__setitem__(part, (data, seconds)))
+
+    def _kept_on_disk(self, part: str) -> bool:
+        if self._cache_key is None or not trace_cache.enabled():
+            return False
+        try:
+            return trace_cache.holds(self._cache_key, self._part(part))
+        except trace_cache.Uncacheable:
+            return False
+
+    def _traced(self, part: str, trace: Callable[[], Any], decode: Callable[[Any], Any]) -> Any:
+        """``trace()``, timed; or what a forked child took of ``part`` (decoded as the cache decodes it)."""
+        prefetched = self._prefetched.pop(part, None)
+        if prefetched is None:
+            return self._timed(trace)
+        data, seconds = prefetched
+        self.trace_seconds += seconds
+        return decode(data)
+
     def _sample_at(self, batch: int) -> tuple[Any, int]:
         """The sample and its batch size: a sample factory's batch at ``batch``, else the sample itself."""
         if self._factory:
@@ -191,8 +236,9 @@ class StepSession:
         if isinstance(kept, str):
             raise SymbolicUnavailable(kept)
         try:
-            traced = self._timed(lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
-                                                        hint=hint, symbolic_sequence=symbolic_sequence))  # fmt: skip
+            traced = self._traced(part, lambda: trace_symbolic(model, self._sample, self.sample_batch, self.settings,
+                                                               hint=hint, symbolic_sequence=symbolic_sequence),
+                                  _symbolic_or_raise)  # fmt: skip
         except SymbolicUnavailable as exc:
             reason = exc.reason
             self._keep(part, lambda: {"unavailable": reason})
@@ -206,7 +252,11 @@ class StepSession:
         kept = self._cached(part, trace_data.decode_trace)
         if kept is not None:
             return kept
-        traced = self._timed(lambda: trace_steps(model, sample, sample_batch, batch, self.settings))
+        if seq_len is None and sample is self._sample:
+            traced = self._traced(part, lambda: trace_steps(model, sample, sample_batch, batch, self.settings),
+                                  trace_data.decode_trace)  # fmt: skip
+        else:
+            traced = self._timed(lambda: trace_steps(model, sample, sample_batch, batch, self.settings))
         self._keep(part, lambda: trace_data.encode_trace(traced))
         return traced
 
@@ -244,6 +294,14 @@ class StepSession:
     @property
     def range_note(self) -> str | None:
         return self.symbolic[0].range_note() if self.symbolic else None
+
+
+def _symbolic_or_raise(value: dict[str, Any]) -> SymbolicTrace:
+    """A symbolic trace a forked child took; ``SymbolicUnavailable`` where it found the step cannot be taken so."""
+    outcome = _decode_symbolic_outcome(value)
+    if isinstance(outcome, str):
+        raise SymbolicUnavailable(outcome)
+    return outcome
 
 
 def _decode_symbolic_outcome(value: dict[str, Any]) -> SymbolicTrace | str:
@@ -285,7 +343,11 @@ class DeepSession:
 
     def ensure_symbolic(self, hint: int) -> bool:
         """Both models' symbolic traces, the shallow one built to the whole depth (checked against the other)."""
-        if not self.symbolic and self._shallow.ensure_symbolic(hint) and self._deeper.ensure_symbolic(hint):
+        if self.symbolic:
+            return True
+        with self._deeper.aside(f"symbolic:{hint}:0"):  # the two traces at once, where a child can take one
+            shallow = self._shallow.ensure_symbolic(hint)
+        if shallow and self._deeper.ensure_symbolic(hint):
             base, check = self._shallow.symbolic[0], self._deeper.symbolic[0]
             self.symbolic.append(deepen_symbolic(base, self.depth, check=check))
         return bool(self.symbolic)
@@ -297,7 +359,9 @@ class DeepSession:
     def ensure_with_length(self, hint: int) -> SymbolicTrace | None:
         """Both models' traces with the sequence length symbolic too, the shallow one built to the whole depth."""
         if self.with_length is None:
-            base, check = self._shallow.ensure_with_length(hint), self._deeper.ensure_with_length(hint)
+            with self._deeper.aside(f"symbolic:{hint}:1"):
+                base = self._shallow.ensure_with_length(hint)
+            check = self._deeper.ensure_with_length(hint)
             if base is not None and check is not None:
                 self.with_length = deepen_symbolic(base, self.depth, check=check)
         return self.with_length
@@ -334,7 +398,8 @@ class DeepSession:
                 self.other_lengths[key] = deepen(shallow, self.depth, check=(shallow, deeper))
             return self.other_lengths[key]
         if batch not in self.concrete:
-            shallow = self._shallow.concrete_trace(batch)
+            with self._deeper.aside(f"concrete:{batch}:None"):
+                shallow = self._shallow.concrete_trace(batch)
             self.concrete[batch] = deepen(shallow, self.depth, check=(shallow, self._deeper.concrete_trace(batch)))
         return self.concrete[batch]
 

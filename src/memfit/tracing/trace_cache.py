@@ -63,6 +63,7 @@ __all__ = [
     "cache_dir",
     "clear",
     "enabled",
+    "holds",
     "load",
     "sample_digest",
     "session_key",
@@ -305,6 +306,11 @@ def _tensor_key(tensor: torch.Tensor) -> list[Any]:
 
 def _path(key: str) -> Path:
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()}.json.gz"
+
+
+def holds(key: str, part: str) -> bool:
+    """Whether an entry ``part`` of the step ``key`` is on disk (read or not: ``load`` says whether it is sound)."""
+    return _path(f"{key}|{part}").is_file()
 
 
 def load(key: str, part: str, decode: Callable[[Any], Any]) -> Any | None:
