@@ -41,6 +41,7 @@ from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
 from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
 from memfit.tracing.known_masks import holds_only_ones, shape_only
+from memfit.tracing.recorder import StorageRecorder
 from memfit.tracing.symbolic import (
     SymbolicTrace,
     SymbolicUnavailable,
@@ -478,7 +479,7 @@ class ExactPeaks:
         arguments = (secondary.batch_size, secondary.seq_len)
         kept = self._kept("step", primary.batch_size, primary.seq_len, arguments, _decode_step_replays)
         if kept is None:
-            kept = replay_step(primary.recorder, secondary.recorder, self._runtime is not None)
+            kept = _replayed_side_by_side(primary.recorder, secondary.recorder, self._runtime is not None)
             self._keep("step", primary.batch_size, primary.seq_len, arguments, _encode_step_replays(kept))
         return kept
 
@@ -584,6 +585,26 @@ class ExactPeaks:
             trace = self._transform(trace)
         resize_workspace(trace, self._runtime.workspace_bytes)
         return trace
+
+
+# a log this long takes a few tenths of a second to replay; a forked child costs about 50 ms
+_FORKED_REPLAY_EVENTS = 50_000
+
+
+def _replayed_side_by_side(primary: StorageRecorder, secondary: StorageRecorder, simulate: bool) -> StepReplays:
+    """``replay_step(primary, secondary, simulate)``, the secondary log replayed in a forked child while this process
+    replays the primary one where the logs are long (``memfit.prediction.forked``: the same peaks, or the child's
+    discarded and the log replayed here)."""
+    if len(secondary.events) < _FORKED_REPLAY_EVENTS:
+        return replay_step(primary, secondary, simulate)
+    other: list[tuple[PhasePeak, ...]] = []
+    with forked.aside(lambda: _encode_peaks(replay(secondary, simulate_cuda_allocator=simulate)),
+                      lambda data, _: other.append(_decode_peaks(data))):  # fmt: skip
+        timeline: list[TimelinePoint] = []
+        peaks = replay(primary, simulate_cuda_allocator=simulate, timeline=timeline)
+    if not other:
+        other.append(tuple(replay(secondary, simulate_cuda_allocator=simulate)))
+    return tuple(peaks), tuple(timeline), other[0]
 
 
 def _encode_peaks(peaks: Sequence[PhasePeak]) -> list[dict[str, Any]]:

@@ -1,14 +1,14 @@
-"""One trace taken in a forked process while this process takes another: a deep model's two shallow traces at once.
+"""Work taken in a forked process while this process does its own: a deep model's two shallow traces at once.
 
 A deep model's log is built from traces of it at two depths, one block apart (``DeepSession``): two independent
-traces of seconds each, which one process takes one after the other. Where the machine has two cores to spare,
-``aside`` forks a child that takes the deeper model's trace while the parent takes the shallower one's, and sends
-it back as plain data (``memfit.tracing.trace_data``, what the trace cache keeps; no pickle). The parent's session
-then uses it where it would have traced (``StepSession._prefetched``), keeps it in the cache and goes on as ever.
+traces of seconds each, which one process takes one after the other; and each estimate replays two logs, the
+traced batch's and another's, independent too. Where the machine has two cores to spare, ``aside`` forks a child
+that takes one of the two (the deeper model's trace, the other batch's replay) while the parent does the other,
+and sends its result back as plain data (``memfit.tracing.trace_data``, what the trace cache keeps; no pickle).
 
-The answer is the one a single process gives, by construction: a trace is a function of the step alone, and any
-child that did something the parent would have shown (a warning, a line on stdout or stderr), failed, or did not
-answer in time is discarded, so that the parent takes that trace itself when it comes to it.
+The answer is the one a single process gives, by construction: a trace or a replay is a function of the step
+alone, and any child that did something the parent would have shown (a warning, a line on stdout or stderr),
+failed, or did not answer in time is discarded, so that the parent does that work itself.
 
 A fork is only made where it is safe and can help: on Linux, with two usable cores, CUDA not initialised, no
 process group, and no other thread alive but daemon ones. ``MEMFIT_PARALLEL_TRACES=off`` turns it off.
