@@ -115,3 +115,27 @@ def test_an_error_in_the_parents_body_ends_the_child(monkeypatch: pytest.MonkeyP
     with pytest.raises(KeyError), forked.aside(lambda: time.sleep(60) or {}, lambda data, seconds: None):
         raise KeyError("the parent's own trace failed")
     assert len(ended) == (1 if forked.can_fork() else 0)
+
+
+@needs_fork
+def test_an_estimates_two_replays_side_by_side_are_the_replays_of_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from memfit.prediction import exact
+    from memfit.prediction.estimator import _prepare, _Step
+    from memfit.simulation.replay import replay_step
+    from memfit.tracing.config import Target, TrainingLoop
+    from memfit.tracing.tracer import trace_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    sample = torch.zeros(4, 64)
+    step = _Step("adamw", None, "fp32", False, None, lambda output, batch: output.square().mean(), None, False)
+    settings, (_, _, sample_batch) = _prepare(model, sample, None, step, TrainingLoop(), Target("cuda"))
+    primary, secondary = (trace_steps(model, sample, sample_batch, b, settings).recorder for b in (4, 8))
+    forks: list[bool] = []
+    fork = forked._fork
+    monkeypatch.setattr(forked, "_fork", lambda compute: forks.append(True) or fork(compute))
+    monkeypatch.setattr(exact, "_FORKED_REPLAY_EVENTS", 0)  # this small log too
+    assert exact._replayed_side_by_side(primary, secondary, True) == replay_step(primary, secondary, True)
+    assert forks == [True]
