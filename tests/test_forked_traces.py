@@ -16,7 +16,15 @@ from memfit.prediction import forked
 
 pytest.importorskip("transformers")
 
-needs_fork = pytest.mark.skipif(not forked.can_fork(), reason="a child is only forked on Linux with two cores")
+IDLE_CORE = forked._idle_core
+needs_fork = pytest.mark.skipif(not forked._safe(), reason="a child is only forked on Linux with two cores")
+
+
+@pytest.fixture(autouse=True)
+def _an_idle_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite keeps every core busy: these tests fork whatever the load."""
+    monkeypatch.setattr(forked, "_idle_core", lambda: True)
+
 
 NARROW_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
@@ -139,3 +147,11 @@ def test_an_estimates_two_replays_side_by_side_are_the_replays_of_one_process(mo
     monkeypatch.setattr(exact, "_FORKED_REPLAY_EVENTS", 0)  # this small log too
     assert exact._replayed_side_by_side(primary, secondary, True) == replay_step(primary, secondary, True)
     assert forks == [True]
+
+
+def test_a_busy_machine_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    monkeypatch.setattr(forked.os, "getloadavg", lambda: (float(cores), 0.0, 0.0))  # every core busy
+    assert not IDLE_CORE()
+    monkeypatch.setattr(forked.os, "getloadavg", lambda: (cores - 1.0, 0.0, 0.0))
+    assert IDLE_CORE() == (cores >= 2)

@@ -270,8 +270,11 @@ def _load(key: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except Exception as exc:  # a damaged or foreign entry: answered afresh
-        print(f"memfit: ignored the kept answer {path} ({type(exc).__name__}: {str(exc)[:120]}) and answers afresh; "
-              f"delete {path.parent} or set {CACHE_ENV}=off if this repeats", file=sys.stderr)  # fmt: skip
+        print(
+            f"memfit: warning: ignored the kept answer {path} ({type(exc).__name__}: {str(exc)[:120]}) and answers "
+            f"afresh; delete {path.parent} or set {CACHE_ENV}=off if this repeats",
+            file=sys.stderr,
+        )
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
         return None

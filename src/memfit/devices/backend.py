@@ -125,6 +125,11 @@ class DeviceBackend(abc.ABC):
         """Give cached blocks back to the device after a failed step (no-op where nothing is cached)."""
         return None
 
+    def in_use(self) -> bool:
+        """Whether this process has started the device's runtime (a forked child could not use the device, and a
+        fork of a process holding it is not safe)."""
+        return False
+
     def rng_states(self) -> Any | None:
         """This device's random generator states, to restore after a trace; ``None`` when there are none."""
         return None

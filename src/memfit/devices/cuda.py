@@ -158,6 +158,9 @@ class CudaBackend(DeviceBackend):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    def in_use(self) -> bool:
+        return torch.cuda.is_initialized()
+
     def rng_states(self) -> Any | None:
         return torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

@@ -10,8 +10,9 @@ The answer is the one a single process gives, by construction: a trace or a repl
 alone, and any child that did something the parent would have shown (a warning, a line on stdout or stderr),
 failed, or did not answer in time is discarded, so that the parent does that work itself.
 
-A fork is only made where it is safe and can help: on Linux, with two usable cores, CUDA not initialised, no
-process group, and no other thread alive but daemon ones. ``MEMFIT_PARALLEL_TRACES=off`` turns it off.
+A fork is only made where it is safe and can help: on Linux, with two usable cores and one of them idle over the
+last minute, no device runtime started (CUDA not initialised), no process group, and no other thread alive but
+daemon ones. ``MEMFIT_PARALLEL_TRACES=off`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 
+from memfit.devices import registered_backends
+
 __all__ = ["PARALLEL_ENV", "aside", "can_fork"]
 
 PARALLEL_ENV = "MEMFIT_PARALLEL_TRACES"
@@ -42,14 +45,25 @@ _LEAST_WAIT_S = 30.0
 
 
 def can_fork() -> bool:
-    """Whether a child can take a trace here safely, and beside this process rather than in its way."""
+    """Whether a child can work here safely, and beside this process rather than in its way."""
+    return _safe() and _idle_core()
+
+
+def _safe() -> bool:
+    """Linux, two usable cores, no device runtime or process group started, no other thread but daemon ones."""
     if os.environ.get(PARALLEL_ENV, "on").strip().lower() in _OFF or sys.platform != "linux":
         return False
-    if len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_initialized():
+    if len(os.sched_getaffinity(0)) < 2 or any(backend.in_use() for backend in registered_backends()):
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
     return all(thread.daemon for thread in threading.enumerate() if thread is not threading.current_thread())
+
+
+def _idle_core() -> bool:
+    """Whether a core is free for the child: the last minute's load leaves one of the usable cores idle (on a
+    machine busy with other work, a child only slows this process down)."""
+    return os.getloadavg()[0] <= len(os.sched_getaffinity(0)) - 1
 
 
 @contextlib.contextmanager

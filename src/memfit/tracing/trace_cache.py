@@ -49,8 +49,7 @@ import sympy
 import torch
 from torch import nn
 
-from memfit.cache_identity import CACHE_DIR_ENV, CACHE_ENV, cache_root, enabled
-from memfit.cache_identity import installed_versions as _versions
+from memfit.cache_identity import CACHE_DIR_ENV, CACHE_ENV, cache_root, enabled, installed_distributions
 from memfit.cache_identity import memfit_source_digest as _memfit_source_hash
 from memfit.devices import registered_backends
 from memfit.diagnostics import warn_once
@@ -172,7 +171,7 @@ def _environment() -> dict[str, Any]:
     return {
         "python": sys.version,
         "machine": platform.machine(),
-        "packages": _versions(),
+        "packages": installed_distributions(),
         "memfit_source": _memfit_source_hash(),
         **{key: value for backend in registered_backends() for key, value in backend.trace_environment().items()},
         "deterministic": torch.are_deterministic_algorithms_enabled(),
@@ -185,13 +184,25 @@ def _environment() -> dict[str, Any]:
 
 
 @functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()``, read once: it reads every distribution's file list."""
+    return importlib.metadata.packages_distributions()
+
+
+@functools.cache
 def _distribution_of(top_level: str) -> str | None:
     """The installed distribution that provides the import package ``top_level``, with its version."""
-    names = importlib.metadata.packages_distributions().get(top_level)
+    names = _packages_distributions().get(top_level)
     if not names:
         return None
-    versions = _versions()
-    return ";".join(f"{n.lower()}=={versions.get(n.lower(), '?')}" for n in sorted(names))
+    return ";".join(f"{n.lower()}=={_version(n)}" for n in sorted(names))
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def _code(obj: Any) -> list[str]:
