@@ -16,7 +16,7 @@ from memfit.prediction import forked
 
 pytest.importorskip("transformers")
 
-IDLE_CORE = forked._idle_core
+IDLE_CORE, RUNNABLE = forked._idle_core, forked._runnable
 needs_fork = pytest.mark.skipif(not forked._safe(), reason="a child is only forked on Linux with two cores")
 
 
@@ -151,7 +151,12 @@ def test_an_estimates_two_replays_side_by_side_are_the_replays_of_one_process(mo
 
 def test_a_busy_machine_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    monkeypatch.setattr(forked.os, "getloadavg", lambda: (float(cores), 0.0, 0.0))  # every core busy
+    monkeypatch.setattr(forked, "_runnable", lambda: cores - 1)  # every other core busy
     assert not IDLE_CORE()
-    monkeypatch.setattr(forked.os, "getloadavg", lambda: (cores - 1.0, 0.0, 0.0))
+    monkeypatch.setattr(forked, "_runnable", lambda: 0)
     assert IDLE_CORE() == (cores >= 2)
+    monkeypatch.setattr(forked, "_runnable", lambda: None)  # no /proc: the last minute's load
+    monkeypatch.setattr(forked.os, "getloadavg", lambda: (float(cores), 0.0, 0.0))
+    assert not IDLE_CORE()
+    counted = RUNNABLE()  # this machine's own count, read from /proc/loadavg
+    assert counted is None or counted >= 0

@@ -10,8 +10,8 @@ The answer is the one a single process gives, by construction: a trace or a repl
 alone, and any child that did something the parent would have shown (a warning, a line on stdout or stderr),
 failed, or did not answer in time is discarded, so that the parent does that work itself.
 
-A fork is only made where it is safe and can help: on Linux, with two usable cores and one of them idle over the
-last minute, no device runtime started (CUDA not initialised), no process group, and no other thread alive but
+A fork is only made where it is safe and can help: on Linux, with two usable cores and nothing else running on
+the second, no device runtime started (CUDA not initialised), no process group, and no other thread alive but
 daemon ones. ``MEMFIT_PARALLEL_TRACES=off`` turns it off.
 """
 
@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,9 +62,22 @@ def _safe() -> bool:
 
 
 def _idle_core() -> bool:
-    """Whether a core is free for the child: the last minute's load leaves one of the usable cores idle (on a
-    machine busy with other work, a child only slows this process down)."""
-    return os.getloadavg()[0] <= len(os.sched_getaffinity(0)) - 1
+    """Whether a core is free for the child: nothing else runs now that would leave it none (on a machine busy with
+    other work, a child only slows this process down). The last minute's load average where the number of
+    runnable tasks cannot be read."""
+    cores = len(os.sched_getaffinity(0))
+    others = _runnable()
+    if others is None:
+        return os.getloadavg()[0] <= cores - 1
+    return others + 2 <= cores  # this process, its child, and what else runs
+
+
+def _runnable() -> int | None:
+    """How many tasks besides this one are runnable now (``/proc/loadavg``), or ``None``."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @contextlib.contextmanager
