@@ -22,8 +22,10 @@ needs_fork = pytest.mark.skipif(not forked._safe(), reason="a child is only fork
 
 @pytest.fixture(autouse=True)
 def _an_idle_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite keeps every core busy: these tests fork whatever the load."""
+    """The suite keeps every core busy, and other tests in the same worker may leave threads behind (a tracker's
+    writer): these tests fork whatever the load and the threads."""
     monkeypatch.setattr(forked, "_idle_core", lambda: True)
+    monkeypatch.setattr(forked, "_no_other_threads", lambda: True)
 
 
 NARROW_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
@@ -160,3 +162,17 @@ def test_a_busy_machine_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not IDLE_CORE()
     counted = RUNNABLE()  # this machine's own count, read from /proc/loadavg
     assert counted is None or counted >= 0
+
+
+def test_a_live_thread_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.undo()  # this test reads the thread check itself
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)  # a non-daemon thread, as a tracker's writer may be
+    worker.start()
+    try:
+        assert not forked._no_other_threads()
+    finally:
+        stop.set()
+        worker.join()

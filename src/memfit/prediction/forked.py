@@ -47,17 +47,20 @@ _LEAST_WAIT_S = 30.0
 
 def can_fork() -> bool:
     """Whether a child can work here safely, and beside this process rather than in its way."""
-    return _safe() and _idle_core()
+    return _safe() and _no_other_threads() and _idle_core()
 
 
 def _safe() -> bool:
-    """Linux, two usable cores, no device runtime or process group started, no other thread but daemon ones."""
+    """Linux, two usable cores, no device runtime or process group started."""
     if os.environ.get(PARALLEL_ENV, "on").strip().lower() in _OFF or sys.platform != "linux":
         return False
     if len(os.sched_getaffinity(0)) < 2 or any(backend.in_use() for backend in registered_backends()):
         return False
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _no_other_threads() -> bool:
+    """No thread alive but this one and daemon ones (a fork copies only this thread, and the locks of the others)."""
     return all(thread.daemon for thread in threading.enumerate() if thread is not threading.current_thread())
 
 
