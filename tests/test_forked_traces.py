@@ -16,7 +16,7 @@ from memfit.prediction import forked
 
 pytest.importorskip("transformers")
 
-IDLE_CORE, RUNNABLE = forked._idle_core, forked._runnable
+IDLE_CORE, RUNNABLE, NOTHING_STARTED = forked._idle_core, forked._runnable, forked._nothing_started
 needs_fork = pytest.mark.skipif(not forked._safe(), reason="a child is only forked on Linux with two cores")
 
 
@@ -26,6 +26,7 @@ def _an_idle_core(monkeypatch: pytest.MonkeyPatch) -> None:
     writer): these tests fork whatever the load and the threads."""
     monkeypatch.setattr(forked, "_idle_core", lambda: True)
     monkeypatch.setattr(forked, "_no_other_threads", lambda: True)
+    monkeypatch.setattr(forked, "_nothing_started", lambda: True)
 
 
 NARROW_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
@@ -115,7 +116,7 @@ def test_no_child_is_forked_when_turned_off_or_cuda_is_live(monkeypatch: pytest.
     assert _delivered(lambda: {}) == []
     monkeypatch.setenv(forked.PARALLEL_ENV, "on")
     monkeypatch.setattr(forked.torch.cuda, "is_initialized", lambda: True)
-    assert not forked.can_fork()
+    assert not NOTHING_STARTED()
 
 
 def test_an_error_in_the_parents_body_ends_the_child(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,14 +47,19 @@ _LEAST_WAIT_S = 30.0
 
 def can_fork() -> bool:
     """Whether a child can work here safely, and beside this process rather than in its way."""
-    return _safe() and _no_other_threads() and _idle_core()
+    return _safe() and _nothing_started() and _no_other_threads() and _idle_core()
 
 
 def _safe() -> bool:
-    """Linux, two usable cores, no device runtime or process group started."""
+    """Turned on, Linux, two usable cores."""
     if os.environ.get(PARALLEL_ENV, "on").strip().lower() in _OFF or sys.platform != "linux":
         return False
-    if len(os.sched_getaffinity(0)) < 2 or any(backend.in_use() for backend in registered_backends()):
+    return len(os.sched_getaffinity(0)) >= 2
+
+
+def _nothing_started() -> bool:
+    """No device runtime (CUDA) and no process group started in this process."""
+    if any(backend.in_use() for backend in registered_backends()):
         return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
