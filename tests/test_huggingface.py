@@ -557,6 +557,25 @@ def test_accumulation_the_plan_adds_keeps_the_loss_and_gradients_of_the_configur
     assert any("model_accepts_loss_kwargs = False" in reason for reason in callback.plan.reasons)
 
 
+def test_the_loss_line_says_so_where_the_plan_runs_another_effective_batch(tmp_path: Path) -> None:
+    """13 samples a step with micro batches of at most 7: no split that fits hits 13 (a prime), so the plan runs
+    7 x 2 = 14. The line on the loss must not claim the configured batch's loss: it names the 14 and the 13."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=SEQ, num_labels=3)  # fmt: skip
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,)), "labels": i % 3} for i in range(32)]
+    args = training_args(tmp_path, per_device_train_batch_size=13, max_steps=1, logging_steps=1)
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=data)
+    callback = attach(trainer, budget="1GiB", max_batch_size=7, verbose=False)
+    trainer.train()
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.effective_batch_size) == (7, 2, 14)
+    line = next(reason for reason in plan.reasons if "model_accepts_loss_kwargs = False" in reason)
+    assert "each optimizer step now takes 14 samples, not the configured 13" in line
+    assert "those of the configured batch" not in line
+
+
 @pytest.mark.parametrize("path", ["attach", "plan_training_arguments"])
 def test_a_configured_accumulation_keeps_its_summed_loss_when_the_plan_changes_it(tmp_path: Path, path: str) -> None:
     """Configured with 2 accumulation steps, BERT's Trainer adds up 2 micro batches' mean losses. A plan of 4 x 8

@@ -123,8 +123,10 @@ def keep_configured_loss(trainer: Any, plan: Any) -> str | None:
         " (exactly for a loss averaged over samples; one averaged over tokens differs slightly where micro batches "
         "hold different numbers of tokens)"
     )
+    other = _other_batch(plan)
     if configured == 1:
-        return reason + ", so the loss and gradients stay those of the configured batch" + exactly
+        kept = "those of the configured batch" if not other else "a mean over the step's samples, as configured"
+        return f"{reason}, so the loss and gradients stay {kept}{exactly}{other}"
     original = trainer.compute_loss
 
     def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
@@ -136,8 +138,17 @@ def keep_configured_loss(trainer: Any, plan: Any) -> str | None:
     trainer.compute_loss = compute_loss
     return (
         f"{reason}, and multiplies each micro batch's loss by {configured}: the run as configured added up its "
-        f"{configured} micro batches' mean losses, and its loss and gradients stay that sum{exactly}"
+        f"{configured} micro batches' mean losses, and its loss and gradients stay that sum{exactly}{other}"
     )
+
+
+def _other_batch(plan: Any) -> str:
+    """What the loss line must add where the plan's effective batch is not the configured one (the plan's reasons
+    say why: a target no split that fits hits exactly)."""
+    target, effective = plan.target_batch_size, plan.effective_batch_size
+    if not target or target == effective:
+        return ""
+    return f"; each optimizer step now takes {effective} samples, not the configured {target} (the plan's reasons say why)"
 
 
 _LOSS_KEPT: weakref.WeakSet[Any] = weakref.WeakSet()  # the Trainers whose loss keep_configured_loss kept
