@@ -55,7 +55,10 @@ def test_the_plan_for_that_budget_takes_at_least_95_percent_of_the_real_maximum_
                   include_context=False, allocator=AllocatorConfig())  # fmt: skip
     assert 0.95 * largest_ran <= chosen.micro_batch_size <= largest_ran
     assert chosen.margin == DEFAULT_MARGIN and chosen.needed_bytes <= chosen.budget_bytes
-    assert any("fits only with the allocator at its limit" in reason for reason in chosen.reasons)
+    limit_reason = next(reason for reason in chosen.reasons if "fits only with the allocator at its limit" in reason)
+    kept = memfit.format_bytes(chosen.budget_bytes)  # the figure with room to spare is over this, not the capacity
+    assert f"over the {kept} a {memfit.format_bytes(chosen.capacity_bytes)} budget leaves after its" in limit_reason
+    assert any("time(s) in two steps" in reason for reason in chosen.reasons)  # the two traced training steps
     # what the run measures on that limit: capped there, above what the step needs, with the retries
     limit = truth["allocator_limit_bytes"]
     at_limit = resnet50().at_limit(chosen.micro_batch_size, limit, include_context=False, allocator=AllocatorConfig())

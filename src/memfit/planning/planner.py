@@ -794,14 +794,15 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
     if with_room > question.budget:
         reasons.append(
             f"it fits only with the allocator at its limit ({settings}): with room to spare the step would reserve "
-            f"{format_bytes(with_room)}, over {question.against()}; it needs "
+            f"{format_bytes(with_room)}, over {_over(question)}; it needs "
             f"{format_bytes(needed)}, where the caching allocator frees its cached blocks and retries instead of "
             "running out of memory"
         )
     if at_capacity.alloc_retries:
         reasons.append(
             f"on {format_bytes(question.capacity_bytes)} the allocator frees its cache and retries "
-            f"{at_capacity.alloc_retries} time(s) in two steps (each a device synchronization: slower steps; "
+            f"{at_capacity.alloc_retries} time(s) {'in one forward pass' if source.inference else 'in two steps'} "
+            "(each a device synchronization: slower steps; "
             "torch.cuda.memory_stats()['num_alloc_retries'] counts them)"
         )
     if tight and not config.expandable_segments:
@@ -905,6 +906,17 @@ def _floor_parts(estimate: MemoryEstimate, floor: int, context: int) -> str:
         (floor - context - states, "workspace, inputs and temporaries"),
     ]
     return ", ".join(f"{what} {format_bytes(size)}" for size, what in sorted(parts, reverse=True) if size > 0)
+
+
+def _over(question: _Question) -> str:
+    """What a figure is over: the budget after its margin, first (a figure between the two is over the one and
+    under the other)."""
+    if not question.margin or question.budget >= question.capacity_bytes:
+        return question.against()
+    return (
+        f"the {format_bytes(question.budget)} a {format_bytes(question.capacity_bytes)} budget leaves after its "
+        f"{format_margin(question.margin)} margin"
+    )
 
 
 def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
