@@ -447,3 +447,17 @@ def test_8bit_optimizer_state_is_what_bitsandbytes_allocates() -> None:
     assert small.optimizer_state_bytes == 8 * 1024  # fp32 states, whatever the weights' precision
     with pytest.raises(InvalidInputError, match="trainable_sizes add up to 10"):
         estimate_from_counts(parameters=100, optimizer="adam-8bit", trainable_sizes=[4, 6])
+
+
+def test_counted_adapters_report_the_share_they_are_not_the_unset_fraction(capsys: pytest.CaptureFixture) -> None:
+    """QLoRA counted from a config: 21M adapters of 8B parameters is a share of about 0.26 %, in the object and in
+    the command line's JSON (about 1 % for BERT-base at r8), not the 1.0 an unset ``trainable_fraction`` would read."""
+    from memfit.cli.main import main
+
+    counted = estimate_from_counts(parameters=8_000_000, trainable_parameters=20_000, quantize="nf4")
+    assert counted.trainable_fraction == pytest.approx(0.0025)
+    assert counted.to_dict()["trainable_fraction"] == pytest.approx(0.0025)
+    assert main(["estimate", "--hf-config", "bert-base", "--lora-r", "8", "--quantize", "nf4", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["trainable_fraction"] == pytest.approx(answer["trainable_parameters"] / answer["parameters"])
+    assert 0 < answer["trainable_fraction"] < 0.05  # LoRA r8 on every linear layer of BERT-base: about 1 %

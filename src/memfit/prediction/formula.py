@@ -200,7 +200,10 @@ def estimate_from_counts(
         activations_per_sample=activations_per_sample,
         precision=precision,
         optimizer=optimizer,
-        trainable_fraction=trainable_fraction,
+        # the share trained, also where the adapters were counted (not the 1.0 a fraction left unset reads)
+        trainable_fraction=trainable / parameters if trainable_parameters is not None and parameters else (
+            trainable_fraction
+        ),
         quantized_weights_bytes=quantized_bytes,
         quantize=quantize,
         trainable_count=trainable if trainable_parameters is not None else None,
