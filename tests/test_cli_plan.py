@@ -88,6 +88,20 @@ def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) 
     assert row["fits"] is False and "does not fit" in row["error"]
 
 
+def test_every_row_of_the_json_has_the_same_keys_with_or_without_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """A row that fits, one whose card cannot run the precision (T4: no bf16) and one that does not fit carry the
+    same keys; the ones without a plan hold null, so a reader indexes every row alike."""
+    argv = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--gpu", "h100", "--gpu", "t4",
+            "--budget", "1MiB", "--precision", "bf16-mixed", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    fits, refused, short = json.loads(capsys.readouterr().out)["gpus"]
+    assert (fits["fits"], refused["refused"], short["fits"], short["refused"]) == (True, True, False, False)
+    assert set(fits) == set(refused) == set(short)
+    for row in (refused, short):
+        assert row["micro_batch_size"] is None and row["breakdown_bytes"] is None and row["error"]
+    assert fits["micro_batch_size"] >= 1 and fits["breakdown_bytes"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -58,6 +58,10 @@ EXTRAPOLATION_MIN_PARAMETERS = 10**9  # below this a full trace takes seconds an
 EXTRAPOLATION_ERROR_BAND = 0.20
 
 
+# a row's plan fields in the JSON (``Plan.to_dict`` but the capacity, which every row has)
+_PLAN_KEYS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "capacity_bytes")
+
+
 @dataclass(frozen=True)
 class GpuPlan:
     """The plan for one GPU, or why there is none."""
@@ -90,9 +94,13 @@ class GpuPlan:
             out["seq_len"] = self.seq_len
         if self.plan is not None:
             out.update({k: v for k, v in self.plan.to_dict().items() if k not in ("capacity_bytes",)})
+        else:  # the same keys on every row, so that a reader of the JSON needs no check for the ones without a plan
+            out.update({k: None for k in _PLAN_KEYS})
         if self.estimate is not None:
             out["breakdown_bytes"] = self.estimate.to_dict()["breakdown_bytes"]
             out["peak_phase"] = f"step {self.estimate.peak_step} {self.estimate.peak_phase.value}"
+        else:
+            out.update(breakdown_bytes=None, peak_phase=None)
         return out
 
 
