@@ -88,6 +88,28 @@ def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) 
     assert row["fits"] is False and "does not fit" in row["error"]
 
 
+def test_a_deep_model_traced_whole_says_why_its_log_was_not_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mistral with a sliding window shorter than the sequence: one block more does not give the deeper trace, so
+    the five blocks are traced whole. The answer says so and why, in the text and in the JSON (from kept traces)."""
+    monkeypatch.setenv("MEMFIT_CACHE", "on")
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 5, "num_attention_heads": 2,
+                                "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 256,
+                                "sliding_window": 16}))  # fmt: skip
+    argv = ["plan", "--hf-config", str(path), "--budget", "1GiB", "--seq-len", "64"]
+    assert main(argv) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the whole model traced: its log could not be built from traces at 3 and 4 blocks (" in said
+    assert main([*argv, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["depth_built_from"] is None and answer["depth_not_built"]
+    assert answer["depth_not_built"] in said
+
+
 def test_every_row_of_the_json_has_the_same_keys_with_or_without_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
     """A row that fits, one whose card cannot run the precision (T4: no bf16) and one that does not fit carry the
     same keys; the ones without a plan hold null, so a reader indexes every row alike."""

@@ -235,6 +235,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         answers.json_answer(report.to_dict())
     else:
         from memfit.cli.console import stdout_console
+        from memfit.planning.gpu_report import traced_how
         from memfit.reporting.tables import finetune_table, plan_table
 
         console = stdout_console(width=None if sys.stdout.isatty() else 200)
@@ -248,13 +249,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             answers.host_line(
                 console, report.host, "; more than this machine has available" if report.host.fits is False else ""
             )
-        if report.depth_built_from:
-            low, high = report.depth_built_from
-            console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace "
-                          "the whole model)")  # fmt: skip
-        if report.depth_extrapolated_from:
-            low, high = report.depth_extrapolated_from
-            console.print(f"traced at {low} and {high} blocks and extrapolated in depth (--exact: the whole model)")
+        for line in traced_how(report, extrapolated="traced at {low} and {high} blocks and extrapolated in depth "
+                               "(--exact: the whole model)"):  # fmt: skip
+            console.print(line, highlight=False)
         if args.plot:
             console.print(f"pictures: {args.plot}")
     if report.rows and all(row.refused for row in report.rows):  # nothing asked for could be planned

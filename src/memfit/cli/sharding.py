@@ -261,14 +261,12 @@ def _print(report: ShardedReport) -> None:
                 + host_ram_verdict(report.host_offload_per_node_bytes),
                 highlight=False,
             )
-    if report.report.depth_built_from:
-        low, high = report.report.depth_built_from
-        console.print(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace the "
-                      "whole model)")  # fmt: skip
-    if report.report.depth_extrapolated_from:
-        low, high = report.report.depth_extrapolated_from
-        console.print(f"searched on traces at {low} and {high} blocks extrapolated in depth; the plan is confirmed "
-                      "on the whole model (--exact: search on it too)")  # fmt: skip
+    from memfit.planning.gpu_report import traced_how
+
+    searched = ("searched on traces at {low} and {high} blocks extrapolated in depth; the plan is confirmed on the "
+                "whole model (--exact: search on it too)")  # fmt: skip
+    for line in traced_how(report.report, extrapolated=searched):
+        console.print(line, highlight=False)
 
 
 def rank_states_line(report: ShardedReport) -> str:

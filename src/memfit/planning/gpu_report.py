@@ -43,6 +43,7 @@ __all__ = [
     "PlanReport",
     "model_depth",
     "plan_for_gpus",
+    "traced_how",
 ]
 
 # A deep preset's log is built from traces at BUILD_DEPTHS (memfit.planning.deep_models); where it cannot be, a
@@ -116,6 +117,7 @@ class PlanReport:
     host: HostEstimate | None = None
     depth_extrapolated_from: tuple[int, int] | None = None  # the depths traced, when extrapolated
     depth_built_from: tuple[int, int] | None = None  # the depths traced, when the whole log was built from them
+    depth_not_built: str | None = None  # why a deep model's log could not be built from shallow traces
     finetune: FinetuneReport | None = None  # LoRA / quantization: the weights by role
 
     def plot(self, path: str) -> None:
@@ -147,6 +149,7 @@ class PlanReport:
             "host": self.host.to_dict() if self.host else None,
             "depth_extrapolated_from": list(self.depth_extrapolated_from) if self.depth_extrapolated_from else None,
             "depth_built_from": list(self.depth_built_from) if self.depth_built_from else None,
+            "depth_not_built": self.depth_not_built,
             "finetune": self.finetune.to_dict() if self.finetune else None,
         }
 
@@ -249,8 +252,27 @@ def plan_for_gpus(
         seq_len = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
     return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
-                      depth_built_from=deep.built,
+                      depth_built_from=deep.built, depth_not_built=deep.not_built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def traced_how(report: PlanReport, *, extrapolated: str) -> list[str]:
+    """The lines that say how a deep model was traced: its log built from shallow traces, or the whole model traced
+    (with why its log could not be built), or the search ``extrapolated`` (that line's words) in depth."""
+    lines = []
+    if report.depth_built_from:
+        low, high = report.depth_built_from
+        lines.append(f"traced at {low} and {high} blocks, the whole model's log built from them (--exact: trace the "
+                     "whole model)")  # fmt: skip
+    elif report.depth_not_built:
+        low, high = BUILD_DEPTHS
+        searched = "the search extrapolated in depth" if report.depth_extrapolated_from else "the whole model traced"
+        lines.append(f"{searched}: its log could not be built from traces at {low} and {high} blocks "
+                     f"({report.depth_not_built})")  # fmt: skip
+    if report.depth_extrapolated_from:
+        low, high = report.depth_extrapolated_from
+        lines.append(extrapolated.format(low=low, high=high))
+    return lines
 
 
 def _check_sweep(spec: Any, model: str, lengths: Sequence[int]) -> None:

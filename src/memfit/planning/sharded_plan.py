@@ -365,7 +365,7 @@ class _RankPlanner:
         several ranks, the whole model's), and the host RAM its offload takes."""
         report = PlanReport(self.spec.name, self.parameters, self.default.value, self.optimizer, self.seq_len, (row,),
                             depth_extrapolated_from=self.deep.extrapolated,
-                            depth_built_from=self.deep.built)  # fmt: skip
+                            depth_built_from=self.deep.built, depth_not_built=self.deep.not_built)  # fmt: skip
         states: dict[str, int] = {}
         host = 0
         estimate = row.estimate  # a whole-model trace (a depth-extrapolated one carries its shallow terms)

@@ -189,6 +189,8 @@ def estimate_from_counts(
     frozen_size = _FP32_BYTES if precision.is_mixed else weight_size
     if frozen_bytes is not None:
         frozen_size = _whole("frozen_bytes", frozen_bytes, minimum=1)
+    # the share trained, also where the adapters were counted (not the 1.0 a fraction left unset reads)
+    share = trainable / parameters if trainable_parameters is not None and parameters else trainable_fraction
     return FormulaEstimate(
         parameters_bytes=trainable * weight_size + (parameters - trainable - quantized) * frozen_size,
         gradients_bytes=trainable * weight_size,
@@ -200,10 +202,7 @@ def estimate_from_counts(
         activations_per_sample=activations_per_sample,
         precision=precision,
         optimizer=optimizer,
-        # the share trained, also where the adapters were counted (not the 1.0 a fraction left unset reads)
-        trainable_fraction=trainable / parameters if trainable_parameters is not None and parameters else (
-            trainable_fraction
-        ),
+        trainable_fraction=share,
         quantized_weights_bytes=quantized_bytes,
         quantize=quantize,
         trainable_count=trainable if trainable_parameters is not None else None,

@@ -148,7 +148,9 @@ def _other_batch(plan: Any) -> str:
     target, effective = plan.target_batch_size, plan.effective_batch_size
     if not target or target == effective:
         return ""
-    return f"; each optimizer step now takes {effective} samples, not the configured {target} (the plan's reasons say why)"
+    return (
+        f"; each optimizer step now takes {effective} samples, not the configured {target} (the plan's reasons say why)"
+    )
 
 
 _LOSS_KEPT: weakref.WeakSet[Any] = weakref.WeakSet()  # the Trainers whose loss keep_configured_loss kept
