@@ -91,8 +91,9 @@ def test_plan_reports_a_gpu_that_cannot_fit(capsys: pytest.CaptureFixture[str]) 
 def test_a_deep_model_traced_whole_says_why_its_log_was_not_built(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Mistral with a sliding window shorter than the sequence: one block more does not give the deeper trace, so
-    the five blocks are traced whole. The answer says so and why, in the text and in the JSON (from kept traces)."""
+    """Mistral with a sliding window and ``use_cache`` on: its forward builds the KV cache's sliding-window layers,
+    one per block, before the first block, so one block more does not give the deeper trace and the five blocks
+    are traced whole. The answer says so and why, in the text and in the JSON (from kept traces)."""
     monkeypatch.setenv("MEMFIT_CACHE", "on")
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "config.json"
