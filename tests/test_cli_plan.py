@@ -132,6 +132,10 @@ def test_every_row_of_the_json_has_the_same_keys_with_or_without_a_plan(capsys: 
         (["plan", "--hf-config", "gpt2", "--gpu", "a100"], "ambiguous"),
         (["plan", "--hf-config", "gpt2"], "name at least one --gpu"),
         (["plan", "--model", "no_such_module:make", "--gpu", "h100"], "cannot load"),
+        # the library's `budget` is said as the flag; argparse's reading of -3GiB as an option says what to write
+        (["plan", "--hf-config", "gpt2", "--budget=-3GiB"], "error: --budget must be positive, got '-3GiB'"),
+        (["plan", "--hf-config", "gpt2", "--budget", "-3GiB"], "goes after '=': --budget=-3GiB"),
+        (["plan", "--hf-config", "gpt2", "--budget=3Gx"], "error: --budget could not read '3Gx' as a size"),
     ],
 )
 def test_plan_bad_input_is_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from memfit.cli import answers
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
@@ -80,7 +80,13 @@ _CLI_CALLING = (
 class _Parser(argparse.ArgumentParser):
     """argparse with its usage errors on one line, like memfit's own (the usage is a ``--help`` away)."""
 
+    argv: ClassVar[list[str]] = []  # the command line being parsed, for the errors to quote
+
     def error(self, message: str) -> NoReturn:
+        flag = re.match(r"argument (--[\w-]+)(?:/[\w-]+)?: expected one argument$", message)
+        given = self.argv[self.argv.index(flag[1]) + 1 :] if flag and flag[1] in self.argv else []
+        if given and given[0].startswith("-"):  # argparse reads a value such as -3GiB as another option
+            message += f"; a value that starts with '-' goes after '=': {flag[1]}={given[0]}"
         self.exit(_EXIT_USAGE, f"memfit: error: {message} (see {self.prog} --help)\n")
 
 
@@ -258,6 +264,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"memfit: error: {report.rows[0].error}", file=sys.stderr)
         return _EXIT_USAGE
     return 0 if any(row.fits for row in report.rows) else EXIT_NOTHING_FITS
+
+
+def _flags_named(message: str, args: argparse.Namespace) -> str:
+    """A library message names its arguments (```budget` must be positive``); the command line names the flag
+    the value came from (``--budget``)."""
+    options = vars(args)
+    return re.sub(r"`(\w+)`", lambda m: f"--{m[1].replace('_', '-')}" if m[1] in options else m[0], message)
 
 
 def _as_flag(error: InvalidInputError) -> InvalidInputError:
@@ -563,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reader of the output closed it) instead of exiting."""
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    _Parser.argv = argv
     if _asks_for_the_catalog(argv):  # as `memfit gpus`
         argv = ["gpus", *(["--json"] if "--json" in argv else [])]
     try:
@@ -595,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif getattr(args, "hf_config", None):
             # memfit made the sample for the model the config describes: a forward that fails is the config's sizes
             message = _FORWARD_FN_ADVICE.sub(_CONFIG_ADVICE, message)
-        print(f"memfit: error: {message}", file=sys.stderr)
+        print(f"memfit: error: {_flags_named(message, args)}", file=sys.stderr)
         return _EXIT_USAGE
     finally:
         warnings.showwarning = shown_before

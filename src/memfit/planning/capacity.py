@@ -24,6 +24,8 @@ def parse_budget(budget: int | str | None) -> int | None:
             if not str(error).startswith("unknown GPU"):
                 raise
             raise InvalidInputError(f"`budget` is neither a size such as '20GiB' nor a known GPU: {error}") from None
+    if isinstance(budget, str) and budget.strip().startswith("-"):
+        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
     try:
         value = parse_bytes(budget)
     except ValueError as error:
