@@ -827,3 +827,20 @@ def test_a_sweep_says_a_gpus_note_once(capsys: pytest.CaptureFixture[str]) -> No
     """A T4 planned at two lengths is planned in 16-mixed at both; its caption says so once."""
     assert main(["plan", "--hf-config", "gpt2", "--layers", "1", "--gpu", "t4", "--seq-len", "64,128"]) == 0
     assert capsys.readouterr().out.count("Turing cards have no bf16") == 1
+
+
+def test_a_sweep_says_which_length_a_rows_note_is_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target that one length splits exactly and the other does not: the note names the row, GPU and length."""
+    monkeypatch.setenv("MEMFIT_CACHE", "on")  # the text answer from the JSON answer's kept traces
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    command = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64,1024", "--budget", "4GiB"]
+    assert main([*command, "--target-batch-size", "13", "--json"]) == 0
+    rows = {row.get("seq_len") or 64: row for row in json.loads(capsys.readouterr().out)["gpus"]}
+    off = [length for length, row in rows.items() if row["effective_batch_size"] != 13]
+    assert off and len(off) < len(rows)  # one length keeps 13 exactly, the other cannot
+    assert main([*command, "--target-batch-size", "13"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"budget 4GiB at seq {off[0]}: micro batch" in said
+    assert all(f"budget 4GiB at seq {length}: micro batch" not in said for length in rows if length not in off)
