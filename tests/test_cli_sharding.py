@@ -245,12 +245,21 @@ def test_gpus_auto_screens_fsdp_on_one_gpu_as_its_own_per_rank_estimate(config: 
     report = plan_sharded(**common, budget="2GiB", options=[Option(s) for s in AUTO_STRATEGIES], hints=hints, gpus=None)
     assert report.sharding is not None and (report.sharding.strategy, report.sharding.world_size) == ("ddp", 1)
     figures = {label: (peak, estimated) for label, peak, _, _, _, estimated in report.considered[0].peaks}
-    for option in (Option("fsdp"), *hints):
+    assert "fsdp+offload-all" not in figures  # NO_SHARD's CPU offload is not modelled: not screened on one GPU
+    for option in (Option("fsdp"),):
         one = _per_rank(config, option, 1)
         assert figures[option.label] == (one.at(1).device_bytes, False), option.label
         assert one.rank_terms["parameters"] == pytest.approx(4 * report.report.parameters, rel=0.03)  # fp32 weights
         with pytest.raises(InvalidInputError, match="another step"):
             rescaled(_per_rank(config, Option("fsdp"), 2), one.sharding)
+
+
+def test_fsdp_offload_on_one_gpu_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], config: str) -> None:
+    """One GPU's FSDP is NO_SHARD, whose CPU offload memfit does not model: refused, with what to plan instead."""
+    assert main(["plan", "--hf-config", config, "--budget", "2GiB", "--strategy", "fsdp", "--offload", "all",
+                 "--gpus", "1"]) == 2  # fmt: skip
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "NO_SHARD" in error and "--strategy zero3 --offload all" in error
 
 
 @pytest.mark.parametrize(("strategy", "gpus"), [("zero1", 2), ("zero2", 2), ("zero3", 2), ("fsdp", 2), ("fsdp", 1)])

@@ -173,6 +173,12 @@ def _check_layout(args: argparse.Namespace) -> None:
             raise InvalidInputError(
                 f"--gpus {gpus} cannot be split evenly over --nodes {nodes}: give a multiple of {nodes} GPUs"
             )
+    if gpus == 1 and (args.strategy or "").startswith("fsdp") and args.offload not in (None, "none"):
+        raise InvalidInputError(
+            f"--strategy {args.strategy} --offload {args.offload} on one GPU: FSDP does not shard on one GPU "
+            "(NO_SHARD), and memfit does not model NO_SHARD's CPU offload; plan --gpus 2 or more, or one GPU with "
+            f"--strategy zero3 --offload {args.offload} (DeepSpeed offloads there too)"
+        )
     if args.strategy == "fsdp-hybrid" and (nodes or 1) < 2:
         raise InvalidInputError(
             "--strategy fsdp-hybrid shards within a node and replicates across nodes: give --nodes 2 or more "

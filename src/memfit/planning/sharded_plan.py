@@ -432,6 +432,8 @@ class _RankPlanner:
                 continue  # DDP holds on each rank what one GPU holds, and its buckets besides
             if option.strategy == "fsdp-hybrid" and count <= self.gpus_per_node:
                 continue  # within one node hybrid sharding is fsdp
+            if option.strategy.startswith("fsdp") and option.offload != "none" and count == 1:
+                continue  # one GPU's FSDP is NO_SHARD, whose CPU offload is not modelled (zero3 offloads there)
             config = option.config(count, per_node, self.precision)
             screened.append((option, *_screened(self.screen(option, config), self.micro_batch_size, self.allow,
                                                 self.budget_bytes)))  # fmt: skip
