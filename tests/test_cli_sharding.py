@@ -215,6 +215,11 @@ def test_gpus_auto_screen_table_and_states_come_from_one_estimate(config: str) -
     assert figure == estimate.least_device_bytes(1)  # the table's estimate, at the screened micro batch
     assert report.model_states_bytes == dict(estimate.rank_terms)
     assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
+    plan = report.row.plan  # the count's line says the table's figure beside the screened one where they differ
+    assert last.planned == (plan.micro_batch_size, plan.gradient_checkpointing, plan.predicted_peak_bytes)
+    table_figure = f"planned at micro batch {plan.micro_batch_size}"
+    assert (table_figure in last.summary(report.budget_bytes)) is (figure != plan.predicted_peak_bytes)
+    assert last.to_dict()["planned"]["predicted_peak_bytes"] == plan.predicted_peak_bytes
 
 
 def _per_rank(config: str, option: Any, gpus: int) -> Any:

@@ -92,6 +92,9 @@ class Option:
         )  # fmt: skip
 
 
+_PLANNED_KEYS = ("micro_batch_size", "gradient_checkpointing", "predicted_peak_bytes")
+
+
 @dataclass(frozen=True)
 class CountCheck:
     """What one GPU count said in the ``--gpus auto`` search: each option's smallest per-rank peak at the
@@ -110,6 +113,7 @@ class CountCheck:
     confirmed: str | None = None  # the option the whole model's trace confirmed at this count
     rejected: tuple[str, ...] = ()  # options the whole model's trace did not confirm
     host: tuple[tuple[str, int], ...] = ()  # (option, host RAM a node) of each option that offloads
+    planned: tuple[int, bool, int] | None = None  # the confirmed plan's (micro batch, checkpointing, peak): the table's
 
     def host_bytes(self, label: str) -> int:
         """Host RAM a node needs under the option ``label`` at this count (0: it offloads nothing)."""
@@ -121,6 +125,12 @@ class CountCheck:
                  + (f" (host {format_bytes(host[label])} a node)" if fits and host.get(label) else "")
                  for label, peak, ckpt, fits, _, own in self.peaks]  # fmt: skip
         verdict = f"fits with {self.confirmed}" if self.confirmed else "does not fit"
+        if self.planned is not None and (self.planned[1], self.planned[2]) not in {
+            (ckpt, peak) for label, peak, ckpt, *_ in self.peaks if label == self.confirmed
+        }:  # the plan runs another micro batch than the one screened: say the table's figure beside
+            micro, ckpt, peak = self.planned
+            with_ckpt = " with ckpt" if ckpt else ""
+            verdict += f" (planned at micro batch {micro}{with_ckpt}: {format_bytes(peak)}, the table's)"
         if self.rejected:
             verdict += f" ({', '.join(self.rejected)} not confirmed on the whole model)"
         nodes = f" ({self.nodes} nodes)" if self.nodes > 1 else ""
@@ -134,6 +144,7 @@ class CountCheck:
             "nodes": self.nodes,
             "fits": self.confirmed is not None,
             "chosen": self.confirmed,
+            "planned": None if self.planned is None else dict(zip(_PLANNED_KEYS, self.planned, strict=True)),
             "not_confirmed": list(self.rejected),
             "options": [
                 {
@@ -394,7 +405,10 @@ class _RankPlanner:
                 own = _needed(self.ranked(config)[0], micro, allow, budget_bytes, self.capacity, allocator)
                 peaks[option] = (*own, True)  # what the plan itself says at ``micro``
                 if row.plan is not None:
-                    check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host)
+                    plan = row.plan
+                    planned = (plan.micro_batch_size, plan.gradient_checkpointing, plan.predicted_peak_bytes)
+                    check = CountCheck(count, config.nodes, _said(peaks, options), option.label, tuple(rejected), host,
+                                       planned)  # fmt: skip
                     return self.finish(row, config, option, (*considered, check))
                 rejected.append(option.label)
             considered.append(CountCheck(count, max(1, count // per_node), _said(peaks, options), None,
