@@ -439,6 +439,29 @@ def test_depth_extrapolation_follows_the_full_trace() -> None:
     assert guess.timeline[-1].event_index > deeper.timeline[-1].event_index  # more blocks, more events
 
 
+def test_an_extrapolated_estimate_answers_other_sequence_lengths_from_both_depths() -> None:
+    """A sweep of lengths reads an extrapolated estimate at another length: both depths read there, then the line
+    (it raised a TypeError inside, which reached the row as "does not fit")."""
+    from memfit.prediction.estimator import estimate_for_runtimes, extrapolate_depth
+    from memfit.simulation.runtime import CudaRuntime
+
+    def traced(layers: int) -> MemoryEstimate:
+        spec = from_hf_config("llama-3-8b", seq_len=64, layers=layers)
+        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=2,
+                                          precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
+        return result
+
+    shallow, deeper = traced(2), traced(4)
+    guess = extrapolate_depth(shallow, deeper, 2, 4, 6)
+    longer = guess.for_seq_len(128)
+    direct = extrapolate_depth(shallow.for_seq_len(128), deeper.for_seq_len(128), 2, 4, 6)
+    assert longer.seq_len == 128 and longer.peak_reserved_bytes == direct.peak_reserved_bytes
+    assert (
+        guess.at(3, seq_len=128) == direct.at(3)
+        and guess.at(3, seq_len=128).reserved_bytes > guess.at(3).reserved_bytes
+    )
+
+
 def test_a_large_deep_config_is_planned_from_shallow_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     picture = tmp_path / "plan.png"

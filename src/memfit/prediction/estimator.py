@@ -273,11 +273,15 @@ class MemoryEstimate:
         that length (a sharded run's per-rank terms kept)."""
         if seq_len == self.seq_len:
             return self
-        self._at_length(self.batch_size, seq_len)  # says what is wrong with the length, if anything
+        return self.rebuilt_at(self.batch_size, seq_len)
+
+    def rebuilt_at(self, batch_size: int, seq_len: int) -> MemoryEstimate:
+        """``for_seq_len`` traced at ``batch_size``: the estimate a trace at that batch and length gives."""
+        self._at_length(batch_size, seq_len)  # says what is wrong with the length, if anything
         source = getattr(self.exact_peaks, "estimate_at_length", None)
         if source is None:
             raise InvalidInputError("seq_len: this estimate cannot be rebuilt at another sequence length")
-        other: MemoryEstimate = source(self.batch_size, seq_len)
+        other: MemoryEstimate = source(batch_size, seq_len)
         return dataclasses.replace(
             other, sharding=self.sharding, rank_terms=self.rank_terms, rank_model=self.rank_model,
             host_bytes_per_node=self.host_bytes_per_node,
@@ -901,7 +905,7 @@ def extrapolate_depth(
     reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
     return dataclasses.replace(
         deeper,
-        exact_peaks=_depth_line(shallow, deeper, t),
+        exact_peaks=_depth_line(shallow, deeper, (shallow_depth, deeper_depth, depth)),
         peak_allocated_bytes=peak.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
         allocated_to_tensor_ratio=allocated_ratio,
@@ -926,22 +930,35 @@ def extrapolate_depth(
     )  # fmt: skip
 
 
-def _depth_line(
-    shallow: MemoryEstimate, deeper: MemoryEstimate, t: float
-) -> Callable[[int], tuple[PhasePeak, ...] | None] | None:
+def _depth_line(shallow: MemoryEstimate, deeper: MemoryEstimate, depths: tuple[int, int, int]) -> _DepthLine | None:
     """``at()`` of an extrapolated estimate from both depths' replays at that batch (symbolic traces), when both
-    have them: the same line in the depth, at every batch, instead of the fit in the batch."""
-    a, b = shallow.exact_peaks, deeper.exact_peaks
-    if a is None or b is None:
+    have them: the same line in the depth, at every batch (and sequence length), instead of the fit in the batch."""
+    if shallow.exact_peaks is None or deeper.exact_peaks is None:
         return None
+    return _DepthLine(shallow, deeper, depths)
 
-    def at(batch: int) -> tuple[PhasePeak, ...] | None:
-        low, high = a(batch), b(batch)
+
+class _DepthLine:
+    """Both depths' replays at a batch (and sequence length), on the line through them to the whole depth."""
+
+    def __init__(self, shallow: MemoryEstimate, deeper: MemoryEstimate, depths: tuple[int, int, int]) -> None:
+        self._shallow, self._deeper, self._depths = shallow, deeper, depths
+        low, high, depth = depths
+        self._t = (depth - low) / (high - low)
+
+    def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
+        a, b = self._shallow.exact_peaks, self._deeper.exact_peaks
+        assert a is not None and b is not None
+        low, high = (a(batch), b(batch)) if seq_len is None else (a(batch, seq_len), b(batch, seq_len))
         if low is None or high is None or [(p.step, p.phase) for p in low] != [(p.step, p.phase) for p in high]:
             return None
-        return tuple(_extrapolated_phases(low, high, t))
+        return tuple(_extrapolated_phases(low, high, self._t))
 
-    return at
+    def estimate_at_length(self, batch: int, seq_len: int) -> MemoryEstimate:
+        """The extrapolated estimate at ``seq_len`` tokens a sample: both depths read at that length, then the line."""
+        low, high, depth = self._depths
+        shallow, deeper = (e.rebuilt_at(batch, seq_len) for e in (self._shallow, self._deeper))
+        return extrapolate_depth(shallow, deeper, low, high, depth)
 
 
 def _extrapolated_phases(shallow: Sequence[PhasePeak], deeper: Sequence[PhasePeak], t: float) -> list[PhasePeak]:
