@@ -231,3 +231,16 @@ def test_the_engines_in_place_gradient_sums_are_folded_back_into_a_log_that_reco
     # one rank's log (FSDP gathers by unit, so its traces record blocks) has them in place too
     ranked = shard_trace(recorded, RankPlan("fsdp", 2))
     assert log_difference(ranked.recorder, plain.recorder) is None
+
+
+def test_a_folded_sum_leaves_no_storage_of_its_own_behind() -> None:
+    """GPT-2 ties its embedding to its head: the embedding's two gradients are summed in place. Folded back, the
+    sum is the first gradient's storage, so the log's storages by category are the plain trace's: a sharded rank's
+    gradient term counted the tied embedding twice when the sum kept a category of its own."""
+    from memfit.prediction.sharded import traced_bytes
+
+    recorded = traced(gpt2, 3)
+    plain = traced(gpt2, 3, record=False)
+    folded = dataclasses.replace(recorded, recorder=fold_sums_in_place(recorded.recorder))
+    assert recorded.recorder.sums_in_place  # the tied embedding's, among others
+    assert traced_bytes(folded) == traced_bytes(plain)

@@ -455,8 +455,8 @@ def fold_sums_in_place(recorder: StorageRecorder) -> StorageRecorder:
     folded.marks = [PhaseMark(moved_to[m.event_index], m.step, m.phase) for m in recorder.marks]
     folded.categories = dict(recorder.categories)
     for total, first in renamed.items():
-        if total in recorder.categories:
-            folded.categories[first] = recorder.categories[total]
+        if total in recorder.categories:  # the sum is the first's storage now: its category, not a storage of its own
+            folded.categories[first] = folded.categories.pop(total)
     folded.sums_in_place = {}
     return folded
 
