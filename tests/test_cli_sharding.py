@@ -64,6 +64,21 @@ def test_fsdp_model_states_per_rank_are_the_hand_arithmetic_over_n(
     assert row["effective_batch_size"] == row["micro_batch_size"] * row["accumulate_grad_batches"] * 8
 
 
+def test_a_rank_that_does_not_fit_keeps_its_sharded_states_and_is_told_to_shard_further(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    """Without a plan the model-state line is still the rank's own terms (the arithmetic over N, as with a plan),
+    and the advice for a sharded run is more GPUs or offload, not "sharding"."""
+    fits = _plan(capsys, config, "--gpus", "2", "--strategy", "fsdp")
+    code = main(["plan", "--hf-config", config, "--seq-len", "32", "--budget", "800MiB", "--gpus", "2", "--strategy",
+                 "fsdp", "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    refused = json.loads(captured.out)
+    assert code == 1 and not refused["gpus"][0]["fits"]
+    assert refused["model_states_per_rank_bytes"] == fits["model_states_per_rank_bytes"]
+    assert "Use more GPUs than 2" in refused["gpus"][0]["error"] and "sharding (FSDP/ZeRO)" not in captured.err
+
+
 def test_zero_stages_hold_less_the_more_they_shard(capsys: pytest.CaptureFixture[str], config: str) -> None:
     totals = {}
     for strategy in ("ddp", "zero1", "zero2", "zero3"):

@@ -453,6 +453,13 @@ def _advice(estimate: MemoryEstimate) -> str:
             "(tensor or pipeline parallelism), or a larger GPU."
         )
     precision = "" if estimate.precision.converts_to_half else " lower precision,"  # 16-bit weights already
+    sharding = estimate.sharding
+    if sharding is not None and sharding.shard_group_size > 1:  # sharded already: more ranks, or states offloaded
+        offload = "" if sharding.offload_optimizer and sharding.offload_params else ", CPU offload"
+        return (
+            f"Use more GPUs than {sharding.world_size} (`memfit plan --gpus auto` finds the fewest){offload}, a "
+            f"smaller model or sequence,{precision} a lighter optimizer, or a larger GPU."
+        )
     return f"Use a smaller model or sequence,{precision} a lighter optimizer, sharding (FSDP/ZeRO), or a larger GPU."
 
 

@@ -383,8 +383,9 @@ class _RankPlanner:
         if config is not None and estimate is not None and estimate.rank_terms:
             states = dict(estimate.rank_terms)
             host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
-        elif config is not None:  # one GPU, or no plan: the states of the whole model
-            states = _held_states(self.ranked(config)[0](self.micro_batch_size, False, 1))
+        elif config is not None:  # one GPU, or no plan: the rank's terms where sharded, else the states it holds
+            rank = self.ranked(config)[0](self.micro_batch_size, False, 1)
+            states = dict(rank.rank_terms) if rank.rank_terms else _held_states(rank)
         return ShardedReport(report, config, option, self.trainable, states, host, considered, self.budget_bytes,
                              auto=self.auto)  # fmt: skip
 
