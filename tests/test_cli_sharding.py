@@ -160,6 +160,12 @@ def test_gpus_auto_with_no_count_that_fits_answers_no_in_json_too(
     # checkpointing and offloading everything were asked for: the advice does not suggest them again
     assert "--offload all" not in answer["error"] and "try checkpointing" not in answer["error"]
     assert "a larger --max-gpus" in answer["error"]
+    # the text answer prints each count's line on stdout, as a found count's answer does, and says "no" on stderr
+    assert main(argv[:-1]) == 1
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert [line.split(" GPU(s)")[0] for line in lines] == ["1", "2", "4"] and all("does not fit" in x for x in lines)
+    assert captured.err.startswith("memfit: error: ") and captured.err.count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -54,12 +54,18 @@ class NoCountFitsError(InvalidInputError):
     """``--gpus auto`` searched every count of GPUs up to its limit and the step fits on none: the answer is "no",
     with the figures of the counts it tried (an ``InvalidInputError`` for callers that catch those).
 
-    ``considered``: each count's figures, as ``--json`` prints them; ``budget_bytes``: the budget they were weighed
-    against."""
+    ``considered``: each count's figures, as ``--json`` prints them; ``lines``: each count's line, as the text answer
+    prints them; ``budget_bytes``: the budget they were weighed against."""
 
-    def __init__(self, message: str, considered: tuple[dict, ...] = (), budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        considered: tuple[dict, ...] = (),
+        budget_bytes: int | None = None,
+        lines: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
-        self.considered, self.budget_bytes = considered, budget_bytes
+        self.considered, self.budget_bytes, self.lines = considered, budget_bytes, lines
 
 
 class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):

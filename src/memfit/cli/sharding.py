@@ -203,6 +203,9 @@ def run_sharded(args: argparse.Namespace, finetune: FinetuneSpec | None = None) 
         if args.json:  # the answer is "no", with the figures of every count tried
             answers.json_answer({"fits": False, "error": " ".join(str(error).split()),
                                  "budget_bytes": error.budget_bytes, "considered": list(error.considered)})  # fmt: skip
+        else:  # the answer is printed as a found count's is: a line per count tried
+            for line in error.lines:
+                print(line)
         print(f"memfit: error: {' '.join(str(error).split())}", file=sys.stderr)  # nothing fits: the answer is "no"
         return _EXIT_NOTHING_FITS
     if args.json:

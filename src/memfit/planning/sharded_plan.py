@@ -424,6 +424,7 @@ class _RankPlanner:
                     + " | ".join(check.summary(budget_bytes) for check in considered[-3:]),
                     tuple(check.to_dict() for check in considered),
                     budget_bytes,
+                    tuple(check.summary(budget_bytes) for check in considered),
                 )
         tried = ", ".join(o.label for o in options)
         untried = ["--offload all"] if all(o.offload != "all" for o in options) else []
@@ -434,6 +435,7 @@ class _RankPlanner:
             + " | ".join(check.summary(budget_bytes) for check in considered[-3:]),
             tuple(check.to_dict() for check in considered),
             budget_bytes,
+            tuple(check.summary(budget_bytes) for check in considered),
         )
 
     def _screened(
