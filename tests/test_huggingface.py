@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -525,6 +526,24 @@ def test_the_plan_and_the_callback_quote_one_peak_and_cpu_logs_no_drift(tmp_path
     assert {w.predicted_allocated_bytes for w in windows} == {planned.plan.predicted_allocated_bytes}
     assert memfit.format_bytes(planned.plan.predicted_peak_bytes) in callback.monitor.final_line()
     assert all(w.drift_pct is None and "memfit/drift_rss_pct" not in w.metrics() for w in windows)
+
+
+def test_a_cpu_run_planned_for_a_gpu_quotes_its_own_tensors_first_and_last(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """budget="h100" on a laptop: the plan is the H100's, the run the CPU's. The run is said and measured against its
+    own trace's tensors, at the start and in the final line, not the H100's reserved figure called "tensors"."""
+    trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path, max_steps=2, logging_steps=1),
+                      train_dataset=Tokens(48))  # fmt: skip
+    callback = attach(trainer, budget="h100", max_batch_size=8)
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        trainer.train()
+    own = callback.estimate.at(callback.plan.micro_batch_size)
+    assert own.reserved_bytes == own.allocated_bytes  # a CPU trace: tensor bytes
+    assert callback.plan.predicted_reserved_bytes != own.reserved_bytes  # the H100's allocator figure
+    first = next(record.message for record in caplog.records if "predicted peak of this CPU run" in record.message)
+    assert f"{memfit.format_bytes(own.allocated_bytes)} of tensors" in first
+    assert f"predicted peak {memfit.format_bytes(own.reserved_bytes)} of tensors" in callback.monitor.final_line()
 
 
 def test_accumulation_the_plan_adds_keeps_the_loss_and_gradients_of_the_configured_batch(tmp_path: Path) -> None:

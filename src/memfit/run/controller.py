@@ -261,7 +261,9 @@ class RunController:
             micro_batch,
             accumulation,
         )
-        if plan is not None and runs_plan:
+        # a CPU run is measured by its process's RSS, never against a prediction: its own trace's tensors are its
+        # figure, not those of the CUDA device a plan may have been made for (budget="h100" on a laptop)
+        if plan is not None and runs_plan and traced.device == "cuda":
             allocated = plan.predicted_allocated_bytes or allocated
             reserved = plan.predicted_reserved_bytes or reserved
         self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, estimate=traced)
