@@ -71,6 +71,40 @@ def test_a_sequence_sweep_of_a_factory_without_token_ids_is_refused_in_one_line(
     assert error.count("\n") == 0 and "holds no token ids (an integer [batch, seq] tensor) to vary" in error
 
 
+TOKENS_FACTORY = """
+import torch
+from torch import nn
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids)).logsumexp(-1).mean()
+
+
+def make():
+    return Tokens(), (lambda batch: {"input_ids": torch.randint(0, 100, (batch, 77))})
+"""
+
+
+def test_a_factorys_own_length_is_said_when_seq_len_asks_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The factory's sample makes 77 tokens: the plan is for 77, and --seq-len 128 gets one warning saying so."""
+    (tmp_path / "tokens_factory.py").write_text(textwrap.dedent(TOKENS_FACTORY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--model", "tokens_factory:make", "--budget", "2GiB", "--seq-len", "128", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["seq_len"] == 77
+    assert captured.err.count("memfit: warning: --seq-len 128: the sample of --model tokens_factory:make makes "
+                              "batches of 77 tokens") == 1  # fmt: skip
+    assert main(["plan", "--model", "tokens_factory:make", "--budget", "2GiB", "--json"]) == 0  # none asked: quiet
+    assert "warning" not in capsys.readouterr().err
+
+
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert main(argv) == 0
     return " ".join(capsys.readouterr().out.split())

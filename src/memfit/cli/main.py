@@ -235,6 +235,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report = _plan_for_gpus(args, finetune)
     except ForeignQuantizationError as error:  # with the formula tier's command for what was asked
         raise InvalidInputError(f"{error.reason}. {error.advice(estimate_command(args, error.stand_in))}") from None
+    given = any(a == "--seq-len" or a.startswith("--seq-len=") for a in _Parser.argv)
+    if args.model and given and report.seq_len not in (None, args.seq_len[0]):
+        warnings.warn(
+            f"--seq-len {args.seq_len[0]}: the sample of --model {args.model} makes batches of {report.seq_len} "
+            "tokens, which the plan is for; further --seq-len values are read off its trace (make "
+            f"sample(batch_size) build {args.seq_len[0]} tokens to plan that length)",
+            UserWarning,
+            stacklevel=1,
+        )
     if args.plot:
         report.plot(args.plot)
     if args.json:
