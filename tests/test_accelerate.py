@@ -210,6 +210,45 @@ def test_the_warning_on_an_epochs_last_window_gives_the_update_a_real_loop_makes
     assert planned / configured == pytest.approx(0.5)
 
 
+def test_a_last_window_only_the_plan_makes_incomplete_is_named_with_the_update_the_loop_makes() -> None:
+    """39 samples in batches of 13 are three whole windows; micro batches of at most 5 cannot hit 13 (a prime), so the
+    plan runs 5 x 3 = 15 and each epoch ends with 9 samples, two micro batches of a three-step window: accelerate
+    divides each loss by 3, so that update is 0.67 x a full one. The warning says so, and the loop does it."""
+    data = [{"x": torch.ones(4)} for _ in range(39)]
+
+    def last_update(planned: bool) -> tuple[float, list[str]]:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(4, 1, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = torch.utils.data.DataLoader(data, batch_size=13)
+        messages: list[str] = []
+        if planned:
+            planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=5, verbose=False)
+            with pytest.warns(UserWarning) as caught:
+                loader = planner.plan(model, optimizer, loader, loss_fn=lambda out, batch: out.mean(),
+                                      forward_fn=lambda m, batch: m(batch["x"]))  # fmt: skip
+            messages = [str(w.message) for w in caught]
+            assert (planner.planned.micro_batch_size, planner.planned.accumulate_grad_batches) == (5, 3)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        norms = []
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch["x"]).mean())
+                if accelerator.sync_gradients:
+                    norms.append(model.weight.grad.norm().item())
+                optimizer.step()
+                optimizer.zero_grad()
+        return norms[-1] / norms[0], messages
+
+    configured, _ = last_update(planned=False)
+    planned, messages = last_update(planned=True)
+    (warning,) = [m for m in messages if "incomplete accumulation window" in m]
+    assert "window of 9 samples, which the run as configured (13 x 1) does not have" in warning
+    assert "update is 0.67 x a full one" in warning
+    assert configured == pytest.approx(1.0) and planned == pytest.approx(2 / 3)
+
+
 def test_a_stream_is_rebatched_with_the_same_samples_in_the_same_order() -> None:
     """An IterableDataset has no sampler to hand on: the planned loader iterates the same stream, regrouped."""
 

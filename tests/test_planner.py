@@ -198,6 +198,8 @@ def test_an_exact_split_beats_the_fewest_steps() -> None:
     odd = plan(estimate, 8 * GiB, margin=0.0, target_batch_size=31)  # prime: no exact split under 7
     assert (odd.micro_batch_size, odd.accumulate_grad_batches, odd.effective_batch_size) == (7, 5, 35)
     assert any("differs from the target 31" in reason for reason in odd.reasons)
+    exact = next(reason for reason in chosen.reasons if "keep the effective batch of 32" in reason)
+    assert "(5 steps of 7 would run 35 samples, not the target)" in exact  # why 4, not the largest 7
 
 
 def test_the_reasons_of_a_missed_target_say_what_runs_and_never_that_it_keeps_the_target() -> None:

@@ -741,9 +741,17 @@ def _explain(question: _Question, split: _Split) -> list[str]:
             f"from the target {target}: {_why_not_exact(target, question.world_size, split.largest_micro)}"
         ]
     if split.accumulation > 1:
+        per_device = target // question.world_size
+        fewest = -(-per_device // split.largest_micro)
+        why = (
+            f" ({fewest} steps of {split.largest_micro} would run {fewest * split.largest_micro * question.world_size}"
+            " samples, not the target)"
+            if split.micro < split.largest_micro and per_device % split.largest_micro
+            else ""
+        )
         return [
             f"micro batch {split.largest_micro} is the largest that fits; {split.accumulation} accumulation "
-            f"steps of {split.micro} keep the effective batch of {target}"
+            f"steps of {split.micro} keep the effective batch of {target}{why}"
         ]
     return [f"the target fits in one micro batch of {split.micro}"]
 

@@ -118,16 +118,42 @@ def last_window_scale(
     return None if abs(ratio - 1) < 1e-9 else (tail, ratio)
 
 
+def _new_incomplete_window(
+    samples: int | None, ranks: int, configured: tuple[int, int], planned: tuple[int, int]
+) -> tuple[int, float] | None:
+    """The samples of the incomplete last window the plan brings to an epoch the configured run splits into whole
+    windows, and that window's update as a share of a full one; ``None`` otherwise."""
+    if not samples:
+        return None
+    per_rank = -(-samples // ranks)
+    (micro_c, steps_c), (micro_p, steps_p) = configured, planned
+    tail = per_rank % (micro_p * steps_p)
+    if per_rank % (micro_c * steps_c) or not tail:
+        return None
+    share = -(-tail // micro_p) / steps_p
+    return None if abs(share - 1) < 1e-9 else (tail, share)
+
+
 def last_window_warning(
     loop: str, samples: int | None, ranks: int, configured: tuple[int, int], planned: tuple[int, int]
 ) -> str | None:
     """The warning a ``loop`` that divides by the full accumulation steps gets when the plan changes the update
     of each epoch's last, incomplete window (``last_window_scale``); ``None`` when it does not."""
+    per_rank = " a rank" if ranks > 1 else ""
+    new_tail = _new_incomplete_window(samples, ranks, configured, planned)
+    if new_tail is not None:
+        tail, share = new_tail
+        return (
+            f"memfit: at {planned[0]} x {planned[1]} each epoch ends with an incomplete accumulation window of {tail} "
+            f"samples{per_rank}, which the run as configured ({configured[0]} x {configured[1]}) does not have; {loop} "
+            f"divides every micro batch's loss by the full accumulation steps, so that window's update is {share:.2f} "
+            "x a full one; a training set whose length is a multiple of both effective batches keeps every update "
+            "whole"
+        )
     found = last_window_scale(samples, ranks, configured, planned)
     if found is None:
         return None
     tail, ratio = found
-    per_rank = " a rank" if ranks > 1 else ""
     effective = configured[0] * configured[1] * ranks
     return (
         f"memfit: each epoch ends with an incomplete accumulation window of {tail} samples{per_rank}; {loop} divides "
