@@ -473,3 +473,14 @@ def test_estimate_counts_8bit_optimizer_state_as_bitsandbytes_and_the_trace_do(t
     code, out, err = cli("plan", "--hf-config", str(path), *PLAN, *flags, "--json")
     assert code == 0, err
     assert json.loads(out)["finetune"]["optimizer_state_bytes"] == sum(-(-size // 512) * 512 for size in sizes)
+
+
+def test_a_lora_target_that_names_no_layer_lists_the_ones_peft_can_adapt(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2 has no q_proj: one line naming the layers peft adapts (Conv1D and embeddings included, as peft takes
+    them), not calling them all linear."""
+    argv = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "64", "--gpu", "t4", "--lora-r", "8",
+            "--lora-targets", "q_proj"]  # fmt: skip
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--lora-targets q_proj names no layer of GPT2LMHeadModel" in error
+    assert "the layers peft can adapt are c_attn, c_fc, c_proj" in error and "linear layers" not in error

@@ -422,8 +422,8 @@ def _check_targets(model: nn.Module, targets: list[str]) -> None:
     missing = [t for t in targets if not any(path == t or path.endswith("." + t) for path in paths)]
     if missing:
         raise InvalidInputError(
-            f"--lora-targets {','.join(missing)} names no layer of {type(model).__name__}; its linear layers are "
-            f"{', '.join(sorted(names))} (or use --lora-targets all-linear)"
+            f"--lora-targets {','.join(missing)} names no layer of {type(model).__name__}; the layers peft can adapt "
+            f"are {', '.join(sorted(names))} (or use --lora-targets all-linear)"
         )
 
 
