@@ -256,10 +256,11 @@ def _print(report: ShardedReport) -> None:
     if report.considered:  # the offload that fits on the fewest GPUs: its host RAM, when this machine has less
         fitting = [(check.host_bytes(label), label, check.gpus) for check in report.considered
                    for label, _, _, fits, _, _ in check.peaks if fits and check.host_bytes(label)]  # fmt: skip
-        needed, label, gpus = min(fitting, key=lambda f: (f[2], f[0])) if fitting else (0, "", 0)  # the fewest GPUs
+        needed, _, gpus = min(fitting, key=lambda f: (f[2], f[0])) if fitting else (0, "", 0)  # the fewest GPUs
         if verdict := host_ram_verdict(needed):
-            console.print(f"{label} at {gpus} GPU(s) needs {format_bytes(needed)} of host RAM a node{verdict}",
-                          highlight=False)  # fmt: skip
+            labels = ", ".join(dict.fromkeys(name for size, name, count in fitting if (size, count) == (needed, gpus)))
+            console.print(f"offloading ({labels}) at {gpus} GPU(s) would need {format_bytes(needed)} of host RAM a "
+                          f"node{verdict}", highlight=False)  # fmt: skip
     console.print(plan_table(report.report))
     if report.sharding is not None:
         console.print(rank_states_line(report), highlight=False)
