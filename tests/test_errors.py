@@ -210,8 +210,10 @@ def test_plan_takes_a_size_or_a_gpu_name_and_refuses_other_strings_in_one_line()
     assert memfit.plan(est, "20GiB").budget_bytes == memfit.plan(est, 20 * 2**30).budget_bytes
     with pytest.raises(InvalidInputError, match="unknown GPU 'h1000'; did you mean H100"):
         memfit.plan(est, "h1000")
-    with pytest.raises(InvalidInputError, match=r"^capacity_bytes could not read '-3GiB' as a size"):
-        memfit.plan(est, "-3GiB")
+    with pytest.raises(InvalidInputError, match=r"^capacity_bytes must be positive, got '-3GiB'"):
+        memfit.plan(est, "-3GiB")  # a size, but negative: said so, not "could not read it"
+    with pytest.raises(InvalidInputError, match=r"^capacity_bytes could not read '3Gx' as a size"):
+        memfit.plan(est, "3Gx")
 
 
 def test_a_sample_longer_than_the_learned_positions_is_refused_before_tracing() -> None:

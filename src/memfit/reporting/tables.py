@@ -185,15 +185,15 @@ def plan_table(report: PlanReport) -> Table:
         if plan.target_batch_size is not None and plan.effective_batch_size != plan.target_batch_size:
             effective += f" (target {plan.target_batch_size})"
             why = next((r for r in plan.reasons if "differs from the target" in r), None)
-            notes.append(f"{_label(row, report, sweep)}: " + (why or (
+            notes.append(f"{_row_label(row, report, sweep)}: " + (why or (
                 f"effective batch {plan.effective_batch_size} = {plan.micro_batch_size} x "
                 f"{plan.accumulate_grad_batches} steps x {plan.world_size} device(s), not the target "
                 f"{plan.target_batch_size}"
             )))  # fmt: skip
         if not report.inference and not state["grads"] and row.estimate.peak_phase is Phase.FORWARD:
             notes.append(
-                f"{_label(row, report, sweep)}: gradients are 0 B at the peak ({row.estimate.peak_phase.value} of step "
-                f"{row.estimate.peak_step}): they are freed after each optimizer step and counted where they live"
+                f"{_row_label(row, report, sweep)}: gradients are 0 B at the peak ({row.estimate.peak_phase.value} of "
+                f"step {row.estimate.peak_step}): they are freed after each optimizer step and counted where they live"
             )
         cells = {
             "GPU": name,
@@ -212,15 +212,15 @@ def plan_table(report: PlanReport) -> Table:
         }
         table.add_row(*(cells[column] for column in columns))
     notes.extend(f"{row.gpu}: {row.note}" for row in report.rows if row.note)  # the card's, at every length
-    notes.extend(f"{_label(row, report, sweep)}: {row.error}" for row in report.rows if row.error)
-    notes.extend(f"{_label(row, report, sweep)}: {_at_the_limit(row.plan)}" for row in report.rows
+    notes.extend(f"{_row_label(row, report, sweep)}: {row.error}" for row in report.rows if row.error)
+    notes.extend(f"{_row_label(row, report, sweep)}: {_at_the_limit(row.plan)}" for row in report.rows
                  if row.plan is not None and _at_the_limit(row.plan))  # fmt: skip
     if notes:
         table.caption = "\n".join(dict.fromkeys(notes))  # one GPU's note once, however many lengths it is planned at
     return table
 
 
-def _label(row: GpuPlan, report: PlanReport, sweep: bool) -> str:
+def _row_label(row: GpuPlan, report: PlanReport, sweep: bool) -> str:
     """Which row a note is about: the GPU, and in a sweep of sequence lengths the row's length."""
     return f"{row.gpu} at seq {row.seq_len or report.seq_len}" if sweep else row.gpu
 
