@@ -261,9 +261,10 @@ class RunController:
             micro_batch,
             accumulation,
         )
-        # a CPU run is measured by its process's RSS, never against a prediction: its own trace's tensors are its
-        # figure, not those of the CUDA device a plan may have been made for (budget="h100" on a laptop)
-        if plan is not None and runs_plan and traced.device == "cuda":
+        # a CPU run is measured by its process's RSS, never against a prediction: where the plan's figures are a CUDA
+        # device's (budget="h100" on a laptop: its peak holds the CUDA context), its own trace's tensors are its figure
+        cuda_plan = plan is not None and plan.predicted_peak_bytes > plan.predicted_reserved_bytes
+        if plan is not None and runs_plan and (traced.device == "cuda" or not cuda_plan):
             allocated = plan.predicted_allocated_bytes or allocated
             reserved = plan.predicted_reserved_bytes or reserved
         self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, estimate=traced)
