@@ -171,40 +171,44 @@ def test_a_flag_that_is_not_true_or_false_is_refused() -> None:
         MemoryPlanner(Accelerator(cpu=True), verbose="yes")
 
 
+def _last_update(
+    samples: int, batch_size: int, accumulation: int, planned_to: tuple[int, int] | None
+) -> tuple[float, list[str]]:
+    """A real accelerate loop over identical samples: the last update's gradient norm over the first's, and the
+    warnings planning gave (``planned_to``: the (micro batch, accumulation) the planner must choose; ``None``: the
+    loop as configured, unplanned)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = torch.nn.Linear(4, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loader = torch.utils.data.DataLoader([{"x": torch.ones(4)} for _ in range(samples)], batch_size=batch_size)
+    messages: list[str] = []
+    if planned_to is not None:
+        planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=planned_to[0], verbose=False)
+        with pytest.warns(UserWarning) as caught:
+            loader = planner.plan(model, optimizer, loader, loss_fn=lambda out, batch: out.mean(),
+                                  forward_fn=lambda m, batch: m(batch["x"]))  # fmt: skip
+        messages = [str(w.message) for w in caught]
+        assert (planner.planned.micro_batch_size, planner.planned.accumulate_grad_batches) == planned_to
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    norms = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch["x"]).mean())
+            if accelerator.sync_gradients:
+                norms.append(model.weight.grad.norm().item())
+            optimizer.step()
+            optimizer.zero_grad()
+    return norms[-1] / norms[0], messages
+
+
 def test_the_warning_on_an_epochs_last_window_gives_the_update_a_real_loop_makes() -> None:
     """36 samples in batches of 8 with 2 accumulation steps end each epoch with a window of 4 samples in one micro
     batch; planned at 2 x 8 that window is 2 micro batches of 8 steps. accelerate divides every loss by the full
     steps, so with every sample's gradient the same, the last update is half the configured one: what the warning
     says, and what the loop does."""
-    data = [{"x": torch.ones(4)} for _ in range(36)]
-
-    def last_update(planned: bool) -> tuple[float, list[str]]:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-        model = torch.nn.Linear(4, 1, bias=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        loader = torch.utils.data.DataLoader(data, batch_size=8)
-        messages: list[str] = []
-        if planned:
-            planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=2, verbose=False)
-            with pytest.warns(UserWarning) as caught:
-                loader = planner.plan(model, optimizer, loader, loss_fn=lambda out, batch: out.mean(),
-                                      forward_fn=lambda m, batch: m(batch["x"]))  # fmt: skip
-            messages = [str(w.message) for w in caught]
-            assert (planner.planned.micro_batch_size, planner.planned.accumulate_grad_batches) == (2, 8)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        norms = []
-        for batch in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(model(batch["x"]).mean())
-                if accelerator.sync_gradients:
-                    norms.append(model.weight.grad.norm().item())
-                optimizer.step()
-                optimizer.zero_grad()
-        return norms[-1] / norms[0], messages
-
-    configured, _ = last_update(planned=False)
-    planned, messages = last_update(planned=True)
+    configured, _ = _last_update(36, 8, 2, None)
+    planned, messages = _last_update(36, 8, 2, (2, 8))
     (warning,) = [m for m in messages if "incomplete accumulation window" in m]
     assert "window of 4 samples" in warning and "update is 0.50 x" in warning
     assert planned / configured == pytest.approx(0.5)
@@ -214,35 +218,8 @@ def test_a_last_window_only_the_plan_makes_incomplete_is_named_with_the_update_t
     """39 samples in batches of 13 are three whole windows; micro batches of at most 5 cannot hit 13 (a prime), so the
     plan runs 5 x 3 = 15 and each epoch ends with 9 samples, two micro batches of a three-step window: accelerate
     divides each loss by 3, so that update is 0.67 x a full one. The warning says so, and the loop does it."""
-    data = [{"x": torch.ones(4)} for _ in range(39)]
-
-    def last_update(planned: bool) -> tuple[float, list[str]]:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=True)
-        model = torch.nn.Linear(4, 1, bias=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        loader = torch.utils.data.DataLoader(data, batch_size=13)
-        messages: list[str] = []
-        if planned:
-            planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=5, verbose=False)
-            with pytest.warns(UserWarning) as caught:
-                loader = planner.plan(model, optimizer, loader, loss_fn=lambda out, batch: out.mean(),
-                                      forward_fn=lambda m, batch: m(batch["x"]))  # fmt: skip
-            messages = [str(w.message) for w in caught]
-            assert (planner.planned.micro_batch_size, planner.planned.accumulate_grad_batches) == (5, 3)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        norms = []
-        for batch in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(model(batch["x"]).mean())
-                if accelerator.sync_gradients:
-                    norms.append(model.weight.grad.norm().item())
-                optimizer.step()
-                optimizer.zero_grad()
-        return norms[-1] / norms[0], messages
-
-    configured, _ = last_update(planned=False)
-    planned, messages = last_update(planned=True)
+    configured, _ = _last_update(39, 13, 1, None)
+    planned, messages = _last_update(39, 13, 1, (5, 3))
     (warning,) = [m for m in messages if "incomplete accumulation window" in m]
     assert "window of 9 samples, which the run as configured (13 x 1) does not have" in warning
     assert "update is 0.67 x a full one" in warning
