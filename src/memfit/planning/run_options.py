@@ -107,15 +107,28 @@ def last_window_scale(
     ``configured`` and ``planned`` are (micro batch, accumulation). A micro batch's mean loss weighs the same
     whatever its size, so the last window's update is (its micro batches / accumulation) x the mean: the plan
     changes it when the two splits cut the window's samples into other numbers of micro batches."""
+    tails = _last_windows(samples, ranks, configured, planned)
+    if tails is None or tails[0] == 0:
+        return None
+    tail = tails[0]
+    ratio = _update_share(tail, planned) / _update_share(tail, configured)
+    return None if abs(ratio - 1) < 1e-9 else (tail, ratio)
+
+
+def _last_windows(
+    samples: int | None, ranks: int, configured: tuple[int, int], planned: tuple[int, int]
+) -> tuple[int, int] | None:
+    """The samples a rank's epoch leaves in its last, incomplete accumulation window, as configured and as planned
+    (0: the windows come out whole); ``None`` without a length."""
     if not samples:
         return None
     per_rank = -(-samples // ranks)
-    (micro_c, steps_c), (micro_p, steps_p) = configured, planned
-    tail = per_rank % (micro_c * steps_c)
-    if tail == 0:
-        return None
-    ratio = (-(-tail // micro_p) / steps_p) / (-(-tail // micro_c) / steps_c)
-    return None if abs(ratio - 1) < 1e-9 else (tail, ratio)
+    return per_rank % (configured[0] * configured[1]), per_rank % (planned[0] * planned[1])
+
+
+def _update_share(tail: int, split: tuple[int, int]) -> float:
+    """A window of ``tail`` samples' update under ``split`` (micro batch, accumulation), as a share of a full one."""
+    return -(-tail // split[0]) / split[1]
 
 
 def _new_incomplete_window(
@@ -123,15 +136,11 @@ def _new_incomplete_window(
 ) -> tuple[int, float] | None:
     """The samples of the incomplete last window the plan brings to an epoch the configured run splits into whole
     windows, and that window's update as a share of a full one; ``None`` otherwise."""
-    if not samples:
+    tails = _last_windows(samples, ranks, configured, planned)
+    if tails is None or tails[0] or not tails[1]:
         return None
-    per_rank = -(-samples // ranks)
-    (micro_c, steps_c), (micro_p, steps_p) = configured, planned
-    tail = per_rank % (micro_p * steps_p)
-    if per_rank % (micro_c * steps_c) or not tail:
-        return None
-    share = -(-tail // micro_p) / steps_p
-    return None if abs(share - 1) < 1e-9 else (tail, share)
+    share = _update_share(tails[1], planned)
+    return None if abs(share - 1) < 1e-9 else (tails[1], share)
 
 
 def last_window_warning(
