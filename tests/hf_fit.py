@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from memfit.huggingface import attach, plan_training_arguments
@@ -78,6 +79,10 @@ def main() -> None:
         "logs": seen.logs,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    # as a torchrun script ends: the Trainer leaves accelerate's process group up, and a rank exiting with gloo's
+    # threads alive can abort in teardown ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
