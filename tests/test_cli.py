@@ -270,3 +270,27 @@ def test_usage_errors_are_one_line_too(capsys: pytest.CaptureFixture[str], argv:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memfit: error: ") and "--help" in lines[0]
+
+
+def test_the_command_line_builds_transformers_models_without_importing_scikit_learn():
+    """transformers' assisted generation imports scikit-learn (and scipy, pandas) for a ROC curve; a model built
+    on the meta device never generates, so the command line's process leaves it out, and gives transformers'
+    generation module back its real check."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sklearn")
+    script = (
+        "import sys\n"
+        "from memfit.integrations.huggingface.internals import import_models_without_generation_extras\n"
+        "import_models_without_generation_extras()\n"
+        "from memfit.presets import from_hf_config\n"
+        "spec = from_hf_config('gpt2', seq_len=32, layers=1)\n"
+        "import transformers.generation.candidate_generator as generation, transformers.utils as utils\n"
+        "print('sklearn' in sys.modules, generation.is_sklearn_available is utils.is_sklearn_available,"
+        " generation.is_sklearn_available(), type(spec.model).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "GPT2LMHeadModel"]
+    plain = "import sys, transformers.generation.candidate_generator; print('sklearn' in sys.modules)"
+    plain = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300, check=False)
+    assert plain.stdout.strip() == "True", plain.stderr  # without it transformers imports scikit-learn

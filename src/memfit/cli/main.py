@@ -597,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
     shown_before, warnings.showwarning = warnings.showwarning, _show_warning
     try:
-        code = answers.answered(args, argv, lambda: args.handler(args))
+        code = answers.answered(args, argv, lambda: _handle(args))
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
         return code
     except BrokenPipeError:
@@ -622,6 +622,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_USAGE
     finally:
         warnings.showwarning = shown_before
+
+
+def _handle(args: argparse.Namespace) -> int:
+    """The subcommand, with transformers' models imported lean where a config is built (it never generates)."""
+    if getattr(args, "hf_config", None):
+        from memfit.integrations.huggingface.internals import import_models_without_generation_extras
+
+        import_models_without_generation_extras()
+    return args.handler(args)
 
 
 def console() -> NoReturn:

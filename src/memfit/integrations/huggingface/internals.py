@@ -18,11 +18,17 @@ processes on GPU-type devices (``AcceleratorState``: FSDP for ``MULTI_GPU`` and 
 ``MULTI_CPU``), DeepSpeed only when that state is ``DEEPSPEED``. Those reads live here, with the
 versions they are tested on (transformers 5.23, accelerate 1.x; 4.x arguments fall back to
 ``fsdp``/``fsdp_config`` as written); everything else of the integration reads public arguments.
+
+The command line builds models and never generates text: :func:`import_models_without_generation_extras` keeps
+transformers' assisted generation from importing scikit-learn in memfit's own process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -44,6 +50,7 @@ __all__ = [
     "distributed_type",
     "fsdp_options",
     "fsdp_requested",
+    "import_models_without_generation_extras",
     "install_chunked_step",
     "keep_configured_loss",
     "local_world_size",
@@ -57,6 +64,9 @@ _TRUE = ("1", "true", "yes", "on")
 # accelerate.utils.constants.FSDP_SHARDING_STRATEGY: FSDP_SHARDING_STRATEGY=<index + 1> means that name
 _ACCELERATE_SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
+
+# transformers.generation.candidate_generator: ``if is_sklearn_available(): from sklearn.metrics import roc_curve``
+_GENERATION_EXTRAS = "transformers.generation.candidate_generator"
 
 _UNSET = object()
 Replaced = tuple[Any, str, Any]  # (owner, attribute, what it held before; _UNSET: nothing of its own)
@@ -257,6 +267,35 @@ def restore_attributes(replaced: list[Replaced]) -> None:
         else:
             setattr(owner, name, before)
     replaced.clear()
+
+
+def import_models_without_generation_extras() -> None:
+    """Import transformers' generation code as if scikit-learn were absent, for memfit's own command line only.
+
+    Every model class imports ``GenerationMixin``, whose assisted generation imports scikit-learn (with scipy and
+    pandas: 2 s of a 5 s answer on a 2-core laptop) for a ROC curve it draws only while generating. memfit builds
+    models on the meta device and never generates, so the command line imports that one module with
+    ``is_sklearn_available`` answering no, then gives the module the real check back (so that it is what it would
+    be, but for the unused import). A process where it is imported already, or without transformers, is left as
+    it is. Never called in a user's process: the callbacks run in their training, whose imports are their own."""
+    if _GENERATION_EXTRAS in sys.modules or importlib.util.find_spec("transformers") is None:
+        return
+    utils = importlib.import_module("transformers.utils")
+    real = getattr(utils, "is_sklearn_available", None)
+    if real is None:  # a transformers without the check imports what it imports
+        return
+    utils.is_sklearn_available = _absent
+    try:
+        with contextlib.suppress(ImportError):  # a transformers without the module: nothing to keep light
+            generation = importlib.import_module(_GENERATION_EXTRAS)
+            if getattr(generation, "is_sklearn_available", None) is _absent:
+                generation.is_sklearn_available = real
+    finally:
+        utils.is_sklearn_available = real
+
+
+def _absent() -> bool:
+    return False
 
 
 def _env_flag(name: str) -> bool:
