@@ -469,13 +469,19 @@ def answer_speed(results: Path) -> list[str]:
     if data is None:
         return ["- **Questions asked again: not measured yet.** `python benchmarks/answer_speed.py`."]
     unit = data["meta"]["unit"].get("unit_s")
+
+    def timed(row: dict[str, Any], key: str) -> str:
+        if key not in row:
+            return "-"
+        return f"{row[key]:.1f} s ({row[key] / unit:.1f})" if unit else f"{row[key]:.1f} s"
+
     rows = [
         [
             f"`{row['command']}`",
-            f"{row['cold_s']:.1f} s",
-            f"{row['again_s']:.1f} s",
-            f"{row['traces_s']:.1f} s" if "traces_s" in row else "-",
-            f"{row['neighbour_s']:.1f} s",
+            timed(row, "cold_s"),
+            timed(row, "again_s"),
+            timed(row, "traces_s"),
+            timed(row, "neighbour_s"),
             f"{row['goal_s']:.0f} s",
             "yes" if row["same_answer"] else "**no**",
         ]
@@ -487,10 +493,12 @@ def answer_speed(results: Path) -> list[str]:
         "each a fresh process, imports included; one concrete GPT-2 124M trace, the unit, took "
         f"{unit} s in the same run). *First* traces (the caches off), *again* prints the same question's kept "
         "answer, *from traces* answers it again with only its traces kept, *neighbour* a neighbouring question "
-        "from the same cache (a target batch, or a card of the same kind):",
+        "from the same cache (a target batch, or a card of the same kind); in brackets, the same in units (the "
+        "machine's speed changes from day to day, the units much less):",
         "",
         *_table(["question", "first", "again", "from traces", "neighbour", "goal", "same answer"], rows),
     ]
+    lines += _speed_before(data, results)
     callbacks = [row for row in data["callbacks"] if "setup_cold_s" in row]
     if callbacks:
         lines += [
@@ -504,6 +512,18 @@ def answer_speed(results: Path) -> list[str]:
             "are never kept).",
         ]
     return lines
+
+
+def _speed_before(data: dict[str, Any], results: Path) -> list[str]:
+    """A line on what the lean transformers import buys, from its side-by-side runs (``model_build_imports.py``)."""
+    lean = _load("model_build_imports.json", results)
+    if lean is None:
+        return []
+    parts = [f"{row['preset']} {row['plain_s']:.1f} -> {row['lean_s']:.1f} s" for row in lean["rows"]]
+    return ["", "- **Building a preset's model** (`python benchmarks/model_build_imports.py`, "
+            "`benchmarks/results/model_build_imports.json`; fresh processes, alternating, medians of "
+            f"{lean['rows'][0]['runs']}): transformers imported as it imports itself, then without the scikit-learn "
+            "its assisted generation loads, as the command line imports it: " + "; ".join(parts) + "."]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- depth extrapolation

@@ -273,7 +273,8 @@ def import_models_without_generation_extras() -> None:
     """Import transformers' generation code as if scikit-learn were absent, for memfit's own command line only.
 
     Every model class imports ``GenerationMixin``, whose assisted generation imports scikit-learn (with scipy and
-    pandas: 2 s of a 5 s answer on a 2-core laptop) for a ROC curve it draws only while generating. memfit builds
+    pandas: 0.9 s of building a preset in a fresh process on a 2-core laptop,
+    ``benchmarks/model_build_imports.py``) for a ROC curve it draws only while generating. memfit builds
     models on the meta device and never generates, so the command line imports that one module with
     ``is_sklearn_available`` answering no, then gives the module the real check back (so that it is what it would
     be, but for the unused import). A process where it is imported already, or without transformers, is left as
