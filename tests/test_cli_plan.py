@@ -339,9 +339,26 @@ def test_cards_without_bf16_are_planned_in_16_mixed_and_refuse_bf16(capsys: pyte
     refused, fine = _plan_json(capsys, *small, "--gpu", "t4", "--gpu", "h100", "--precision", "bf16-mixed")["gpus"]
     assert not refused["fits"] and "no bf16" in refused["error"] and "16-mixed" in refused["error"]
     assert fine["fits"] and fine["precision"] == "bf16-mixed"
+    assert "plan it with --precision 16-mixed instead" in refused["error"]  # the flag the command line takes
+
+    alone = _plan_json(capsys, *small, "--gpu", "t4")  # every card planned in 16-mixed: so is the report
+    assert alone["precision"] == "16-mixed" and alone["gpus"][0]["precision"] == "16-mixed"
 
     assert main(["plan", *small, "--gpu", "t4"]) == 0
-    assert "T4: planned in 16-mixed" in capsys.readouterr().out  # the table says it too
+    out = capsys.readouterr().out
+    assert "T4: planned in 16-mixed" in out  # the table says it too
+    assert "parameters, 16-mixed" in out and "bf16" not in out.splitlines()[0]  # and its title
+
+
+def test_an_image_model_has_no_sequence_length(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ViT's sample is pixels: the report has no sequence length to give (``--seq-len`` does not shape it)."""
+    tiny = ["--hf-config", "vit-base", "--layers", "1", "--image-size", "64", "--budget", "4GiB",
+            "--target-batch-size", "8"]  # fmt: skip
+    report = _plan_json(capsys, *tiny)
+    assert report["seq_len"] is None and report["gpus"][0]["fits"]
+    assert main(["plan", *tiny]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert "vit-base" in title and "seq" not in title
 
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 688,

@@ -62,7 +62,7 @@ def test_the_precision_a_card_is_planned_in() -> None:
         assert card.precision_for(None) is Precision.FP16_MIXED
         assert card.precision_for(None, inference=True) is Precision.FP16_TRUE
         assert card.precision_for("fp32") is Precision.FP32 and card.precision_for("16-mixed") is Precision.FP16_MIXED
-    with pytest.raises(InvalidInputError, match=r"T4 \(Turing\) has no bf16.*precision 16-mixed"):
+    with pytest.raises(InvalidInputError, match=r"T4 \(Turing\) has no bf16.*`precision` 16-mixed"):
         t4.precision_for("bf16-mixed")
-    with pytest.raises(InvalidInputError, match=r"V100-32GB \(Volta\) has no bf16.*precision 16-true"):
+    with pytest.raises(InvalidInputError, match=r"V100-32GB \(Volta\) has no bf16.*`precision` 16-true"):
         v100.precision_for("bf16")

@@ -235,6 +235,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report = _plan_for_gpus(args, finetune)
     except ForeignQuantizationError as error:  # with the formula tier's command for what was asked
         raise InvalidInputError(f"{error.reason}. {error.advice(estimate_command(args, error.stand_in))}") from None
+    report = _rows_name_flags(report, args)
     given = any(a == "--seq-len" or a.startswith("--seq-len=") for a in _Parser.argv)
     if args.model and given and report.seq_len not in (None, args.seq_len[0]):
         warnings.warn(
@@ -280,6 +281,15 @@ def _flags_named(message: str, args: argparse.Namespace) -> str:
     the value came from (``--budget``)."""
     options = vars(args)
     return re.sub(r"`(\w+)`", lambda m: f"--{m[1].replace('_', '-')}" if m[1] in options else m[0], message)
+
+
+def _rows_name_flags(report: PlanReport, args: argparse.Namespace) -> PlanReport:
+    """Each row's error as the command line says it: ``--precision 16-mixed``, not ``precision``'s name."""
+    import dataclasses
+
+    rows = tuple(dataclasses.replace(row, error=_flags_named(row.error, args)) if row.error else row
+                 for row in report.rows)  # fmt: skip
+    return dataclasses.replace(report, rows=rows)
 
 
 def _as_flag(error: InvalidInputError) -> InvalidInputError:

@@ -72,7 +72,7 @@ class GPU:
             fp16 = Precision.FP16_MIXED if precision.is_mixed else Precision.FP16_TRUE
             raise InvalidInputError(
                 f"{self.name} ({self.architecture}) has no bf16, so {precision.value} would run emulated, slowly "
-                f"and with other kernels than memfit models; plan it with precision {fp16.value} instead"
+                f"and with other kernels than memfit models; plan it with `precision` {fp16.value} instead"
             )
         return precision
 

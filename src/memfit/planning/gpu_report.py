@@ -248,12 +248,21 @@ def plan_for_gpus(
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
-    if model is not None:  # a factory's own sample sets its shapes: its token length, or none (images, features)
-        seq_len = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
-    return PlanReport(spec.name, parameters, default.value, "none" if inference else optimizer, seq_len, tuple(rows),
+    # the sample's own token length: a factory's sets its shapes; an image or feature model has none
+    found = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
+    seq_len = found if model is not None or found is None else seq_len
+    return PlanReport(spec.name, parameters, _shown_precision(rows, default), "none" if inference else optimizer,
+                      seq_len, tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built, depth_not_built=deep.not_built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def _shown_precision(rows: list[GpuPlan], default: Precision) -> str:
+    """The report's precision: the one every planned card shares (a T4 alone: 16-mixed), else the default, which
+    the rows planned otherwise say in their notes."""
+    planned = {row.precision for row in rows if row.precision is not None}
+    return planned.pop() if len(planned) == 1 else default.value
 
 
 def traced_how(report: PlanReport, *, extrapolated: str) -> list[str]:
