@@ -8,7 +8,9 @@ answer deleted), and from its kept answer (``kept_answer``). What each part cost
 outermost calls (``MARKERS``): imports, the traces on fake tensors, the symbolic-shape arithmetic inside them
 (sympy), the allocator replays, the tables, building the model, the kept answer. The wall time is measured around
 the whole process, profiler included. One run per state, so the shares are what to read; the seconds move with
-the machine's load, recorded beside them. ``cli_profile-2026-11-26.json`` is the profile before the caches.
+the machine's load, recorded beside them. ``cli_profile-2026-11-26.json`` is the profile before the caches;
+``cli_profile-2026-12-02-after.json`` the one after the command line's lean transformers import, taken with a
+test run on the other core (load average 3: read its shares, not its seconds).
 """
 
 from __future__ import annotations
