@@ -80,9 +80,15 @@ def main() -> None:
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     # as a torchrun script ends: the Trainer leaves accelerate's process group up, and a rank exiting with gloo's
-    # threads alive can abort in teardown ("terminate called without an active exception")
+    # threads alive can abort in teardown ("terminate called without an active exception", seen even after
+    # destroying the group): both ranks wait for each other, take the group down, and end without the
+    # interpreter's teardown once their reports are on disk
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -248,14 +248,17 @@ def plan_for_gpus(
     host = _host(
         spec, rows, num_workers, prefetch_factor, pin_memory, offload_optimizer, optimizer, inference, default.value
     )
-    # the sample's own token length: a factory's sets its shapes; an image or feature model has none
-    found = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
-    seq_len = found if model is not None or found is None else seq_len
     return PlanReport(spec.name, parameters, _shown_precision(rows, default), "none" if inference else optimizer,
-                      seq_len, tuple(rows),
+                      _report_seq_len(spec, model, seq_len), tuple(rows),
                       inference=inference, host=host, depth_extrapolated_from=deep.extrapolated,
                       depth_built_from=deep.built, depth_not_built=deep.not_built,
                       finetune=finetune_report(spec.model, finetune, default, rows, inference=inference))  # fmt: skip
+
+
+def _report_seq_len(spec: ModelSpec, model: str | None, seq_len: int) -> int | None:
+    """The sample's own token length: a factory's sample sets its shapes; an image or feature model has none."""
+    found = sequence_length(spec.sample(2), 2) if callable(spec.sample) else sequence_length(spec.sample, 2)
+    return found if model is not None or found is None else seq_len
 
 
 def _shown_precision(rows: list[GpuPlan], default: Precision) -> str:
