@@ -4,9 +4,11 @@
 
 Each run is a fresh interpreter that builds a preset's model on the meta device as ``memfit plan --hf-config``
 does (``memfit.presets.from_hf_config``), imports included, once with transformers imported as it imports itself
-(``plain``) and once after ``import_models_without_generation_extras`` (``lean``: its generation code without
-scikit-learn). The two alternate run by run, so that a machine whose speed drifts moves both; the medians and their
-ratio go to ``benchmarks/results/model_build_imports.json``, with whether scikit-learn was imported in each.
+(``plain``), once with only the optional libraries deferred (``deferred``: ``defer_optional_libraries``, assisted
+generation without scikit-learn and the losses without scipy, the first half of ``lean_model_imports``), and once inside
+``lean_model_imports`` (``lean``: also without ``@auto_docstring``'s generated docstrings), as the command line
+builds. The three alternate run by run, so that a machine whose speed drifts moves all; the medians and their
+ratios go to ``benchmarks/results/model_build_imports.json``, with whether scikit-learn and scipy were imported.
 """
 
 from __future__ import annotations
@@ -23,21 +25,27 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRESETS = ("gpt2", "llama-3-8b", "llama-3-70b")
+HOW = ("plain", "deferred", "lean")
 _SCRIPT = """
-import sys
-if sys.argv[1] == "lean":
-    from memfit.integrations.huggingface.internals import import_models_without_generation_extras
-    import_models_without_generation_extras()
-from memfit.presets import from_hf_config
-from_hf_config(sys.argv[2], seq_len=1024)
-print("sklearn" in sys.modules)
+import contextlib, importlib, sys
+from memfit.integrations.huggingface import internals
+block = contextlib.nullcontext()
+if sys.argv[1] == "deferred":
+    internals.defer_optional_libraries(importlib.import_module("transformers.utils"))
+elif sys.argv[1] == "lean":
+    block = internals.lean_model_imports()
+with block:
+    from memfit.presets import from_hf_config
+    from_hf_config(sys.argv[2], seq_len=1024)
+print("sklearn" in sys.modules, "scipy" in sys.modules)
 """
 
 
-def _once(how: str, preset: str) -> tuple[float, bool]:
+def _once(how: str, preset: str) -> tuple[float, dict[str, bool]]:
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", _SCRIPT, how, preset], capture_output=True, text=True, check=True)
-    return time.perf_counter() - started, done.stdout.strip() == "True"
+    sklearn, scipy = (word == "True" for word in done.stdout.split())
+    return time.perf_counter() - started, {"sklearn": sklearn, "scipy": scipy}
 
 
 def main() -> None:
@@ -47,17 +55,18 @@ def main() -> None:
     rows = []
     for preset in PRESETS:
         _once("plain", preset)  # warm the file cache for both
-        times: dict[str, list[float]] = {"plain": [], "lean": []}
-        imported: dict[str, bool] = {}
+        times: dict[str, list[float]] = {how: [] for how in HOW}
+        imported: dict[str, dict[str, bool]] = {}
         for _ in range(args.runs):
-            for how in ("plain", "lean"):
-                seconds, sklearn = _once(how, preset)
+            for how in HOW:
+                seconds, imported[how] = _once(how, preset)
                 times[how].append(seconds)
-                imported[how] = sklearn
-        plain, lean = statistics.median(times["plain"]), statistics.median(times["lean"])
-        rows.append({"preset": preset, "plain_s": round(plain, 2), "lean_s": round(lean, 2),
-                     "saved_s": round(plain - lean, 2), "lean_over_plain": round(lean / plain, 3),
-                     "runs": args.runs, "sklearn_imported": imported,
+        medians = {how: statistics.median(times[how]) for how in HOW}
+        plain = medians["plain"]
+        rows.append({"preset": preset, **{f"{how}_s": round(medians[how], 2) for how in HOW},
+                     "saved_s": round(plain - medians["lean"], 2),
+                     **{f"{how}_over_plain": round(medians[how] / plain, 3) for how in HOW[1:]},
+                     "runs": args.runs, "imported": imported,
                      "load_average": [round(x, 2) for x in os.getloadavg()]})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     meta = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version(),

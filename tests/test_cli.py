@@ -272,25 +272,49 @@ def test_usage_errors_are_one_line_too(capsys: pytest.CaptureFixture[str], argv:
     assert len(lines) == 1 and lines[0].startswith("memfit: error: ") and "--help" in lines[0]
 
 
-def test_the_command_line_builds_transformers_models_without_importing_scikit_learn():
-    """transformers' assisted generation imports scikit-learn (and scipy, pandas) for a ROC curve; a model built
-    on the meta device never generates, so the command line's process leaves it out, and gives transformers'
-    generation module back its real check."""
+def test_the_command_line_builds_transformers_models_without_their_optional_libraries_and_docstrings():
+    """transformers' assisted generation imports scikit-learn (and scipy, pandas) for a ROC curve, and its losses
+    scipy for a matching; a model built on the meta device uses neither, nor the docstrings ``@auto_docstring``
+    writes. The command line's block builds without them, and leaves transformers doing what it would have done:
+    the real checks back, each guarded function importing its library when called, docstrings written again for
+    what is imported after the block."""
     pytest.importorskip("transformers")
     pytest.importorskip("sklearn")
     script = (
         "import sys\n"
-        "from memfit.integrations.huggingface.internals import import_models_without_generation_extras\n"
-        "import_models_without_generation_extras()\n"
-        "from memfit.presets import from_hf_config\n"
-        "spec = from_hf_config('gpt2', seq_len=32, layers=1)\n"
-        "import transformers.generation.candidate_generator as generation, transformers.utils as utils\n"
-        "print('sklearn' in sys.modules, generation.is_sklearn_available is utils.is_sklearn_available,"
-        " generation.is_sklearn_available(), type(spec.model).__name__)\n"
+        "import numpy as np\n"
+        "from memfit.integrations.huggingface.internals import lean_model_imports\n"
+        "with lean_model_imports():\n"
+        "    from memfit.presets import from_hf_config\n"
+        "    spec = from_hf_config('gpt2', seq_len=32, layers=1)\n"
+        "print('sklearn' in sys.modules, 'scipy' in sys.modules, type(spec.model).__doc__ is None)\n"
+        "import transformers.utils as utils\n"
+        "import transformers.generation.candidate_generator as generation\n"
+        "import transformers.loss.loss_for_object_detection as detection\n"
+        "print(generation.is_sklearn_available is utils.is_sklearn_available,"
+        " detection.is_scipy_available is utils.is_scipy_available, utils.auto_docstring.__module__)\n"
+        "cost, labels, scores = np.array([[4.0, 1.0], [2.0, 8.0]]), [0, 1, 1, 0], [0.2, 0.9, 0.6, 0.4]\n"
+        "matched = detection.linear_sum_assignment(cost)\n"
+        "curve = generation.roc_curve(labels, scores)\n"
+        "from scipy.optimize import linear_sum_assignment\n"
+        "from sklearn.metrics import roc_curve\n"
+        "print(matched[1].tolist(), all(np.array_equal(a, b) for a, b in zip(matched, linear_sum_assignment(cost))),"
+        " all(np.array_equal(a, b) for a, b in zip(curve, roc_curve(labels, scores))))\n"
+        "from transformers.models.bert.modeling_bert import BertModel\n"
+        "print(type(spec.model).__name__, 'config' in (BertModel.__doc__ or ''))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True", "True", "GPT2LMHeadModel"]
-    plain = "import sys, transformers.generation.candidate_generator; print('sklearn' in sys.modules)"
+    assert done.stdout.splitlines() == [
+        "False False True",
+        "True True transformers.utils.auto_docstring",
+        "[1, 0] True True",
+        "GPT2LMHeadModel True",
+    ]
+    plain = (
+        "import sys, transformers.generation.candidate_generator, transformers.loss.loss_utils\n"
+        "from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel\n"
+        "print('sklearn' in sys.modules, 'scipy' in sys.modules, GPT2LMHeadModel.__doc__ is None)"
+    )
     plain = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300, check=False)
-    assert plain.stdout.strip() == "True", plain.stderr  # without it transformers imports scikit-learn
+    assert plain.stdout.split() == ["True", "True", "False"], plain.stderr  # as transformers imports itself

@@ -519,11 +519,13 @@ def _speed_before(data: dict[str, Any], results: Path) -> list[str]:
     lean = _load("model_build_imports.json", results)
     if lean is None:
         return []
-    parts = [f"{row['preset']} {row['plain_s']:.1f} -> {row['lean_s']:.1f} s" for row in lean["rows"]]
+    parts = [f"{row['preset']} {row['plain_s']:.1f} -> {row['deferred_s']:.1f} -> {row['lean_s']:.1f} s"
+             for row in lean["rows"]]  # fmt: skip
     return ["", "- **Building a preset's model** (`python benchmarks/model_build_imports.py`, "
             "`benchmarks/results/model_build_imports.json`; fresh processes, alternating, medians of "
             f"{lean['rows'][0]['runs']}): transformers imported as it imports itself, then without the scikit-learn "
-            "its assisted generation loads, as the command line imports it: " + "; ".join(parts) + "."]  # fmt: skip
+            "and scipy its generation and losses load, then also without `@auto_docstring`'s docstrings, as the "
+            "command line imports it: " + "; ".join(parts) + "."]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- depth extrapolation

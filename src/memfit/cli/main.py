@@ -635,12 +635,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    """The subcommand, with transformers' models imported lean where a config is built (it never generates)."""
-    if getattr(args, "hf_config", None):
-        from memfit.integrations.huggingface.internals import import_models_without_generation_extras
+    """The subcommand, with transformers' models imported lean where a config is built (on meta: it never
+    generates, and no one reads its docstrings)."""
+    if not getattr(args, "hf_config", None):
+        return args.handler(args)
+    from memfit.integrations.huggingface.internals import lean_model_imports
 
-        import_models_without_generation_extras()
-    return args.handler(args)
+    with lean_model_imports():
+        return args.handler(args)
 
 
 def console() -> NoReturn:

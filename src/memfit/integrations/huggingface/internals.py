@@ -19,21 +19,25 @@ processes on GPU-type devices (``AcceleratorState``: FSDP for ``MULTI_GPU`` and 
 versions they are tested on (transformers 5.23, accelerate 1.x; 4.x arguments fall back to
 ``fsdp``/``fsdp_config`` as written); everything else of the integration reads public arguments.
 
-The command line builds models and never generates text: :func:`import_models_without_generation_extras` keeps
-transformers' assisted generation from importing scikit-learn in memfit's own process.
+The command line builds models on the meta device: :func:`lean_model_imports` imports transformers' modelling code
+there without the optional libraries and docstrings the build never uses.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -47,12 +51,13 @@ __all__ = [
     "changed_arguments",
     "deepspeed_auto_values",
     "deepspeed_config",
+    "defer_optional_libraries",
     "distributed_type",
     "fsdp_options",
     "fsdp_requested",
-    "import_models_without_generation_extras",
     "install_chunked_step",
     "keep_configured_loss",
+    "lean_model_imports",
     "local_world_size",
     "loss_sums_micro_batches",
     "replace_attribute",
@@ -65,8 +70,11 @@ _TRUE = ("1", "true", "yes", "on")
 _ACCELERATE_SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
-# transformers.generation.candidate_generator: ``if is_sklearn_available(): from sklearn.metrics import roc_curve``
-_GENERATION_EXTRAS = "transformers.generation.candidate_generator"
+# What every model build imports that imports optional libraries at import time, under these checks, for functions
+# only some runs call: assisted generation (scikit-learn's ROC curve) and the losses (scipy's matching); a package
+# stands for each of its modules.
+_LIGHTENED = ("transformers.generation.candidate_generator", "transformers.loss")
+_OPTIONAL_LIBRARIES = ("is_sklearn_available", "is_scipy_available")
 
 _UNSET = object()
 Replaced = tuple[Any, str, Any]  # (owner, attribute, what it held before; _UNSET: nothing of its own)
@@ -269,30 +277,131 @@ def restore_attributes(replaced: list[Replaced]) -> None:
     replaced.clear()
 
 
-def import_models_without_generation_extras() -> None:
-    """Import transformers' generation code as if scikit-learn were absent, for memfit's own command line only.
+@contextlib.contextmanager
+def lean_model_imports() -> Iterator[None]:
+    """While memfit's own command line builds transformers models: their imports without what building never uses.
 
-    Every model class imports ``GenerationMixin``, whose assisted generation imports scikit-learn (with scipy and
-    pandas: 0.9 s of building a preset in a fresh process on a 2-core laptop,
-    ``benchmarks/model_build_imports.py``) for a ROC curve it draws only while generating. memfit builds
-    models on the meta device and never generates, so the command line imports that one module with
-    ``is_sklearn_available`` answering no, then gives the module the real check back (so that it is what it would
-    be, but for the unused import). A process where it is imported already, or without transformers, is left as
-    it is. Never called in a user's process: the callbacks run in their training, whose imports are their own."""
-    if _GENERATION_EXTRAS in sys.modules or importlib.util.find_spec("transformers") is None:
+    Building a preset on the meta device imports transformers' modelling code, and with it two optional libraries
+    and a docstring generator none of which the build uses (``benchmarks/model_build_imports.py`` times them):
+
+    - assisted generation imports scikit-learn (with scipy and pandas) for a ROC curve, and the object-detection
+      losses import scipy for a matching, at import time, when they are installed
+      (:func:`defer_optional_libraries`). Those modules are imported with the availability checks answering no;
+      the checks are then given back and each function they guarded bound to one that imports it from its library
+      when first called, so the modules do what they would have done.
+    - ``@auto_docstring`` writes each model class's docstring from its signature (more than a second for one
+      model's classes on a 2-core laptop); while the block runs, classes keep the docstring they were written with.
+
+    Everything is restored when the block ends: a module imported after it is what it would be. A process where
+    those modules are imported already, or without transformers, is left as it is. Never used in a user's
+    process: the callbacks run in their training, whose imports are their own."""
+    if importlib.util.find_spec("transformers") is None:
+        yield
         return
     utils = importlib.import_module("transformers.utils")
-    real = getattr(utils, "is_sklearn_available", None)
-    if real is None:  # a transformers without the check imports what it imports
-        return
-    utils.is_sklearn_available = _absent
+    defer_optional_libraries(utils)
+    real_docstrings = getattr(utils, "auto_docstring", None)
+    if real_docstrings is not None:
+        utils.auto_docstring = _undocumented
     try:
-        with contextlib.suppress(ImportError):  # a transformers without the module: nothing to keep light
-            generation = importlib.import_module(_GENERATION_EXTRAS)
-            if getattr(generation, "is_sklearn_available", None) is _absent:
-                generation.is_sklearn_available = real
+        yield
     finally:
-        utils.is_sklearn_available = real
+        if real_docstrings is not None:
+            utils.auto_docstring = real_docstrings
+
+
+def defer_optional_libraries(utils: Any) -> None:
+    """Import the ``_LIGHTENED`` modules with ``utils``' ``_OPTIONAL_LIBRARIES`` checks answering no, then give
+    every module imported meanwhile the real checks back, with what each check guarded bound to import when
+    called (where the library is installed)."""
+    checks = {name: getattr(utils, name) for name in _OPTIONAL_LIBRARIES if callable(getattr(utils, name, None))}
+    modules = [name for name in _lightened_modules() if name not in sys.modules]
+    if not checks or not modules:  # imported already, or a transformers without the checks
+        return
+    before = set(sys.modules)
+    for name in checks:
+        setattr(utils, name, _absent)
+    try:
+        for name in modules:
+            with contextlib.suppress(ImportError):  # a transformers without the module: nothing to keep light
+                importlib.import_module(name)
+    finally:
+        for name, real in checks.items():
+            setattr(utils, name, real)
+        for name in set(sys.modules) - before:
+            if (module := sys.modules.get(name)) is not None:
+                _give_checks_back(module, checks)
+
+
+def _lightened_modules() -> list[str]:
+    names = []
+    for name in _LIGHTENED:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue
+        if spec.submodule_search_locations is None:
+            names.append(name)
+        else:
+            names.extend(f"{name}.{found.name}" for found in pkgutil.iter_modules(spec.submodule_search_locations))
+    return names
+
+
+def _give_checks_back(module: ModuleType, checks: dict[str, Callable[[], bool]]) -> None:
+    namespace = vars(module)
+    for check, real in checks.items():
+        if namespace.get(check) is not _absent:
+            continue
+        namespace[check] = real
+        if not real():
+            continue
+        for name, (library, attribute) in _guarded_imports(module, check).items():
+            if attribute is None:  # ``import library``: the module itself, imported now as it would have been
+                imported = importlib.import_module(library)
+                namespace[name] = imported if name != library.split(".")[0] else sys.modules[name]
+            else:
+                namespace[name] = _imported_when_called(library, attribute)
+
+
+def _guarded_imports(module: ModuleType, check: str) -> dict[str, tuple[str, str | None]]:
+    """What ``module`` imports at its top level under ``if check():``: each name it binds, and the library module
+    and attribute it comes from (no attribute for ``import library``)."""
+    origin = getattr(getattr(module, "__spec__", None), "origin", None)
+    if not origin or not origin.endswith(".py"):
+        return {}
+    try:
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    names: dict[str, tuple[str, str | None]] = {}
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == check):
+            continue
+        for statement in node.body:
+            if isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module:
+                for alias in statement.names:
+                    names[alias.asname or alias.name] = (statement.module, alias.name)
+            elif isinstance(statement, ast.Import):
+                for alias in statement.names:
+                    names[alias.asname or alias.name.split(".")[0]] = (alias.name, None)
+    return names
+
+
+def _imported_when_called(library: str, name: str) -> Callable[..., Any]:
+    def imported(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(library), name)(*args, **kwargs)
+
+    imported.__name__ = imported.__qualname__ = name
+    return imported
+
+
+def _undocumented(obj: Any = None, **options: Any) -> Any:
+    """``auto_docstring`` leaving docstrings as written, used bare (``@auto_docstring``) or with options."""
+    return obj if obj is not None else _as_it_is
+
+
+def _as_it_is(obj: Any) -> Any:
+    return obj
 
 
 def _absent() -> bool:
