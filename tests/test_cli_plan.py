@@ -109,6 +109,7 @@ def test_a_deep_model_traced_whole_says_why_its_log_was_not_built(
     answer = json.loads(capsys.readouterr().out)
     assert answer["depth_built_from"] is None and answer["depth_not_built"]
     assert answer["depth_not_built"] in said
+    assert answer["depth_not_built"].startswith("its blocks do not repeat one another: the trace at 4 blocks is not")
 
 
 def test_every_row_of_the_json_has_the_same_keys_with_or_without_a_plan(capsys: pytest.CaptureFixture[str]) -> None:

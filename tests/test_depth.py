@@ -185,7 +185,7 @@ def test_blocks_that_differ_are_refused_with_the_reason() -> None:
     three, four = (
         trace_steps(model, sample, 2, 2, settings_for(model, sample)[0]) for model in (Alternating(3), Alternating(4))
     )
-    with pytest.raises(DepthMismatch, match="one block more does not give the deeper trace"):
+    with pytest.raises(DepthMismatch, match="its blocks do not repeat one another"):
         deepen(three, 9, check=(three, four))
 
 

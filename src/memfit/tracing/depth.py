@@ -81,7 +81,10 @@ def deepen(base: StepTrace, depth: int, *, check: tuple[StepTrace, StepTrace]) -
     except DepthMismatch as mismatch:
         difference = mismatch.reason
     if difference is not None:
-        raise DepthMismatch(f"one block more does not give the deeper trace: {difference}")
+        raise DepthMismatch(
+            f"its blocks do not repeat one another: the trace at {deeper.blocks} blocks is not the one at "
+            f"{shallow.blocks} with a block more ({difference})"
+        )
     added = depth - base.blocks
     recorder = _repeat(base.recorder, depth) if added else base.recorder
     return dataclasses.replace(
@@ -171,7 +174,7 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
         if template < block <= template + added:  # a copy of the template block
             original = log.by_role.get((template, role))
             if original is None:
-                raise DepthMismatch(f"block {template} has no storage of role {role}")
+                raise DepthMismatch(f"block {template} lacks a tensor the block after it allocates")
             key = (block, original)
             if key not in copies:
                 nonlocal next_id
@@ -187,7 +190,7 @@ def _repeat(recorder: StorageRecorder, depth: int) -> StorageRecorder:
         real = block if block <= template else block - added
         found = log.by_role.get((real, role))
         if found is None:
-            raise DepthMismatch(f"block {real} has no storage of role {role}, as the blocks around it do")
+            raise DepthMismatch(f"block {real} lacks a tensor the blocks around it allocate")
         return found
 
     def moved(event: int, owner: int | None, placed_as: int | None) -> int:
@@ -293,11 +296,11 @@ def log_difference(built: StorageRecorder, traced: StorageRecorder) -> str | Non
     """Where ``built`` and ``traced`` differ (storages compared by size, category and allocation phase, frees by
     which allocation they free, and the phase marks), or ``None`` if they log the same step."""
     if len(built.events) != len(traced.events):
-        return f"{len(built.events)} events against {len(traced.events)}"
+        return f"{len(traced.events)} allocations and frees traced against {len(built.events)} built"
     if [(m.event_index, m.step, m.phase) for m in built.marks] != [
         (m.event_index, m.step, m.phase) for m in traced.marks
     ]:
-        return "the phases start at other events"
+        return "the step's phases start at other points"
     order_built: dict[int, int] = {}
     order_traced: dict[int, int] = {}
     for index, (a, b) in enumerate(zip(built.events, traced.events, strict=True)):
@@ -307,11 +310,11 @@ def log_difference(built: StorageRecorder, traced: StorageRecorder) -> str | Non
             order_built[a], order_traced[b] = len(order_built), len(order_traced)
             size = built.sizes[a]
             if size != traced.sizes[b]:
-                return f"event {index} allocates {size} bytes against {traced.sizes[b]}"
+                return f"allocation {index} is {traced.sizes[b]} bytes traced against {size} built"
             if built.categories.get(a) != traced.categories.get(b):
-                return f"event {index} allocates a storage of another category"
+                return f"allocation {index} is of another kind (parameters, gradients, activations, ...)"
             if built.alloc_phase.get(a) != traced.alloc_phase.get(b):
-                return f"event {index} allocates in another phase"
+                return f"allocation {index} is made in another phase of the step"
         elif order_built.get(-a) != order_traced.get(-b):
-            return f"event {index} frees another storage"
+            return f"event {index} frees another tensor"
     return None
