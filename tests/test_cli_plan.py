@@ -885,3 +885,62 @@ def test_a_sweep_says_which_length_a_rows_note_is_about(
     said = " ".join(capsys.readouterr().out.split())
     assert f"budget 4GiB at seq {off[0]}: micro batch" in said
     assert all(f"budget 4GiB at seq {length}: micro batch" not in said for length in rows if length not in off)
+
+
+_BART = {"model_type": "bart", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+         "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 128,
+         "max_position_embeddings": 64}  # fmt: skip
+_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "vocab_size": 128}  # fmt: skip
+
+
+# BART has a causal LM of its decoder alone too: the config describes the encoder-decoder
+@pytest.mark.parametrize(("config", "head"), [(_BART, "BartForConditionalGeneration"), (_LLAMA, "LlamaForCausalLM")])
+def test_a_config_is_built_with_the_head_of_the_model_it_describes(tmp_path: Path, config: dict, head: str) -> None:
+    from memfit.presets import from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert type(from_hf_config(str(path), seq_len=16).model).__name__ == head
+
+
+def test_a_config_without_a_head_memfit_builds_says_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whisper is an encoder-decoder of audio features: its causal LM is its decoder alone, so memfit builds
+    nothing for it from a config, and says how to plan it instead."""
+    path = tmp_path / "config.json"
+    whisper = {"model_type": "whisper", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+               "encoder_attention_heads": 2, "decoder_attention_heads": 2, "vocab_size": 128}  # fmt: skip
+    path.write_text(json.dumps(whisper))
+    assert main(["plan", "--hf-config", str(path), "--gpu", "h100"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1
+    assert "head for WhisperConfig" in said and "plan it with --model module:factory" in said
+
+
+def test_a_config_that_lacks_a_key_its_model_reads_is_told_to_add_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A T5 config without ``decoder_start_token_id``: the model's code reads it to shift the labels, and the
+    answer names the key to add, not the sizes."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "t5", "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 1,
+                                "num_heads": 2, "vocab_size": 128}))  # fmt: skip
+    assert main(["plan", "--hf-config", str(path), "--gpu", "h100", "--seq-len", "16"]) == 2
+    said = capsys.readouterr().err
+    assert "add `decoder_start_token_id` to the config.json" in said and "sizes agree" not in said
+
+
+def test_an_8_bit_optimizer_is_planned_without_bitsandbytes_advice_on_this_machine() -> None:
+    """bitsandbytes' CPU backend logs advice about its optional CPU kernels when imported; the command line's
+    answer for an 8-bit optimizer prints nothing but the answer (a fresh process: the import is once a process)."""
+    pytest.importorskip("bitsandbytes")
+    argv = ["plan", "--hf-config", "gpt2", "--layers", "1", "--seq-len", "32", "--gpu", "t4", "--optimizer",
+            "adam-8bit", "--json"]  # fmt: skip
+    env = {**os.environ, "MEMFIT_CACHE": "off"}
+    done = subprocess.run([sys.executable, "-m", "memfit", *argv], capture_output=True, text=True, timeout=600,
+                          env=env, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert json.loads(done.stdout)["gpus"][0]["fits"] is True

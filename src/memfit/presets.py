@@ -337,13 +337,20 @@ def _warn_of_defaulted_sizes(path: Path, raw: Mapping[str, Any], config: Any) ->
 
 
 def _task_of(config: Any) -> str:
+    """The head a config is built with. An encoder-decoder's is its sequence-to-sequence LM, never a causal LM
+    (BART has one of its decoder alone, Whisper too: not the model the config describes)."""
     transformers = _transformers()
-    for task, auto in _TASK_MODELS.items():
-        mapping = getattr(transformers, auto)._model_mapping
+    tasks = list(_TASK_MODELS)
+    if getattr(config, "is_encoder_decoder", False):
+        tasks = ["seq2seq-lm", *(task for task in tasks if task not in ("seq2seq-lm", "causal-lm"))]
+    for task in tasks:
+        mapping = getattr(transformers, _TASK_MODELS[task])._model_mapping
         if type(config) in mapping:
             return task
     raise InvalidInputError(
-        f"no causal-LM, masked-LM, seq2seq or image-classification head for {type(config).__name__}"
+        f"memfit builds no causal-LM, masked-LM, seq2seq or image-classification head for {type(config).__name__} "
+        "from a config: plan it with --model module:factory (a function returning the model and a sample batch; "
+        "see memfit plan --help)"
     )
 
 

@@ -91,7 +91,7 @@ def plan_finetune(args: argparse.Namespace) -> FinetuneSpec:
     stays in ``args.optimizer_given``)."""
     args.optimizer_given = args.optimizer
     args.optimizer, note = resolve_optimizer(args.optimizer)
-    _quiet_bitsandbytes(args)
+    _quiet_bitsandbytes()
     return finetune_spec(args, notes=(note,) if note else ())
 
 
@@ -109,11 +109,10 @@ def finetune_spec(args: argparse.Namespace, notes: tuple[str, ...] = ()) -> Fine
     )
 
 
-def _quiet_bitsandbytes(args: argparse.Namespace) -> None:
-    """bitsandbytes' CPU backend advises on optional kernels when imported (peft imports it): advice about
-    this machine, not the GPU planned."""
-    if args.quantize or args.lora_r is not None:
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+def _quiet_bitsandbytes() -> None:
+    """bitsandbytes' CPU backend advises on optional kernels when imported (by peft, a quantized layout, or an 8-bit
+    optimizer traced on fake tensors): advice about this machine's CPU, never about the GPU planned."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any]:
@@ -121,7 +120,7 @@ def estimate_counts(args: argparse.Namespace, parse_count: Any) -> dict[str, Any
     quantized counts (from ``--hf-config`` built on meta with real peft, or from the counts given), the
     frozen weights' width and the optimizer's registry name."""
     optimizer, _ = resolve_optimizer(args.optimizer)
-    _quiet_bitsandbytes(args)
+    _quiet_bitsandbytes()
     finetune = finetune_spec(args)
     if finetune.quantize and not finetune.lora and _all_trainable(args):
         adapters = (

@@ -69,6 +69,12 @@ _CONFIG_ADVICE = (
     "check that the config's sizes agree with one another (attention heads and key-value heads divide the hidden "
     "size and each other, head_dim times heads is the hidden size)"
 )
+# what a config's model failing on memfit's sample says about the config, by the error (else: the sizes)
+_MISSING_CONFIG_KEY = re.compile(r"'(\w+Config)' object has no attribute '(\w+)'")
+_DTYPE_FAILURE = re.compile(r"dtype|Expected .*\b(?:BF16|Half|Float|bfloat16|float16|float32)\b", re.IGNORECASE)
+# The library's advice on a forward that reads tensor values, in its Python words
+_VALUE_ADVICE = re.compile(r"pass a forward_fn/loss_fn that avoids it, or use memfit\.estimate_from_counts\(\) for a "
+                           r"formula estimate")  # fmt: skip
 _CLI_CALLING = (
     "On the command line, make the --model factory return (module, sample) instead: sample(batch_size) builds "
     "the batch the module is called with (a dict as keyword arguments, a tuple as positional ones, a tensor as "
@@ -626,12 +632,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             advice = cli_advice(message).rstrip()
             message = f"{advice}{'' if advice.endswith('.') else '.'} {_CLI_CALLING}"
         elif getattr(args, "hf_config", None):
-            # memfit made the sample for the model the config describes: a forward that fails is the config's sizes
-            message = _FORWARD_FN_ADVICE.sub(_CONFIG_ADVICE, message)
+            # memfit made the sample for the model the config describes: a forward that fails is the config's
+            message = _FORWARD_FN_ADVICE.sub(lambda _: _config_advice(message), message)
+            message = _VALUE_ADVICE.sub("plan it with --model module:factory, whose forward avoids that, or use "
+                                        "`memfit estimate` for a formula estimate", message)  # fmt: skip
         print(f"memfit: error: {_flags_named(message, args)}", file=sys.stderr)
         return _EXIT_USAGE
     finally:
         warnings.showwarning = shown_before
+
+
+def _config_advice(message: str) -> str:
+    """What to check when a config's model fails on the sample memfit built for it: a key its code reads that the
+    file lacks, a precision its kernels do not run in, else the sizes."""
+    missing = _MISSING_CONFIG_KEY.search(message)
+    if missing:
+        return f"add `{missing[2]}` to the config.json: the model's code reads it and {missing[1]} has no default"
+    if _DTYPE_FAILURE.search(message):
+        return (
+            "the model's code does not run in this precision here: plan it in another --precision (bf16 keeps "
+            "the weights in bf16), or with --inference"
+        )
+    return _CONFIG_ADVICE
 
 
 def _handle(args: argparse.Namespace) -> int:

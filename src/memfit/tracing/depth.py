@@ -83,7 +83,7 @@ def deepen(base: StepTrace, depth: int, *, check: tuple[StepTrace, StepTrace]) -
     if difference is not None:
         raise DepthMismatch(
             f"its blocks do not repeat one another: the trace at {deeper.blocks} blocks is not the one at "
-            f"{shallow.blocks} with a block more ({difference})"
+            f"{shallow.blocks} with a block more; {difference}"
         )
     added = depth - base.blocks
     recorder = _repeat(base.recorder, depth) if added else base.recorder
@@ -283,20 +283,23 @@ def _check_pairs(events: list[int]) -> None:
     for event in events:
         if event > 0:
             if event in seen:
-                raise DepthMismatch("a storage would be allocated twice")
+                raise DepthMismatch("the copied blocks would allocate a tensor twice")
             seen.add(event)
             live.add(event)
         elif -event in live:
             live.remove(-event)
         else:
-            raise DepthMismatch("a storage would be freed before it is allocated, or twice")
+            raise DepthMismatch("the copied blocks would free a tensor before allocating it, or twice")
 
 
 def log_difference(built: StorageRecorder, traced: StorageRecorder) -> str | None:
     """Where ``built`` and ``traced`` differ (storages compared by size, category and allocation phase, frees by
     which allocation they free, and the phase marks), or ``None`` if they log the same step."""
     if len(built.events) != len(traced.events):
-        return f"{len(traced.events)} allocations and frees traced against {len(built.events)} built"
+        return (
+            f"{len(traced.events)} allocations and frees against {len(built.events)} in the shallower trace "
+            "with a block added"
+        )
     if [(m.event_index, m.step, m.phase) for m in built.marks] != [
         (m.event_index, m.step, m.phase) for m in traced.marks
     ]:
