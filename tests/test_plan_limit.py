@@ -59,6 +59,8 @@ def test_the_plan_for_that_budget_takes_at_least_95_percent_of_the_real_maximum_
     kept = memfit.format_bytes(chosen.budget_bytes)  # the figure with room to spare is over this, not the capacity
     assert f"over the {kept} a {memfit.format_bytes(chosen.capacity_bytes)} budget leaves after its" in limit_reason
     assert any("time(s) in two steps" in reason for reason in chosen.reasons)  # the two traced training steps
+    shown = f"it reserves up to {memfit.format_bytes(chosen.predicted_peak_bytes)} (the predicted peak)"
+    assert shown in limit_reason  # the plan's peak figure, between what it needs and its peak with room to spare
     # what the run measures on that limit: capped there, above what the step needs, with the retries
     limit = truth["allocator_limit_bytes"]
     at_limit = resnet50().at_limit(chosen.micro_batch_size, limit, include_context=False, allocator=AllocatorConfig())

@@ -36,11 +36,12 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every trace run (symbolic or concrete), by its batch: a kept trace runs none."""
+    import memfit.prediction.estimator as estimator_module
     import memfit.prediction.exact as exact_module
     import memfit.tracing.symbolic as symbolic_module
 
     runs: list[int] = []
-    for module in (exact_module, symbolic_module):
+    for module in (exact_module, symbolic_module, estimator_module):
         original = module.trace_steps
 
         def counted(*args, _original=original, **kwargs):
@@ -393,3 +394,36 @@ def test_a_sharded_rank_replays_from_the_cache_as_it_replays_fresh(
     assert traces == [] and replays == []
     other = answers(sharded(2))
     assert replays and other != fresh
+
+
+def test_a_step_traced_only_at_concrete_batches_answers_from_the_cache(
+    cache: Path, traces: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the step cannot be traced with a symbolic batch (here: told not to), its two concrete traces are kept
+    too, and asked again it traces nothing and answers the same."""
+    monkeypatch.setenv("MEMFIT_TRACE", "concrete")
+    fresh = _estimate(_gpt2())
+    assert sorted(traces) == [4, 8]  # the batch asked and twice it, for the fit between them
+    traces.clear()
+    kept = _estimate(_gpt2())
+    assert traces == []
+    assert _answers(kept) == _answers(fresh) and kept.breakdown == fresh.breakdown
+
+
+def test_a_forward_that_writes_to_its_config_leaves_it_and_its_key_as_they_were(cache: Path, traces: list[int]) -> None:
+    """transformers' classification loss sets ``config.problem_type`` on the first batch with labels: the trace
+    leaves the user's config as it was, so the model keys the same after a trace as before it, and a second
+    estimate answers from the cache."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=VOCAB, max_position_embeddings=SEQ, num_labels=3)  # fmt: skip
+    model = BertForSequenceClassification(config)
+    batch = {"input_ids": torch.ones(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)}
+    before = trace_cache.session_key(model, batch, 2, None)
+    fresh = _estimate(model, batch)
+    assert model.config.problem_type is None
+    assert trace_cache.session_key(model, batch, 2, None) == before
+    traces.clear()
+    assert _answers(_estimate(model, batch)) == _answers(fresh)
+    assert traces == []

@@ -811,7 +811,8 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
             f"it fits only with the allocator at its limit ({settings}): with room to spare the step would reserve "
             f"{format_bytes(with_room)}, over {_over(question)}; it needs "
             f"{format_bytes(needed)}, where the caching allocator frees its cached blocks and retries instead of "
-            "running out of memory"
+            f"running out of memory; on {format_bytes(question.capacity_bytes)} it reserves up to "
+            f"{format_bytes(at_capacity.peak_reserved_bytes + context)} (the predicted peak)"
         )
     if at_capacity.alloc_retries:
         reasons.append(

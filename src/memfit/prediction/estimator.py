@@ -48,6 +48,7 @@ from memfit.simulation.replay import (
     replay_step,
 )
 from memfit.simulation.runtime import CudaRuntime
+from memfit.tracing import trace_cache, trace_data
 from memfit.tracing.batch import Sample, infer_batch_size, sequence_length
 from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
@@ -547,16 +548,16 @@ def estimate_for_runtimes(
         raise EstimationError(f"the model's log cannot be built from shallower traces: {fallback_note}")
     started = time.perf_counter()
     try:
-        primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+        primary = _kept_trace(model, sample, sample_batch, primary_batch, settings)
     except ValueDependentError as eager_error:
         if not has_compile_paths():
             raise
         settings = dataclasses.replace(settings, compile_paths=True)  # the model's value-free branch, if it has one
         try:
-            primary = trace_steps(model, sample, sample_batch, primary_batch, settings)
+            primary = _kept_trace(model, sample, sample_batch, primary_batch, settings)
         except MemfitError:
             raise eager_error from None
-    secondary = None if batch_fits else trace_steps(model, sample, sample_batch, secondary_batch, settings)
+    secondary = None if batch_fits else _kept_trace(model, sample, sample_batch, secondary_batch, settings)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
     notes = [fallback_note] if fallback_note else []
@@ -574,6 +575,25 @@ def estimate_for_runtimes(
                 _resize_workspace(trace, runtime.workspace_bytes)
         estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit).with_notes(*notes))
     return estimates
+
+
+def _kept_trace(model: nn.Module, sample: Any, sample_batch: int, batch: int, settings: TraceSettings) -> StepTrace:
+    """``trace_steps`` at ``batch``, from the trace cache where it holds that trace of this step, else traced and
+    kept (an entry the symbolic path's concrete traces share): a step that cannot be traced with a symbolic batch
+    is traced again only at batches it was never traced at."""
+    key = trace_cache.session_key(model, sample, sample_batch, settings)
+    part = f"concrete:{batch}:None"
+    if key is not None and callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
+        try:
+            part = f"{part}:{trace_cache.sample_digest(sample, batch)}"  # what a factory returns there, as keyed
+        except trace_cache.Uncacheable:
+            key = None
+    if key is not None and (kept := trace_cache.load(key, part, trace_data.decode_trace)) is not None:
+        return kept
+    traced = trace_steps(model, sample, sample_batch, batch, settings)
+    if key is not None:
+        trace_cache.store(key, part, trace_data.encode_trace(traced))
+    return traced
 
 
 class _RankRewrite:

@@ -27,12 +27,14 @@ __all__ = [
 
 @contextmanager
 def preserved_module_state(model: nn.Module) -> Iterator[None]:
-    """Restore every submodule's attributes, parameters, buffers, hooks and training flags on exit.
+    """Restore every submodule's attributes, parameters, buffers, hooks and training flags, and the attributes of
+    the configurations they hold, on exit.
 
     The trace swaps parameters for fake ones, switches to train mode, may turn on checkpointing
     (which sets attributes and registers hooks); all of it must be undone, even on error.
     """
     saved: list[tuple[nn.Module, dict[str, Any], list[tuple[Any, Any]]]] = []
+    configs = _configs_of(model)
     for module in model.modules():
         attributes = dict(module.__dict__)
         containers: list[tuple[Any, Any]] = []
@@ -51,6 +53,26 @@ def preserved_module_state(model: nn.Module) -> Iterator[None]:
                 container.update(content)
             module.__dict__.clear()
             module.__dict__.update(attributes)
+        for config, attributes in configs:
+            config.__dict__.clear()
+            config.__dict__.update(attributes)
+
+
+def _configs_of(model: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    """Each configuration object the modules hold (``module.config``, and the configs inside it), with its
+    attributes: a model's forward may write to it (transformers' classification loss sets ``config.problem_type``
+    on the first batch with labels), which a trace must not leave behind."""
+    found: dict[int, tuple[Any, dict[str, Any]]] = {}
+    pending = [module.__dict__.get("config") for module in model.modules()]
+    while pending:
+        config = pending.pop()
+        if config is None or isinstance(config, nn.Module) or id(config) in found:
+            continue
+        if not callable(getattr(config, "to_dict", None)) or not hasattr(config, "__dict__"):
+            continue
+        found[id(config)] = (config, dict(config.__dict__))
+        pending.extend(value for value in config.__dict__.values() if callable(getattr(value, "to_dict", None)))
+    return list(found.values())
 
 
 def _optimized_module_type() -> type | None:

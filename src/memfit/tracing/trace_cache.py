@@ -150,7 +150,19 @@ def _optimizer_key(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[A
 def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
     """What a sample factory returns at ``batch``, by structure, shapes and dtypes (a trace runs on fake tensors and
     never reads values, so a factory of random tokens keys the same every time), hashed."""
-    return hashlib.sha256(json.dumps(_shapes(factory(batch)), sort_keys=True).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(_shapes(_built_on_meta(factory, batch)), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _built_on_meta(factory: Callable[[int], Any], batch: int) -> Any:
+    """``factory(batch)`` with the tensors it makes on the default device made on ``meta``: their shapes and dtypes
+    without their memory (a batch of images at a large batch is hundreds of MiB, and zeroing it took most of
+    the key's time). A factory that cannot build there (it reads a value, or copies to a device) builds as it
+    would."""
+    try:
+        with torch.device("meta"):
+            return factory(batch)
+    except Exception:
+        return factory(batch)
 
 
 def _shapes(value: Any) -> Any:
