@@ -547,17 +547,19 @@ def estimate_for_runtimes(
     if repeated is not None:
         raise EstimationError(f"the model's log cannot be built from shallower traces: {fallback_note}")
     started = time.perf_counter()
+    kept = _KeptTraces(model, sample, sample_batch, settings)
     try:
-        primary = _kept_trace(model, sample, sample_batch, primary_batch, settings)
+        primary = kept.at(primary_batch)
     except ValueDependentError as eager_error:
         if not has_compile_paths():
             raise
         settings = dataclasses.replace(settings, compile_paths=True)  # the model's value-free branch, if it has one
+        kept = _KeptTraces(model, sample, sample_batch, settings)
         try:
-            primary = _kept_trace(model, sample, sample_batch, primary_batch, settings)
+            primary = kept.at(primary_batch)
         except MemfitError:
             raise eager_error from None
-    secondary = None if batch_fits else _kept_trace(model, sample, sample_batch, secondary_batch, settings)
+    secondary = None if batch_fits else kept.at(secondary_batch)
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
     notes = [fallback_note] if fallback_note else []
@@ -577,23 +579,28 @@ def estimate_for_runtimes(
     return estimates
 
 
-def _kept_trace(model: nn.Module, sample: Any, sample_batch: int, batch: int, settings: TraceSettings) -> StepTrace:
-    """``trace_steps`` at ``batch``, from the trace cache where it holds that trace of this step, else traced and
-    kept (an entry the symbolic path's concrete traces share): a step that cannot be traced with a symbolic batch
-    is traced again only at batches it was never traced at."""
-    key = trace_cache.session_key(model, sample, sample_batch, settings)
-    part = f"concrete:{batch}:None"
-    if key is not None and callable(sample) and not isinstance(sample, (torch.Tensor, dict, list, tuple)):
-        try:
-            part = f"{part}:{trace_cache.sample_digest(sample, batch)}"  # what a factory returns there, as keyed
-        except trace_cache.Uncacheable:
-            key = None
-    if key is not None and (kept := trace_cache.load(key, part, trace_data.decode_trace)) is not None:
-        return kept
-    traced = trace_steps(model, sample, sample_batch, batch, settings)
-    if key is not None:
-        trace_cache.store(key, part, trace_data.encode_trace(traced))
-    return traced
+class _KeptTraces:
+    """``trace_steps`` of one step at a batch, from the trace cache where it holds that trace, else traced and kept
+    (entries the symbolic path's concrete traces share): a step that cannot be traced with a symbolic batch is
+    traced again only at batches it was never traced at."""
+
+    def __init__(self, model: nn.Module, sample: Any, sample_batch: int, settings: TraceSettings) -> None:
+        self._model, self._sample, self._sample_batch, self._settings = model, sample, sample_batch, settings
+        self._key = trace_cache.session_key(model, sample, sample_batch, settings)  # the whole model: keyed once
+
+    def at(self, batch: int) -> StepTrace:
+        part = None
+        if self._key is not None:
+            try:
+                part = trace_cache.trace_part(f"concrete:{batch}:None", self._sample, batch)
+            except trace_cache.Uncacheable:
+                part = None
+        if part is not None and (kept := trace_cache.load(self._key, part, trace_data.decode_trace)) is not None:
+            return kept
+        traced = trace_steps(self._model, self._sample, self._sample_batch, batch, self._settings)
+        if part is not None:
+            trace_cache.store(self._key, part, trace_data.encode_trace(traced))
+        return traced
 
 
 class _RankRewrite:

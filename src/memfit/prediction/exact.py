@@ -280,10 +280,7 @@ class StepSession:
 
     def _part(self, part: str) -> str:
         """A trace's part of the key; a factory's batch at the traced size is in it (what the trace reads)."""
-        if not self._factory:
-            return part
-        batch = int(part.split(":")[1])
-        return f"{part}:{trace_cache.sample_digest(self._sample, batch)}"
+        return trace_cache.trace_part(part, self._sample, int(part.split(":")[1]))
 
     def _timed(self, trace: Callable[[], Any]) -> Any:
         started = time.perf_counter()

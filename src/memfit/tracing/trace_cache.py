@@ -67,6 +67,7 @@ __all__ = [
     "sample_digest",
     "session_key",
     "store",
+    "trace_part",
 ]
 
 FORMAT = 2  # bump when what an entry holds, or how, changes (2: a trace's in-place gradient sums)
@@ -151,6 +152,16 @@ def sample_digest(factory: Callable[[int], Any], batch: int) -> str:
     """What a sample factory returns at ``batch``, by structure, shapes and dtypes (a trace runs on fake tensors and
     never reads values, so a factory of random tokens keys the same every time), hashed."""
     return hashlib.sha256(json.dumps(_shapes(_built_on_meta(factory, batch)), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def trace_part(part: str, sample: Any, batch: int) -> str:
+    """A trace's part of its entry's name: for a sample factory, with what it returns at the traced ``batch`` (what
+    the trace reads; the session key holds only ``"factory"``).
+
+    Raises:
+        Uncacheable: the factory's batch cannot be written down.
+    """
+    return f"{part}:{sample_digest(sample, batch)}" if _is_factory(sample) else part
 
 
 def _built_on_meta(factory: Callable[[int], Any], batch: int) -> Any:

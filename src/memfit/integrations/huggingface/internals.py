@@ -355,9 +355,9 @@ def _give_checks_back(module: ModuleType, checks: dict[str, Callable[[], bool]])
         if not real():
             continue
         for name, (library, attribute) in _guarded_imports(module, check).items():
-            if attribute is None:  # ``import library``: the module itself, imported now as it would have been
-                imported = importlib.import_module(library)
-                namespace[name] = imported if name != library.split(".")[0] else sys.modules[name]
+            if attribute is None:  # ``import library``: the module it binds, imported now as it would have been
+                importlib.import_module(library)
+                namespace[name] = sys.modules[library if name != library.split(".")[0] else name]
             else:
                 namespace[name] = _imported_when_called(library, attribute)
 
