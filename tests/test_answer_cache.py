@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -205,11 +208,13 @@ def test_the_key_changes_with_every_fact_the_answer_depends_on(
 
     config = _config(tmp_path)
 
-    def key(**more: object) -> str | None:
-        return answers.question_key(_namespace(**{"hf_config": config, **more}), ["plan"])
+    def key(*options: str, config_flag: str = "--hf-config", **more: object) -> str | None:
+        asked = {"hf_config": config, **more}
+        argv = ["plan", *QUESTION[1:], *([f"{config_flag}={asked['hf_config']}"]), *options]
+        return answers.question_key(_namespace(**asked), argv)
 
     base = key()
-    changed = {"an option": key(margin=0.1), "another config file": key(hf_config="gpt2")}
+    changed = {"an option": key("--margin", "0.1"), "another config file": key(hf_config="gpt2")}
     with monkeypatch.context() as patched:
         patched.setattr(module, "installed_distributions", lambda: ["torch-9.9.dist-info"])
         changed["a package"] = key()
@@ -224,10 +229,32 @@ def test_the_key_changes_with_every_fact_the_answer_depends_on(
         changed["the working folder"] = key()
     Path(config).write_text(json.dumps({**CONFIG, "n_layer": 3}))
     changed["the config file's bytes"] = key()
+    abbreviated = key(config_flag="--hf")  # argparse takes --hf for --hf-config
+    Path(config).write_text(json.dumps({**CONFIG, "n_layer": 5}))
+    assert key(config_flag="--hf") != abbreviated
     assert base is not None and len({base, *changed.values()}) == len(changed) + 1, changed
     assert key(model="mymodule:build") is None  # user code
+    assert key(loss="mymodule:loss") is None  # user code too
     assert key(plot="plan.png") is None  # writes a file
     assert key(gpu=None) is None  # the GPU of this machine, whichever it is
+
+
+def test_a_kept_answer_is_printed_by_the_command_without_importing_torch(tmp_path: Path) -> None:
+    """The console script replays a kept answer before it parses the command line: parsing imports the planner,
+    torch and transformers (seconds), which the answer does not need."""
+    env = {**os.environ, "MEMFIT_CACHE": "on", "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}
+    argv = [sys.executable, "-X", "importtime", "-m", "memfit", *QUESTION, "--hf-config", _config(tmp_path)]
+    first, again = (subprocess.run(argv, capture_output=True, text=True, env=env, check=True) for _ in range(2))
+
+    def imported(run: subprocess.CompletedProcess) -> set[str]:
+        return {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+
+    def answer(run: subprocess.CompletedProcess) -> list[str]:  # the host line's free RAM is measured again
+        return [line for line in run.stdout.splitlines() if not line.startswith("host RAM")]
+
+    assert "torch" in imported(first) and "memfit.planning.planner" in imported(first)
+    assert answer(again) == answer(first) and "micro batch" in again.stdout
+    assert not {"torch", "sympy", "transformers", "memfit.cli.main"} & imported(again)
 
 
 def test_from_kept_traces_the_planner_replays_nothing_and_answers_the_same(

@@ -190,7 +190,7 @@ def test_a_missing_module_behind_a_library_error_names_its_extra_too(
     assert err == 'memfit: error: --plot needs matplotlib, which is not installed: pip install "memfit[plot]"\n'
     assert "parameters" not in out  # said before a trace, not after it
 
-    cli = importlib.import_module("memfit.cli.main")  # the module (memfit.cli.main is the function main too)
+    cli = importlib.import_module("memfit.cli.main")
 
     def raising(error: Exception) -> None:
         def handler(args: object) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.cli.main import console
+from memfit.cli.entry import console
 
 if __name__ == "__main__":
     console()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 __all__ = [
     "EstimationError",
@@ -12,7 +12,7 @@ __all__ = [
     "ShardingNotModelledError",
     "StrictModeError",
     "TraceError",
-    "UnrecoverableOutOfMemoryError",
+    "UnrecoverableOutOfMemoryError",  # noqa: F822 (made on first use: see __getattr__)
     "ValueDependentError",
 ]
 
@@ -68,16 +68,28 @@ class NoCountFitsError(InvalidInputError):
         self.considered, self.budget_bytes, self.lines = considered, budget_bytes, lines
 
 
-class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):
-    """Out of memory in a training step that memfit could not recover from (it says why and what to do).
-
-    Also a ``torch.OutOfMemoryError``, so code that handles PyTorch's error handles this one too.
-    """
-
-
 class StrictModeError(Exception):
     """A failure memfit would have turned into a warning, raised because ``MEMFIT_STRICT=1``.
 
     Chained to the original exception. Deliberately not a :class:`MemfitError`, so that the handlers
     that turn memfit's own errors into a decision or a warning cannot swallow it again.
     """
+
+
+def __getattr__(name: str) -> Any:
+    """``UnrecoverableOutOfMemoryError`` is made when first asked for: it is also torch's out-of-memory error, and
+    the rest of this module is imported where torch is not (a kept answer replayed by the command line)."""
+    if name != "UnrecoverableOutOfMemoryError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    class UnrecoverableOutOfMemoryError(MemfitError, torch.cuda.OutOfMemoryError):
+        """Out of memory in a training step that memfit could not recover from (it says why and what to do).
+
+        Also a ``torch.OutOfMemoryError``, so code that handles PyTorch's error handles this one too.
+        """
+
+    UnrecoverableOutOfMemoryError.__module__ = __name__
+    UnrecoverableOutOfMemoryError.__qualname__ = name
+    globals()[name] = UnrecoverableOutOfMemoryError
+    return UnrecoverableOutOfMemoryError

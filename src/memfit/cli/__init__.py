@@ -1,5 +1,4 @@
-"""The memfit command."""
+"""The memfit command: ``memfit.cli.main.main(argv)`` runs it; ``memfit.cli.entry.console`` is the console script.
 
-from memfit.cli.main import main
-
-__all__ = ["main"]
+Nothing is imported here, so that a kept answer is replayed without importing the planner (``memfit.cli.entry``).
+"""

@@ -4,7 +4,8 @@ Most of a repeated answer's time is not the trace (the trace cache keeps those) 
 importing transformers alone takes seconds. A question on the command line names everything the answer depends
 on, so the whole answer can be kept, keyed by:
 
-* the command line as given and as parsed, the working folder, and the bytes of the ``--hf-config`` file;
+* the command line as typed (what a parse makes of it is a function of it and of what the key holds besides), the
+  working folder, and the bytes of every file it names (``--hf-config``'s ``config.json``);
 * the environment (every variable but a shell's and a login's own bookkeeping, such as ``SSH_CLIENT``), whether
   standard output is a terminal and its size (the tables are drawn for it), whether a CUDA device is visible, and
   this machine's physical RAM (which the sharded answer compares host RAM with);
@@ -12,9 +13,10 @@ on, so the whole answer can be kept, keyed by:
 
 What is live stays live: the host RAM line's "available here" (and its verdict) is measured again when an answer
 is replayed, in text and in ``--json``; warnings the answer raised are raised again (not those about a damaged
-cache entry, which was the first run's to see). An answer is not kept when it
-comes from user code (``--model``), writes a file (``--plot``), plans for a GPU this machine would have to be asked
-about (no ``--gpu`` or ``--budget``), ends with an error, or printed to standard error anything but warnings.
+cache entry, which was the first run's to see). The console script (``memfit.cli.entry``) replays a kept answer
+before it parses the command line, so it imports neither the planner nor torch. An answer is not kept when it comes
+from user code (``--model``, ``--loss``), writes a file (``--plot``), plans for a GPU this machine would have to be
+asked about (no ``--gpu`` or ``--budget``), ends with an error, or printed to standard error anything but warnings.
 
 Entries are gzip'd JSON in ``answers/`` under the cache folder (``memfit cache``); the trace cache's switches turn
 this one off and move it too. An entry that cannot be read, or was written for another key, is ignored with one
@@ -40,8 +42,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from memfit.cache_identity import CACHE_ENV, cache_root, enabled, installed_distributions, memfit_source_digest
+from memfit.host_memory import machine_ram_bytes
 
-__all__ = ["answer_dir", "answered", "clear", "host_line", "json_answer"]
+__all__ = ["answer_dir", "answered", "clear", "host_line", "json_answer", "prepare_environment", "replay_kept"]
 
 FORMAT = 1
 # a shell's and a login's own bookkeeping, which differ from one terminal or login to the next and reach no answer
@@ -74,29 +77,50 @@ def clear() -> int:
 # ------------------------------------------------------------------------------------------------------ the key
 
 
+def prepare_environment() -> None:
+    """The environment every ``memfit`` command runs in, set before its key is read (the key holds the environment).
+    transformers' warnings about the configs are not the plan's."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def question_key(args: Any, argv: list[str]) -> str | None:
     """Everything the answer to ``memfit plan ARGV`` depends on, or ``None`` for a question not kept."""
-    if not enabled() or args.command != "plan" or getattr(args, "model", None) or getattr(args, "plot", None):
+    if not enabled() or args.command != "plan" or any(getattr(args, name, None) for name in _USER_CODE_OR_FILES):
         return None
     if not (getattr(args, "gpu", None) or getattr(args, "budget", None)) or not getattr(args, "hf_config", None):
         return None
-    from memfit.cli.sharding import machine_ram_bytes
-    from memfit.devices import backend_for
+    return _key(argv)
 
-    config = Path(args.hf_config).expanduser()
-    config = config / "config.json" if config.is_dir() else config
+
+def replay_kept(argv: list[str]) -> int | None:
+    """Print the kept answer of ``memfit ARGV`` and return its exit code; ``None`` where there is none.
+
+    Read from the command line as typed, before it is parsed: parsing it imports the planner. The key needs no
+    parse (what the parse makes of it is a function of the command line and of the code and environment the key
+    holds), and an entry exists only for a question that was kept."""
+    if not enabled() or not argv or argv[0] != "plan" or _HELP_OR_VERSION & set(argv):
+        return None
+    entry = _load(_key(argv))
+    return None if entry is None else _replay(entry)
+
+
+# options whose answer is not kept: user code (``--model``, ``--loss``) that no version names, a file written
+_USER_CODE_OR_FILES = ("model", "loss", "plot")
+_HELP_OR_VERSION = {"-h", "--help", "--version"}
+
+
+def _key(argv: list[str]) -> str:
     terminal = sys.stdout.isatty()
     key = {
         "format": FORMAT,
         "argv": argv,
-        "args": sorted((name, repr(value)) for name, value in vars(args).items() if name != "handler"),
+        "files": _files_named(argv),
         "cwd": os.getcwd(),
-        "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
         "environment": sorted(
             (k, v) for k, v in os.environ.items() if k not in _SHELL_BOOKKEEPING and k not in _SET_BY_TORCH
         ),
         "terminal": [terminal, tuple(shutil.get_terminal_size()) if terminal else None],
-        "cuda_visible": backend_for("cuda").is_available(),
+        "cuda_visible": _cuda_visible(),
         "machine_ram": machine_ram_bytes(),
         "python": sys.version,
         "machine": platform.machine(),
@@ -104,6 +128,32 @@ def question_key(args: Any, argv: list[str]) -> str | None:
         "memfit_source": memfit_source_digest(),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _files_named(argv: list[str]) -> list[list[str]]:
+    """The bytes (by hash) of every file the command line names (``--hf-config`` a ``config.json`` or its folder),
+    however it is spelled (``--hf-config=PATH``, an abbreviated option)."""
+    found = []
+    for token in argv:
+        for text in {token, token.partition("=")[2]} - {""}:
+            path = Path(text).expanduser()
+            path = path / "config.json" if path.is_dir() else path
+            if path.is_file():
+                found.append([text, hashlib.sha256(path.read_bytes()).hexdigest()])
+    return found
+
+
+def _cuda_visible() -> bool:
+    """Whether torch sees a CUDA (or ROCm) device, without importing torch where it cannot: on Linux, with none of
+    the device files a CUDA or ROCm driver makes (``/dev/nvidia*``, WSL's ``/dev/dxg``, ROCm's ``/dev/kfd``)."""
+    if sys.platform.startswith("linux") and not any(any(Path("/dev").glob(pattern)) for pattern in _GPU_DEVICE_FILES):
+        return False
+    from memfit.devices import backend_for
+
+    return backend_for("cuda").is_available()
+
+
+_GPU_DEVICE_FILES = ("nvidia*", "dxg", "kfd")
 
 
 # ------------------------------------------------------------------------------------------ record and replay
@@ -201,7 +251,7 @@ def _show(shown: list[list[Any]]) -> None:
 
 
 def _replay(entry: dict[str, Any]) -> int:
-    from memfit.planning.capacity import available_ram_bytes
+    from memfit.prediction.host import available_ram_bytes
 
     _show(entry["warnings"])
     if entry["json"] is not None:

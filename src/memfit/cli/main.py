@@ -8,22 +8,19 @@ argparse's usage errors included.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import importlib.util
 import json
 import os
 import re
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 from memfit.cli import answers
+from memfit.cli.entry import console, reader_gone, show_warning
 from memfit.cli.finetune_options import add_estimate_options, add_plan_options
 from memfit.cli.model_factory import add_loss_option, cli_advice, with_loss
 from memfit.cli.sharding import add_sharding_arguments, is_sharded, run_sharded
@@ -549,18 +546,6 @@ def _add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     plan.set_defaults(handler=with_loss(_cmd_plan))
 
 
-def _reader_gone() -> int:
-    """The command reading our output closed it (``memfit ... | head -1``): stop quietly, as a Unix tool ended by
-    SIGPIPE does, with its exit status (128 + 13). Later writes, Python's own flush at exit included, go nowhere."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # stdout is not a file (captured): nothing will flush it at exit
-        pass
-    return 128 + int(getattr(signal, "SIGPIPE", 13))
-
-
 def _needs(module: str, what: str = "this") -> str:
     """One line for an optional dependency that is not installed, with the extra that installs it."""
     top = module.split(".")[0]
@@ -610,14 +595,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _EXIT_USAGE)
     if getattr(args, "model", None):
         _importable_cwd()
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings about the configs are not the plan's
-    shown_before, warnings.showwarning = warnings.showwarning, _show_warning
+    answers.prepare_environment()
+    shown_before, warnings.showwarning = warnings.showwarning, show_warning
     try:
         code = answers.answered(args, argv, lambda: _handle(args))
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's flush at exit
         return code
     except BrokenPipeError:
-        return _reader_gone()
+        return reader_gone()
     except ModuleNotFoundError as error:
         missing = _missing_extra(error)
         if missing is None:
@@ -665,31 +650,3 @@ def _handle(args: argparse.Namespace) -> int:
 
     with lean_model_imports():
         return args.handler(args)
-
-
-def console() -> NoReturn:
-    """The ``memfit`` command (and ``python -m memfit``): ``main()``, then the process ends without the interpreter's
-    teardown. Tearing down torch and transformers module by module takes longer than many answers (1.4 s of a 7 s
-    question on a 2-core laptop), and nothing in it is the answer's: the output is flushed and the exit handlers
-    run first, as at a normal exit. A process with other threads still running exits the normal way."""
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # the reader went away, or the stream was closed
-            stream.flush()
-    if threading.active_count() > 1:
-        raise SystemExit(code)
-    atexit._run_exitfuncs()  # logging's shutdown and every library's own clean-up, as the interpreter runs them
-    os._exit(code)
-
-
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                  line: str | None = None) -> None:  # fmt: skip
-    """memfit's own warnings as one line, ``memfit: warning: ...``, as its errors are; other libraries' as Python
-    shows them."""
-    if Path(filename).resolve().is_relative_to(_PACKAGE):
-        print(f"memfit: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
-    else:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-
-_PACKAGE = Path(__file__).resolve().parents[1]

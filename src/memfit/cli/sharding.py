@@ -9,11 +9,11 @@ meaning of DistributedDataParallel (``--world-size``, its older name, is the sam
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from memfit.cli import answers
 from memfit.errors import InvalidInputError, NoCountFitsError
+from memfit.host_memory import machine_ram_bytes
 from memfit.planning.finetune import FinetuneSpec
 from memfit.planning.sharded_plan import AUTO_OFFLOADS, AUTO_STRATEGIES, Option, ShardedReport, plan_sharded
 from memfit.units import format_bytes
@@ -24,15 +24,6 @@ CLI_STRATEGIES = ("ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "params", "all")
 _EXIT_USAGE = 2
 _EXIT_NOTHING_FITS = 1  # as memfit.cli.main.EXIT_NOTHING_FITS
-
-
-def machine_ram_bytes() -> int | None:
-    """The physical memory of this machine (``None`` where the system does not say, as on Windows)."""
-    try:
-        size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return size if size > 0 else None
 
 
 def host_ram_verdict(needed_bytes: int) -> str:

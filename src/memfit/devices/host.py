@@ -3,11 +3,10 @@ and no caching allocator to simulate (the monitor reads the process's resident m
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from memfit.devices.backend import DeviceBackend
+from memfit.host_memory import available_ram_bytes
 
 __all__ = ["HostBackend", "available_ram_bytes"]
 
@@ -24,17 +23,3 @@ class HostBackend(DeviceBackend):
 
     def free_bytes(self, device: torch.device) -> int:
         return available_ram_bytes()
-
-
-def available_ram_bytes() -> int:
-    """RAM the machine can still give a process (Linux's ``MemAvailable``, else psutil's; ``0`` when unknown)."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        import psutil
-    except ImportError:
-        return 0
-    return int(psutil.virtual_memory().available)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.planning.capacity import available_ram_bytes
-from memfit.tracing.optimizers import optimizer_info
+from memfit.host_memory import available_ram_bytes
 from memfit.units import format_bytes
 
 __all__ = ["HostEstimate", "estimate_host", "offloaded_optimizer_bytes"]
@@ -93,4 +92,6 @@ def estimate_host(
 def offloaded_optimizer_bytes(optimizer: str | None, trainable_parameters: int) -> int:
     """Host RAM the optimizer state of ``trainable_parameters`` takes when offloaded (fp32 states, per
     the optimizer registry that the formula tier and the trace also read)."""
+    from memfit.tracing.optimizers import optimizer_info  # torch: not for a kept answer's host line
+
     return trainable_parameters * optimizer_info(optimizer).state_bytes(_OFFLOAD_STATE_DTYPE_BYTES)
