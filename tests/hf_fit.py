@@ -51,6 +51,13 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     budget = sys.argv[3 + rank]
     sharded = {"fsdp": "full_shard", "use_cpu": True} if mode == "fsdp" else {"deepspeed": ZERO3}
+    if mode == "zero3":
+        import deepspeed.ops
+
+        # On a machine that has not built it, DeepSpeed compiles its shared-memory all-reduce (ninja: about 90 s on
+        # two cores) at its first collective; without it the ranks reduce through gloo, as on platforms that lack
+        # the kernel. Host-side communication holds no device memory, so the plan and what is measured stand.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     args = TrainingArguments(
         output_dir=str(out / "run"), per_device_train_batch_size=12, max_steps=4, logging_steps=2, report_to=[],
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **sharded,
