@@ -138,7 +138,8 @@ def _planned_at_three() -> tuple[Accelerator, torch.nn.Module, MemoryPlanner]:
 
 def test_with_drop_last_the_planned_loader_sees_the_samples_the_configured_one_saw() -> None:
     """90 samples in batches of 12 with drop_last: the run as configured sees 84 of them; planned at micro batch 3
-    it sees the same 84 in the same order (not all 90, which batches of 3 would leave whole), in 28 batches."""
+    it sees the same 84 in the same order (not all 90, which batches of 3 would leave whole), in 28 batches, and so
+    in every epoch after (the shuffling sampler's generator is drawn as the configured loader draws it)."""
     accelerator = Accelerator(cpu=True)
     generator = torch.Generator().manual_seed(0)
     data = [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (90, SEQ), generator=generator)]
@@ -147,15 +148,18 @@ def test_with_drop_last_the_planned_loader_sees_the_samples_the_configured_one_s
         return torch.utils.data.DataLoader(data, batch_size=12, shuffle=True, drop_last=True,
                                            generator=torch.Generator().manual_seed(1))  # fmt: skip
 
-    configured = torch.cat([b["input_ids"] for b in loader()])
+    configured_loader = loader()
+    configured = [torch.cat([b["input_ids"] for b in configured_loader]) for _ in range(3)]
     model = tiny_gpt2()
     planner = MemoryPlanner(accelerator, budget="1GiB", max_batch_size=3, verbose=False)
     planned = planner.plan(model, torch.optim.AdamW(model.parameters()), loader())
     assert planner.planned.micro_batch_size == 3 and len(planned) == 28
     _, _, prepared = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), planned)
-    batches = [b["input_ids"] for b in prepared]
-    assert len(configured) == 84 and torch.equal(torch.cat(batches), configured)
-    assert {len(b) for b in batches} == {3}
+    for epoch, seen in enumerate(configured):
+        batches = [b["input_ids"] for b in prepared]
+        assert len(seen) == 84 and torch.equal(torch.cat(batches), seen), epoch
+        assert {len(b) for b in batches} == {3}
+    assert not torch.equal(configured[0], configured[1])  # the epochs are shuffled apart
 
 
 @pytest.mark.parametrize("budget", ["abc", "-1GiB", 0, "a100"])

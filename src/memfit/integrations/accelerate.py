@@ -330,9 +330,14 @@ class _Rebatched(Sampler[list[int]]):
         self.sampler, self.configured, self.batch_size = sampler, configured, batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = itertools.islice(iter(self.sampler), self._kept())
-        while batch := list(itertools.islice(indices, self.batch_size)):
+        indices = iter(self.sampler)
+        kept = itertools.islice(indices, self._kept())
+        while batch := list(itertools.islice(kept, self.batch_size)):
             yield batch
+        # Drawn to the end, as the configured loader's batch sampler draws it even where it drops the last batch: a
+        # shuffling sampler's generator then stands where the configured run's does, so the next epoch's order is its.
+        for _ in indices:
+            pass
 
     def __len__(self) -> int:
         return math.ceil(self._kept() / self.batch_size)
