@@ -147,8 +147,11 @@ def test_lightning_validation_beside_the_optimizer_state_is_predicted_and_warned
     """Validation runs without gradients (Lightning releases them first) but beside the optimizer state."""
     budget = 100 * MiB
     fit, callback = lightning_fit(tmp_path, "replan", 1, validation_batch=8 * BATCH, budget="100MiB")
-    with pytest.warns(UserWarning, match="validation may run out of memory where training fits: evaluation at batch"):
+    with pytest.warns(UserWarning, match="validation may run out of memory where training fits: evaluation at batch"
+                      ) as caught:  # fmt: skip
         measured = profiled_cpu_peak(fit)
+    # the budget as given, then what its margin leaves: the plan line's figures, in its order
+    assert "over the 100.00 MiB budget (98.50 MiB after its 1.5% margin)" in str(caught[0].message)
     validation, training = callback.validation, callback.estimate
     assert training.peak_allocated_bytes < budget < validation.allocated_bytes  # the case the warning is for
     assert abs(validation.allocated_bytes - measured) <= EXACT  # the run's peak is the validation pass

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from memfit.errors import InsufficientMemoryError, ShardingNotModelledError
+from memfit.planning.planner import budget_phrase
 from memfit.planning.session import PlanningSession
 from memfit.planning.unmodelled import not_modelled
-from memfit.units import format_bytes, format_margin
+from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.run.controller import RunController
@@ -107,9 +108,8 @@ def _observed(controller: RunController, capacity: int, configured: int) -> RunD
     budget = int(capacity * (1 - margin))
     if 0 < budget < needed:
         controller.warn("observe-over", f"memfit: the predicted peak, {format_bytes(needed)} at micro batch "
-                        f"{configured}, is over the {format_bytes(capacity)} budget ({format_bytes(budget)} after its "
-                        f"{format_margin(margin)} margin): this run may run out of memory; mode='plan' picks a micro "
-                        "batch that fits")  # fmt: skip
+                        f"{configured}, is over the {budget_phrase(capacity, margin, budget)}: this run may run out "
+                        "of memory; mode='plan' picks a micro batch that fits")  # fmt: skip
     return RunDecision(None, peak.allocated_bytes, peak.reserved_bytes)
 
 
@@ -126,5 +126,4 @@ def check_evaluation(controller: RunController, capacity: int) -> None:
     if needed > budget:
         controller.warn("validation",
             f"memfit: validation may run out of memory where training fits: {evaluation.summary()}, over the "
-            f"{format_bytes(budget)} budget ({format_bytes(capacity)} with a {format_margin(margin)} margin). "
-            "Lower the validation batch size.")  # fmt: skip
+            f"{budget_phrase(capacity, margin, budget)}. Lower the validation batch size.")  # fmt: skip
