@@ -234,6 +234,21 @@ def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_opti
              confirm=lambda micro, ckpt, _: linear_estimate(3 * GiB, 1 * GiB, batch=micro, context=None))  # fmt: skip
 
 
+def test_a_target_that_only_accumulation_misses_says_the_accumulation_is_what_does_not_fit() -> None:
+    """Micro batch 8 alone is over 10 GiB; split 1 x 8, the gradients kept across micro batches are too."""
+
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        held = 4 * GiB if accumulation > 1 else 0  # what accumulating holds beside one micro batch
+        return linear_estimate(8 * GiB + held, 1 * GiB, batch=micro, context=None)
+
+    with pytest.raises(InsufficientMemoryError) as raised:
+        plan(linear_estimate(8 * GiB, 1 * GiB, context=None), 10 * GiB, margin=0.0, target_batch_size=8,
+             allow_checkpointing=False, confirm=confirm)  # fmt: skip
+    message = str(raised.value)
+    assert "micro batch 1 does not fit: a trace at that size, accumulating 8 steps toward the target of 8, " in message
+    assert "Without accumulation it needs 9.00 GiB" in message and "Lower the target batch or raise" in message
+
+
 def test_plan_on_a_real_trace() -> None:
     import zoo
 

@@ -619,9 +619,27 @@ def _largest_confirmed(
             if held
             else ""
         )
+        # the same micro batch traced without accumulation: whether accumulating is what misses (a failure's one trace)
+        alone = (
+            question.predicted(_traced(question, confirm, over, candidate.checkpointing, 1))
+            if accumulation > 1
+            else None
+        )
+        accumulation_misses = alone is not None and alone <= question.budget
+        accumulating = (
+            f", accumulating {accumulation} steps toward the target of {question.per_device_target},"
+            if accumulation_misses
+            else ""
+        )
+        why = (
+            f" Without accumulation it needs {format_bytes(alone)}: accumulation keeps every gradient from one micro "
+            "batch to the next and adds each new one to it. Lower the target batch or raise the budget."
+            if accumulation_misses
+            else ""
+        )
         return _Miss(
-            f"micro batch {over} does not fit: a trace at that size predicts "
-            f"{format_bytes(search.peaks[over])}{holding} against {question.against()}."
+            f"micro batch {over} does not fit: a trace at that size{accumulating} predicts "
+            f"{format_bytes(search.peaks[over])}{holding} against {question.against()}.{why}"
         )
     largest, budget = search.fits, question.budget
     if search.over is not None:
