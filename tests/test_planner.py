@@ -249,6 +249,16 @@ def test_a_target_that_only_accumulation_misses_says_the_accumulation_is_what_do
     assert "Without accumulation it needs 9.00 GiB" in message and "Lower the target batch or raise" in message
 
 
+def test_a_micro_batch_held_by_max_batch_size_is_said_to_be_the_bound_not_what_fits() -> None:
+    roomy = linear_estimate(1 * GiB, GiB // 16, context=None)  # 144 samples fit in 10 GiB
+    split = plan(roomy, 10 * GiB, margin=0.0, target_batch_size=50, max_batch_size=20)
+    assert (split.micro_batch_size, split.accumulate_grad_batches) == (10, 5)
+    assert split.reasons[0].startswith("micro batch 20 fits and is the max_batch_size bound (larger ones were not")
+    largest = plan(roomy, 10 * GiB, margin=0.0, target_batch_size="max", max_batch_size=20)
+    assert largest.micro_batch_size == 20 and "max_batch_size bound" in largest.reasons[0]
+    assert "is the largest that fits" in plan(roomy, 10 * GiB, margin=0.0, target_batch_size=200).reasons[0]
+
+
 def test_plan_on_a_real_trace() -> None:
     import zoo
 

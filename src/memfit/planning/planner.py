@@ -289,6 +289,13 @@ class _Question:
     target_batch_size: int | None  # the effective batch to keep; None: "max"
     include_context: bool
     allocator: AllocatorConfig | None = None  # set: fit at the allocator's limit, under these options
+    max_batch_size: int | None = None  # the caller's bound on the micro batch
+
+    def largest_said(self, largest: int) -> str:
+        """Why ``largest`` is the largest micro batch: what fits, or the caller's bound where it stopped the search."""
+        if largest == self.max_batch_size:
+            return f"micro batch {largest} fits and is the max_batch_size bound (larger ones were not tried)"
+        return f"micro batch {largest} is the largest that fits"
 
     def largest(self, source: MemoryEstimate) -> int:
         """Largest micro batch within the budget by ``source``'s interpolation (0: none)."""
@@ -393,6 +400,7 @@ def _question(
         per_device_target=per_device_target,
         target_batch_size=target,
         include_context=include_context,
+        max_batch_size=max_batch_size,
     )
 
 
@@ -751,10 +759,12 @@ def _explain(question: _Question, split: _Split) -> list[str]:
     effective = split.micro * split.accumulation * question.world_size
     target = question.target_batch_size
     if question.per_device_target is None or target is None:
+        if split.micro == question.max_batch_size:
+            return [question.largest_said(split.micro)]
         return [f"largest micro batch that fits: {split.micro}"]
     if effective != target:
         return [
-            f"micro batch {split.largest_micro} is the largest that fits; with {split.accumulation} accumulation "
+            f"{question.largest_said(split.largest_micro)}; with {split.accumulation} accumulation "
             f"step(s) of {split.micro} x {question.world_size} device(s) the effective batch {effective} differs "
             f"from the target {target}: {_why_not_exact(target, question.world_size, split.largest_micro)}"
         ]
@@ -768,7 +778,7 @@ def _explain(question: _Question, split: _Split) -> list[str]:
             else ""
         )
         return [
-            f"micro batch {split.largest_micro} is the largest that fits; {split.accumulation} accumulation "
+            f"{question.largest_said(split.largest_micro)}; {split.accumulation} accumulation "
             f"steps of {split.micro} keep the effective batch of {target}{why}"
         ]
     return [f"the target fits in one micro batch of {split.micro}"]
