@@ -27,7 +27,7 @@ from rich.table import Table
 
 from memfit.errors import EstimationError
 from memfit.planning.deep_models import BUILD_DEPTHS, EXTRAPOLATION_DEPTHS, model_depth
-from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes, extrapolate_depth
+from memfit.prediction.estimator import MemoryEstimate, StepCurve, extrapolate_depth, trace_for_runtimes
 from memfit.presets import from_hf_config
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target
@@ -60,14 +60,14 @@ def _config(name: str) -> str:
 
 
 def trace(name: str, seq_len: int, layers: int | None, batch: int, checkpointing: bool, built: bool = False) -> tuple:
-    """``(estimate, seconds, spec)``; ``built``: the whole model's log built from its traces at ``BUILD_DEPTHS``."""
+    """``(curve, seconds, spec)``; ``built``: the whole model's log built from its traces at ``BUILD_DEPTHS``."""
     spec = from_hf_config(_config(name), seq_len=seq_len, layers=layers)
     repeated = [from_hf_config(_config(name), seq_len=seq_len, layers=d).model for d in BUILD_DEPTHS] if built else None
     started = time.perf_counter()
-    (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
-                                      batch_size=batch, precision="bf16-mixed", optimizer="adamw",
-                                      gradient_checkpointing=checkpointing, target=Target("cuda"),
-                                      repeated=repeated)  # fmt: skip
+    (result,) = trace_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
+                                   batch_size=batch, precision="bf16-mixed", optimizer="adamw",
+                                   gradient_checkpointing=checkpointing, target=Target("cuda"),
+                                   repeated=repeated)  # fmt: skip
     return result, time.perf_counter() - started, spec
 
 
@@ -85,14 +85,16 @@ def main() -> None:
     rows = []
     for name in args.only or DEFAULT:
         for checkpointing in (False, True):
-            exact, exact_seconds, spec = trace(name, args.seq_len, None, args.batch, checkpointing)
+            exact_curve, exact_seconds, spec = trace(name, args.seq_len, None, args.batch, checkpointing)
+            exact = exact_curve.estimate
             depth = model_depth(spec.model)
             low, high = EXTRAPOLATION_DEPTHS
             shallow, low_seconds, _ = trace(name, args.seq_len, low, args.batch, checkpointing)
             deeper, high_seconds, _ = trace(name, args.seq_len, high, args.batch, checkpointing)
             doubled_traces = [trace(name, args.seq_len, d, 2 * args.batch, checkpointing) for d in (low, high)]
-            doubled = (doubled_traces[0][0], doubled_traces[1][0])  # at()'s ratios at twice the batch
-            guess = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
+            doubled = (doubled_traces[0][0].estimate, doubled_traces[1][0].estimate)  # at()'s ratios at twice the batch
+            guess_curve = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
+            guess = guess_curve.estimate
             row = {"model": name, "depth": depth, "checkpointing": checkpointing, "batch": args.batch,
                    "exact_allocated": exact.peak_allocated_bytes, "extrapolated_allocated": guess.peak_allocated_bytes,
                    "exact_reserved": exact.peak_reserved_bytes, "extrapolated_reserved": guess.peak_reserved_bytes,
@@ -100,8 +102,8 @@ def main() -> None:
                    "extrapolated_peak_phase": f"{guess.peak_step}/{guess.peak_phase.value}",
                    "exact_timeline_peak": _timeline_peak(exact), "extrapolated_timeline_peak": _timeline_peak(guess),
                    # what the plan's search compares with the budget: at(batch) with the CUDA context
-                   "exact_at_batch": exact.at(args.batch).device_bytes,
-                   "extrapolated_at_batch": guess.at(args.batch).device_bytes,
+                   "exact_at_batch": exact_curve.at(args.batch).device_bytes,
+                   "extrapolated_at_batch": guess_curve.at(args.batch).device_bytes,
                    "exact_seconds": round(exact_seconds, 2),
                    "extrapolated_seconds": round(low_seconds + high_seconds + sum(d[1] for d in doubled_traces),
                                                  2)}  # fmt: skip
@@ -143,13 +145,14 @@ def main() -> None:
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def _built_row(exact: MemoryEstimate, built: MemoryEstimate, seconds: float, batch: int) -> dict:
+def _built_row(exact_curve: StepCurve, built_curve: StepCurve, seconds: float, batch: int) -> dict:
     """The built log against the whole trace: peaks at the batch and ``at()`` at 2x and 4x it, their largest
     difference in bytes (0 where the build is exact), and the seconds the build took."""
+    exact, built = exact_curve.estimate, built_curve.estimate
     pairs = [(exact.peak_allocated_bytes, built.peak_allocated_bytes), (exact.peak_reserved_bytes,
              built.peak_reserved_bytes), (_timeline_peak(exact), _timeline_peak(built))]  # fmt: skip
     for times in (2, 4):
-        whole, from_shallow = exact.at(times * batch), built.at(times * batch)
+        whole, from_shallow = exact_curve.at(times * batch), built_curve.at(times * batch)
         pairs += [(whole.allocated_bytes, from_shallow.allocated_bytes), (whole.reserved_bytes,
                    from_shallow.reserved_bytes)]  # fmt: skip
     return {"built_allocated": built.peak_allocated_bytes, "built_reserved": built.peak_reserved_bytes,

@@ -24,11 +24,11 @@ def main() -> None:
     ids = torch.zeros(12, 128, dtype=torch.long)
     sample = {"input_ids": ids, "labels": ids}
     kwargs = {"target": memfit.Target("cpu"), "gradient_checkpointing": True}
-    fitted = memfit.estimate(model, sample, **kwargs)
+    fitted_curve = memfit.trace(model, sample, **kwargs)
     print(f"{'batch':>5} {'interpolated':>14} {'traced':>14} {'error %':>8}")
     for batch in (1, 2, 4, 8, 12, 24, 48):
         traced = memfit.estimate(model, sample, batch_size=batch, **kwargs).peak_allocated_bytes
-        predicted = fitted.at(batch).allocated_bytes
+        predicted = fitted_curve.at(batch).allocated_bytes
         print(f"{batch:>5} {memfit.format_bytes(predicted):>14} {memfit.format_bytes(traced):>14} "
               f"{100 * (predicted - traced) / traced:>+8.1f}")  # fmt: skip
 

@@ -4,7 +4,7 @@ For ``memfit plan --hf-config gpt2 --gpu rtx4090``, ``--hf-config llama-3-8b --g
 --seq-len 2048`` and a small MLP planned by a ``PlanningSession`` (45 MiB budget, target 256), this prints
 the chosen micro batch (and the largest that fits, which the accumulation splits), the full trace of
 the next micro batch against the budget, and how many traces planning took (full traces of the whole
-model; shallow ones for the depth extrapolation apart). A trace is one ``estimate_for_runtimes`` call
+model; shallow ones for the depth extrapolation apart). A trace is one ``trace_for_runtimes`` call
 (at batch 1 it traces batch 2 too, for the fit in the batch; ``memfit plan`` asks for batch 1 under two
 cache keys today, so it is listed twice). Writes ``benchmarks/results/largest_batch_plans.json``.
 
@@ -30,7 +30,7 @@ import memfit
 from memfit.planning import gpu_report
 from memfit.planning.gpus import gpu_by_name
 from memfit.planning.session import PlanningSession, PlanRequest
-from memfit.prediction.estimator import estimate_for_runtimes as original_estimate_for_runtimes
+from memfit.prediction.estimator import trace_for_runtimes as original_trace_for_runtimes
 from memfit.presets import from_hf_config
 from memfit.simulation.runtime import CudaRuntime
 from memfit.tracing.config import Target, TrainingLoop
@@ -62,11 +62,11 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def mlp_tracer(model: nn.Module) -> Callable[[int, bool, int], memfit.MemoryEstimate]:
+def mlp_tracer(model: nn.Module) -> Callable[[int, bool, int], memfit.StepCurve]:
     """``trace_at(micro, checkpointing, accumulation)`` of the MLP's AdamW step on the CPU."""
 
-    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-        return memfit.estimate(
+    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
+        return memfit.trace(
             model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
             gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
@@ -78,24 +78,24 @@ def mlp_tracer(model: nn.Module) -> Callable[[int, bool, int], memfit.MemoryEsti
 @contextlib.contextmanager
 def counting_traces(depth: int | None) -> Iterator[list[dict[str, Any]]]:
     """Every trace ``memfit plan`` takes, with the depth it traced (shallow ones serve the extrapolation)."""
-    original, log = gpu_report.estimate_for_runtimes, []
+    original, log = gpu_report.trace_for_runtimes, []
 
-    def counted(model: Any, sample: Any, **kwargs: Any) -> list[memfit.MemoryEstimate]:
+    def counted(model: Any, sample: Any, **kwargs: Any) -> list[memfit.StepCurve]:
         started = time.perf_counter()
         results = original(model, sample, **kwargs)
         traced_depth = gpu_report.model_depth(model)
         log.append({
             "full": traced_depth == depth, "depth": traced_depth, "batch": kwargs["batch_size"],
             "checkpointing": kwargs["gradient_checkpointing"], "accumulation": kwargs["loop"].accumulation_steps,
-            "peak_bytes": results[0].peak_bytes, "seconds": round(time.perf_counter() - started, 2),
+            "peak_bytes": results[0].estimate.peak_bytes, "seconds": round(time.perf_counter() - started, 2),
         })  # fmt: skip
         return results
 
-    gpu_report.estimate_for_runtimes = counted
+    gpu_report.trace_for_runtimes = counted
     try:
         yield log
     finally:
-        gpu_report.estimate_for_runtimes = original
+        gpu_report.trace_for_runtimes = original
 
 
 def next_accumulation(target: int | None, micro: int) -> int:
@@ -123,12 +123,12 @@ def cli_case(name: str, options: dict[str, Any]) -> dict[str, Any]:
     if traced is None:  # the plan never looked at it: trace it now (not counted)
         gpu = gpu_by_name(options["gpus"][0])
         runtime = CudaRuntime(compute_capability=gpu.compute_capability or (9, 0))
-        (estimate,) = original_estimate_for_runtimes(
+        (curve,) = original_trace_for_runtimes(
             spec.model, spec.sample, runtimes=[runtime], batch_size=following, precision="bf16-mixed",
             optimizer=options.get("optimizer", "adamw"), gradient_checkpointing=chosen.gradient_checkpointing,
             loop=TrainingLoop(), target=Target("cuda"),
         )  # fmt: skip
-        next_peak = estimate.peak_bytes
+        next_peak = curve.estimate.peak_bytes
     else:
         next_peak = traced["peak_bytes"]
     return summarise(name, chosen, next_peak, log, seconds, traced_by_plan=traced is not None)
@@ -138,10 +138,11 @@ def mlp_case() -> dict[str, Any]:
     torch.manual_seed(0)
     trace_at, log = mlp_tracer(MLP()), []
 
-    def counted(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
+    def counted(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
         result = trace_at(micro, checkpointing, accumulation)
+        traced = result.estimate
         log.append({"full": True, "batch": micro, "checkpointing": checkpointing, "accumulation": accumulation,
-                    "peak_bytes": result.peak_bytes, "seconds": round(result.trace_seconds, 2)})  # fmt: skip
+                    "peak_bytes": traced.peak_bytes, "seconds": round(traced.trace_seconds, 2)})  # fmt: skip
         return result
 
     session = PlanningSession(counted, batch_size=8)
@@ -151,7 +152,8 @@ def mlp_case() -> dict[str, Any]:
     traces = len(log)
     following = chosen.largest_micro_batch + 1
     next_peak = session.trace_at(following, chosen.gradient_checkpointing, next_accumulation(MLP_TARGET, following))
-    row = summarise("mlp", chosen, next_peak.peak_bytes, log[:traces], seconds, traced_by_plan=len(log) == traces)
+    row = summarise("mlp", chosen, next_peak.estimate.peak_bytes, log[:traces], seconds,
+                    traced_by_plan=len(log) == traces)  # fmt: skip
     return {**row, "capped": chosen.largest_micro_batch >= MLP_TARGET}
 
 

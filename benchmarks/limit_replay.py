@@ -89,16 +89,16 @@ def zoo() -> list[dict[str, Any]]:
         model = accuracy.build(config, "gpu")
         cls, kwargs = accuracy.optimizer_spec("adamw")
         started = time.perf_counter()
-        estimate = memfit.estimate(model, config.family.batch("gpu"), batch_size=2, optimizer=cls,
+        curve = memfit.trace(model, config.family.batch("gpu"), batch_size=2, optimizer=cls,
                                    optimizer_kwargs=kwargs, precision=config.precision, loss_fn=config.family.loss_fn,
                                    forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
         traced = time.perf_counter() - started
         for label, capacity in CAPACITIES.items():
             started = time.perf_counter()
-            with_room = estimate.max_batch_size(capacity)
-            at_limit = estimate.max_batch_size(capacity, at_limit=True, allocator=AllocatorConfig())
-            expandable = estimate.max_batch_size(capacity, at_limit=True, allocator=AllocatorConfig(True))
-            fit = estimate.at_limit(at_limit, capacity, allocator=AllocatorConfig()) if at_limit else None
+            with_room = curve.max_batch_size(capacity)
+            at_limit = curve.max_batch_size(capacity, at_limit=True, allocator=AllocatorConfig())
+            expandable = curve.max_batch_size(capacity, at_limit=True, allocator=AllocatorConfig(True))
+            fit = curve.at_limit(at_limit, capacity, allocator=AllocatorConfig()) if at_limit else None
             rows.append({
                 "model": f"{config.family.name} {config.precision} adamw", "capacity": label,
                 "capacity_bytes": capacity, "with_room": with_room, "at_limit": at_limit,

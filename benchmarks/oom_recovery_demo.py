@@ -58,10 +58,10 @@ def main() -> None:
         sys.exit("needs a CUDA GPU: on CPU nothing runs out of memory")
     free, total = torch.cuda.mem_get_info()
     probe = GPT(batch_size=4, samples=4)
-    estimate = memfit.estimate(probe, (torch.zeros(4, SEQ, dtype=torch.long),), batch_size=4,
+    curve = memfit.trace(probe, (torch.zeros(4, SEQ, dtype=torch.long),), batch_size=4,
                                target=memfit.Target("cuda"),
                                forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]))  # fmt: skip
-    naive = next(b for b in range(4, 4096, 4) if estimate.at(b).reserved_bytes > 1.6 * free)
+    naive = next(b for b in range(4, 4096, 4) if curve.at(b).reserved_bytes > 1.6 * free)
     module = GPT(batch_size=naive, samples=naive * args.steps)
     callback = MemoryPlanner(mode="observe", log_every_n_steps=1)
     trainer = L.Trainer(accelerator="gpu", devices=1, precision="32-true", max_steps=args.steps,
@@ -78,7 +78,7 @@ def main() -> None:
         "free_bytes_before": free,
         "total_bytes": total,
         "configured_micro_batch": naive,
-        "predicted_reserved_at_configured": estimate.at(naive).reserved_bytes,
+        "predicted_reserved_at_configured": curve.at(naive).reserved_bytes,
         "optimizer_steps": trainer.global_step,
         "samples_seen": module.seen,
         "samples_expected": naive * args.steps,

@@ -29,11 +29,11 @@ STRATEGIES = ("zero1", "zero2", "zero3", "fsdp")
 COUNTS = (4, 8, 16, 32)
 
 
-def per_rank(spec, strategy: str, gpus: int, offload: bool = False) -> memfit.MemoryEstimate:
+def per_rank(spec, strategy: str, gpus: int, offload: bool = False) -> memfit.StepCurve:
     sharding = ShardingConfig(strategy, gpus, gpus_per_node=min(gpus, 8), offload_optimizer=offload,
                               mixed_precision_param_dtype="bfloat16" if strategy == "fsdp" else None)  # fmt: skip
-    return memfit.estimate(spec.model, spec.sample, batch_size=1, precision="bf16-mixed", optimizer="adamw",
-                           loop=TrainingLoop(sharding=sharding), target=Target("cuda"))  # fmt: skip
+    return memfit.trace(spec.model, spec.sample, batch_size=1, precision="bf16-mixed", optimizer="adamw",
+                        loop=TrainingLoop(sharding=sharding), target=Target("cuda"))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +73,7 @@ def _compare(preset: str, layers: int, seq_len: int) -> list[dict]:
             reference = per_rank(spec, strategy, 2)
             for gpus in COUNTS:
                 exact = per_rank(spec, strategy, gpus, offload)
-                screen = rescaled(reference, exact.sharding).at(1).device_bytes
+                screen = rescaled(reference, exact.estimate.sharding).at(1).device_bytes
                 own = exact.at(1).device_bytes
                 error = 100 * (screen - own) / own
                 label = strategy + ("+offload" if offload else "")

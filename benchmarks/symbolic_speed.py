@@ -132,17 +132,17 @@ def session_plan(model: nn.Module, sample: Any, loss_fn: Any, forward_fn: Any, m
     os.environ["MEMFIT_TRACE"] = mode
     clear_sessions()
 
-    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-        return memfit.estimate(model, sample, batch_size=micro, gradient_checkpointing=checkpointing,
-                               loop=TrainingLoop(accumulation_steps=accumulation), loss_fn=loss_fn,
-                               forward_fn=forward_fn)  # fmt: skip
+    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
+        return memfit.trace(model, sample, batch_size=micro, gradient_checkpointing=checkpointing,
+                            loop=TrainingLoop(accumulation_steps=accumulation), loss_fn=loss_fn,
+                            forward_fn=forward_fn)  # fmt: skip
 
     started = time.perf_counter()
     session = PlanningSession(trace_at, batch_size=8)
     decision = session.decide(PlanRequest(capacity_bytes=H100, target_batch_size="max"))
     return {"seconds": round(time.perf_counter() - started, 2), "micro_batch": decision.plan.micro_batch_size,
             "checkpointing": decision.plan.gradient_checkpointing, "estimates_asked": len(session.traced),
-            "predicted_reserved_bytes": decision.estimate.peak_reserved_bytes}  # fmt: skip
+            "predicted_reserved_bytes": decision.traced.estimate.peak_reserved_bytes}  # fmt: skip
 
 
 def llama(mode: str) -> dict[str, Any]:

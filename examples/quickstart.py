@@ -27,13 +27,14 @@ def main() -> None:
     tokens = torch.randint(0, model.config.vocab_size, (8, SEQ_LEN))
     sample = {"input_ids": tokens, "labels": tokens}
 
-    estimate = memfit.estimate(model, sample, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"))
+    curve = memfit.trace(model, sample, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"))
+    estimate = curve.estimate
     console.print(estimate_table(estimate))
     console.print(phases_table(estimate))
     console.print(f"traced 2 x 2 training steps in {estimate.trace_seconds:.1f} s; " + "; ".join(estimate.notes))
 
-    def traced(micro: int, checkpointing: bool, accumulation: int = 1) -> memfit.MemoryEstimate:
-        return memfit.estimate(
+    def traced(micro: int, checkpointing: bool, accumulation: int = 1) -> memfit.StepCurve:
+        return memfit.trace(
             model, sample, optimizer="adamw", precision="bf16-mixed", target=memfit.Target("cuda"),
             batch_size=micro, gradient_checkpointing=checkpointing,
             loop=memfit.TrainingLoop(accumulation_steps=accumulation),
@@ -41,7 +42,7 @@ def main() -> None:
 
     try:
         plan = memfit.plan(
-            estimate,
+            curve,
             CAPACITY,
             margin=MARGIN,
             target_batch_size=TARGET_EFFECTIVE_BATCH,

@@ -63,7 +63,7 @@ def main() -> None:
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **sharded,
     )  # fmt: skip
     model, data = tiny_gpt2(), Tokens()
-    traced = plan_training_arguments(model, args, data, budget=16 * 2**30).estimate
+    traced = plan_training_arguments(model, args, data, budget=16 * 2**30).traced
     if budget == "tight":
         low, high = traced.at(5).device_bytes, traced.at(6).device_bytes
         budget = math.ceil((low + high) / 2 / 0.95)

@@ -24,7 +24,7 @@ from memfit.cli.main import main
 from memfit.planning.gpu_report import GpuPlan, PlanReport
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
-from memfit.prediction.estimator import MemoryEstimate, PhaseModel
+from memfit.prediction.estimator import MemoryEstimate, PhaseModel, StepCurve
 from memfit.presets import PRESETS, from_hf_config
 from memfit.reporting.tables import plan_table
 from memfit.units import GiB, MiB, format_bytes
@@ -208,7 +208,7 @@ def test_text_output_says_when_the_effective_batch_misses_the_target(
     import memfit.planning.gpu_report as gpu_report
 
     estimate = _synthetic_row("T4", 15 * GiB, 3).estimate
-    chosen = memfit.plan(estimate, 15 * GiB, target_batch_size=13, allow_checkpointing=False)
+    chosen = memfit.plan(StepCurve(estimate), 15 * GiB, target_batch_size=13, allow_checkpointing=False)
     assert chosen.effective_batch_size != 13
     report = PlanReport("tiny", 123_000_000, "bf16-mixed", "adamw", 512, (GpuPlan("T4", 15 * GiB, chosen, estimate),))
     monkeypatch.setattr(gpu_report, "plan_for_gpus", lambda **kwargs: report)
@@ -267,16 +267,16 @@ def test_the_sequence_length_curve_reads_the_trace_and_needs_a_sequence(tmp_path
     from memfit.reporting.plots import plot_seq_curve
 
     spec = from_hf_config("gpt2", seq_len=64, layers=1)
-    estimate = memfit.estimate(spec.model, spec.sample, batch_size=2, target=Target("cuda"), precision="bf16-mixed")
-    figure = plot_seq_curve(estimate, batch=3, lengths=[16, 64, 256], path=tmp_path / "seq.png")
+    curve = memfit.trace(spec.model, spec.sample, batch_size=2, target=Target("cuda"), precision="bf16-mixed")
+    figure = plot_seq_curve(curve, batch=3, lengths=[16, 64, 256], path=tmp_path / "seq.png")
     (line,) = [line for line in figure.axes[0].lines if line.get_label().startswith("predicted peak")]
     assert list(line.get_xdata()) == [16, 64, 256]
-    assert list(line.get_ydata()) == [estimate.at(3, n).device_bytes / GiB for n in (16, 64, 256)]
+    assert list(line.get_ydata()) == [curve.at(3, n).device_bytes / GiB for n in (16, 64, 256)]
     assert _png_size(tmp_path / "seq.png") == (1100, 495)
     pictures = from_hf_config("vit-base", layers=1)
-    image_estimate = memfit.estimate(pictures.model, pictures.sample, batch_size=2)
+    image_curve = memfit.trace(pictures.model, pictures.sample, batch_size=2)
     with pytest.raises(InvalidInputError, match="no sequence dimension"):
-        plot_seq_curve(image_estimate, batch=2)
+        plot_seq_curve(image_curve, batch=2)
 
 
 def test_plot_functions_without_a_timeline_or_matplotlib_say_why(tmp_path: Path) -> None:
@@ -428,52 +428,53 @@ def test_plan_host_line_offloads_adagrad_state(capsys: pytest.CaptureFixture[str
 
 
 def test_depth_extrapolation_follows_the_full_trace() -> None:
-    from memfit.prediction.estimator import estimate_for_runtimes, extrapolate_depth
+    from memfit.prediction.estimator import extrapolate_depth, trace_for_runtimes
     from memfit.simulation.runtime import CudaRuntime
 
-    def traced(layers: int) -> MemoryEstimate:
+    def traced(layers: int) -> StepCurve:
         spec = from_hf_config("llama-3-8b", seq_len=128, layers=layers)
-        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=1,
-                                          precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
+        (result,) = trace_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=1,
+                                       precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
         return result
 
     deeper = traced(4)
     guess = extrapolate_depth(traced(2), deeper, 2, 4, 6)
     exact = traced(6)
-    assert guess.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=1e-3)
-    assert (guess.peak_step, guess.peak_phase) == (exact.peak_step, exact.peak_phase)
+    guessed, whole = guess.estimate, exact.estimate
+    assert guessed.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=1e-3)
+    assert (guessed.peak_step, guessed.peak_phase) == (whole.peak_step, whole.peak_phase)
     assert guess.at(3).allocated_bytes == pytest.approx(exact.at(3).allocated_bytes, rel=1e-2)
-    assert "extrapolated in depth to 6 blocks" in guess.notes[-1]
+    assert "extrapolated in depth to 6 blocks" in guessed.notes[-1]
 
     # The timeline is stretched to the full depth: same phases in order, peaking where the estimate does.
     def phases(points: Sequence[Any]) -> list[tuple[int, str]]:
         return [key for key, _ in itertools.groupby((p.step, p.phase.value) for p in points)]
 
-    assert phases(guess.timeline) == phases(exact.timeline)
-    top = max(guess.timeline, key=lambda p: sum(p.category_bytes))
-    assert sum(top.category_bytes) == guess.peak_allocated_bytes
-    assert (top.step, top.phase) == (exact.peak_step, exact.peak_phase)
-    assert max(p.reserved_bytes for p in guess.timeline) == pytest.approx(exact.peak_reserved_bytes, rel=0.02)
-    assert guess.timeline[-1].event_index > deeper.timeline[-1].event_index  # more blocks, more events
+    assert phases(guessed.timeline) == phases(whole.timeline)
+    top = max(guessed.timeline, key=lambda p: sum(p.category_bytes))
+    assert sum(top.category_bytes) == guessed.peak_allocated_bytes
+    assert (top.step, top.phase) == (whole.peak_step, whole.peak_phase)
+    assert max(p.reserved_bytes for p in guessed.timeline) == pytest.approx(whole.peak_reserved_bytes, rel=0.02)
+    assert guessed.timeline[-1].event_index > deeper.estimate.timeline[-1].event_index  # more blocks, more events
 
 
 def test_an_extrapolated_estimate_answers_other_sequence_lengths_from_both_depths() -> None:
     """A sweep of lengths reads an extrapolated estimate at another length: both depths read there, then the line
     (it raised a TypeError inside, which reached the row as "does not fit")."""
-    from memfit.prediction.estimator import estimate_for_runtimes, extrapolate_depth
+    from memfit.prediction.estimator import extrapolate_depth, trace_for_runtimes
     from memfit.simulation.runtime import CudaRuntime
 
-    def traced(layers: int) -> MemoryEstimate:
+    def traced(layers: int) -> StepCurve:
         spec = from_hf_config("llama-3-8b", seq_len=64, layers=layers)
-        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=2,
-                                          precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
+        (result,) = trace_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime()], batch_size=2,
+                                       precision="bf16-mixed", target=Target("cuda"))  # fmt: skip
         return result
 
     shallow, deeper = traced(2), traced(4)
     guess = extrapolate_depth(shallow, deeper, 2, 4, 6)
     longer = guess.for_seq_len(128)
     direct = extrapolate_depth(shallow.for_seq_len(128), deeper.for_seq_len(128), 2, 4, 6)
-    assert longer.seq_len == 128 and longer.peak_reserved_bytes == direct.peak_reserved_bytes
+    assert longer.estimate.seq_len == 128 and longer.estimate.peak_reserved_bytes == direct.estimate.peak_reserved_bytes
     assert (
         guess.at(3, seq_len=128) == direct.at(3)
         and guess.at(3, seq_len=128).reserved_bytes > guess.at(3).reserved_bytes
@@ -517,15 +518,15 @@ def _unbuildable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(depth, "log_difference", lambda built, traced: "blocks of two kinds")
 
 
-def _whole(config: str, checkpointing: bool, layers: int | None = None, batch: int = 1) -> MemoryEstimate:
+def _whole(config: str, checkpointing: bool, layers: int | None = None, batch: int = 1) -> StepCurve:
     """The step traced as a budget row of ``memfit plan`` traces it (bf16-mixed AdamW, CUDA semantics)."""
-    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.prediction.estimator import trace_for_runtimes
     from memfit.simulation.runtime import CudaRuntime
 
     spec = from_hf_config(config, seq_len=NARROW_SEQ, layers=layers)
-    (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
-                                      batch_size=batch, precision="bf16-mixed", gradient_checkpointing=checkpointing,
-                                      target=Target("cuda"))  # fmt: skip
+    (result,) = trace_for_runtimes(spec.model, spec.sample, runtimes=[CudaRuntime(compute_capability=(9, 0))],
+                                   batch_size=batch, precision="bf16-mixed", gradient_checkpointing=checkpointing,
+                                   target=Target("cuda"))  # fmt: skip
     return result
 
 
@@ -538,7 +539,8 @@ def test_a_no_near_the_budget_is_decided_on_the_whole_model(tmp_path: Path, monk
     _unbuildable(monkeypatch)
     config = _narrow_llama(tmp_path)
     checkpointed = _whole(config, True)  # without checkpointing micro batch 1 needs more
-    needed = max(checkpointed.peak_bytes, checkpointed.at(1).device_bytes)  # what the exact search asks of micro 1
+    # what the exact search asks of micro 1
+    needed = max(checkpointed.estimate.peak_bytes, checkpointed.at(1).device_bytes)
     capacity = math.ceil(needed / 0.95)
     report = gpu_report.plan_for_gpus(hf_config=config, model=None, gpus=[], budget=f"{capacity}B",
                                       seq_len=NARROW_SEQ, margin=0.05)  # fmt: skip
@@ -555,7 +557,7 @@ def test_a_far_no_from_the_extrapolation_says_so(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(gpu_report, "EXTRAPOLATION_MIN_PARAMETERS", 0)
     _unbuildable(monkeypatch)
     config = _narrow_llama(tmp_path)
-    floor = _whole(config, True, layers=2).peak_bytes  # the whole model needs more than its 2-block trace
+    floor = _whole(config, True, layers=2).estimate.peak_bytes  # the whole model needs more than its 2-block trace
     report = gpu_report.plan_for_gpus(hf_config=config, model=None, gpus=[], budget=f"{floor // 2}B",
                                       seq_len=NARROW_SEQ)  # fmt: skip
     (row,) = report.rows
@@ -575,7 +577,7 @@ def test_extrapolated_checkpointing_is_not_above_no_checkpointing_where_whole_tr
     guesses, wholes = {}, {}
     for checkpointing in (False, True):
         shallow, deeper = (_whole(config, checkpointing, layers) for layers in (low, high))
-        doubled = tuple(_whole(config, checkpointing, layers, batch=2) for layers in (low, high))
+        doubled = tuple(_whole(config, checkpointing, layers, batch=2).estimate for layers in (low, high))
         guesses[checkpointing] = extrapolate_depth(shallow, deeper, low, high, depth, doubled=doubled)
         wholes[checkpointing] = _whole(config, checkpointing)
     for batch in (1, 2, 4):
@@ -584,7 +586,7 @@ def test_extrapolated_checkpointing_is_not_above_no_checkpointing_where_whole_tr
     for checkpointing, guess in guesses.items():  # and both stay near the whole trace
         whole = wholes[checkpointing]
         assert guess.at(1).reserved_bytes == pytest.approx(whole.at(1).reserved_bytes, rel=0.08), checkpointing
-        assert guess.peak_reserved_bytes >= guess.peak_allocated_bytes
+        assert guess.estimate.peak_reserved_bytes >= guess.estimate.peak_allocated_bytes
 
 
 def _ramp(levels: list[tuple[Phase, list[int]]]) -> list[Any]:

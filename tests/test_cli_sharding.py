@@ -231,11 +231,12 @@ def test_gpus_auto_screen_table_and_states_come_from_one_estimate(config: str) -
     last = report.considered[-1]
     _, figure, _, fits, _, estimated = next(p for p in last.peaks if p[0] == last.confirmed)
     assert report.sharding is not None and report.sharding.world_size == last.gpus > 1 and fits and estimated
-    estimate = report.row.estimate
+    estimate, curve = report.row.estimate, report.row.base
     assert estimate is not None and estimate.sharding == report.sharding
-    assert figure == estimate.least_device_bytes(1)  # the table's estimate, at the screened micro batch
+    assert curve is not None and curve.estimate.sharding == report.sharding
+    assert figure == curve.least_device_bytes(1)  # the table's estimate, at the screened micro batch
     assert report.model_states_bytes == dict(estimate.rank_terms)
-    assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
+    assert report.row.plan.predicted_peak_bytes == curve.least_device_bytes(report.row.plan.micro_batch_size)
     plan = report.row.plan  # the count's line says the table's figure beside the screened one where they differ
     assert last.planned == (plan.micro_batch_size, plan.gradient_checkpointing, plan.predicted_peak_bytes)
     table_figure = f"planned at micro batch {plan.micro_batch_size}"
@@ -244,7 +245,7 @@ def test_gpus_auto_screen_table_and_states_come_from_one_estimate(config: str) -
 
 
 def _per_rank(config: str, option: Any, gpus: int) -> Any:
-    """One rank's estimate made by ``memfit.estimate`` itself, as ``--gpus auto`` asks it at ``gpus`` GPUs:
+    """One rank's step traced by ``memfit.trace`` itself, as ``--gpus auto`` asks it at ``gpus`` GPUs:
     bf16-mixed AdamW, micro batch 1, no checkpointing, the GPU a budget is planned on."""
     import memfit
     from memfit.precision import Precision
@@ -255,7 +256,7 @@ def _per_rank(config: str, option: Any, gpus: int) -> Any:
     spec = from_hf_config(config, seq_len=32)
     sharding = option.config(gpus, min(gpus, 8), Precision.BF16_MIXED)
     loop, target = TrainingLoop(sharding=sharding), Target("cuda", runtime=CudaRuntime())
-    return memfit.estimate(spec.model, spec.sample, batch_size=1, precision="bf16-mixed", loop=loop, target=target)
+    return memfit.trace(spec.model, spec.sample, batch_size=1, precision="bf16-mixed", loop=loop, target=target)
 
 
 def test_gpus_auto_screens_fsdp_on_one_gpu_as_its_own_per_rank_estimate(config: str) -> None:
@@ -275,9 +276,10 @@ def test_gpus_auto_screens_fsdp_on_one_gpu_as_its_own_per_rank_estimate(config: 
     for option in (Option("fsdp"),):
         one = _per_rank(config, option, 1)
         assert figures[option.label] == (one.at(1).device_bytes, False), option.label
-        assert one.rank_terms["parameters"] == pytest.approx(4 * report.report.parameters, rel=0.03)  # fp32 weights
+        fp32_weights = 4 * report.report.parameters
+        assert one.estimate.rank_terms["parameters"] == pytest.approx(fp32_weights, rel=0.03)
         with pytest.raises(InvalidInputError, match="another step"):
-            rescaled(_per_rank(config, Option("fsdp"), 2), one.sharding)
+            rescaled(_per_rank(config, Option("fsdp"), 2), one.estimate.sharding)
 
 
 def test_fsdp_offload_on_one_gpu_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], config: str) -> None:
@@ -299,12 +301,12 @@ def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_cho
 
     option = Option(strategy)
     need = {n: _per_rank(config, option, n) for n in (1, 2)}
-    least = {n: estimate.least_device_bytes(1) for n, estimate in need.items()}
+    least = {n: curve.least_device_bytes(1) for n, curve in need.items()}
     assert least[2] < least[1]
     budget = least[1] + MiB if gpus == 1 else (least[1] + least[2]) // 2
     common = {"hf_config": config, "model": None, "gpu": None, "seq_len": 32, "checkpointing": "off", "margin": 0.0}
     report = plan_sharded(**common, budget=f"{budget}B", options=[option], gpus=None)
-    assert report.sharding == need[gpus].sharding
+    assert report.sharding == need[gpus].estimate.sharding
     for check in report.considered[:-1]:
         for label, figure, _, fits, _, estimated in check.peaks:
             if estimated:
@@ -313,11 +315,11 @@ def test_gpus_auto_line_table_and_breakdown_are_the_per_rank_estimate_at_the_cho
     assert (last.gpus, last.confirmed) == (gpus, strategy)
     on_card = need[gpus].at_limit(1, budget)
     assert on_card is not None and on_card.fits
-    assert last.peaks[0][1] == on_card.peak_reserved_bytes + (need[gpus].cuda_context_bytes or 0)
-    estimate = report.row.estimate
-    assert estimate is not None and report.row.plan is not None
-    assert dict(estimate.rank_terms) == dict(need[gpus].rank_terms) == report.model_states_bytes
-    assert report.row.plan.predicted_peak_bytes == estimate.least_device_bytes(report.row.plan.micro_batch_size)
+    assert last.peaks[0][1] == on_card.peak_reserved_bytes + (need[gpus].estimate.cuda_context_bytes or 0)
+    estimate, curve = report.row.estimate, report.row.base
+    assert estimate is not None and curve is not None and report.row.plan is not None
+    assert dict(estimate.rank_terms) == dict(need[gpus].estimate.rank_terms) == report.model_states_bytes
+    assert report.row.plan.predicted_peak_bytes == curve.least_device_bytes(report.row.plan.micro_batch_size)
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
@@ -334,7 +336,7 @@ def test_gpus_auto_chosen_line_is_the_peak_its_table_prints(tmp_path: Any, strat
                           target_batch_size=1)  # fmt: skip
     last = report.considered[-1]
     _, figure, _, fits, _, estimated = next(p for p in last.peaks if p[0] == last.confirmed)
-    plan, estimate = report.row.plan, report.row.estimate
-    assert plan is not None and estimate is not None and plan.micro_batch_size == 1 and fits and estimated
+    plan, curve = report.row.plan, report.row.base
+    assert plan is not None and curve is not None and plan.micro_batch_size == 1 and fits and estimated
     assert figure == plan.predicted_peak_bytes
-    assert figure >= (estimate.least_device_bytes(1) or 0)
+    assert figure >= (curve.least_device_bytes(1) or 0)

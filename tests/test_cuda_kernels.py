@@ -265,13 +265,13 @@ def test_a_symbolic_batch_sizes_the_staging_buffer_at_every_batch(monkeypatch: p
     def sample(batch: int) -> torch.Tensor:
         return torch.randn(batch, 197, 768)
 
-    symbolic = memfit.estimate(model, sample, batch_size=2, optimizer="sgd", precision="bf16-mixed", loss_fn=loss,
+    symbolic_curve = memfit.trace(model, sample, batch_size=2, optimizer="sgd", precision="bf16-mixed", loss_fn=loss,
                                target=memfit.Target("cuda"))  # fmt: skip
     monkeypatch.setenv("MEMFIT_TRACE", "concrete")
     for batch in (2, 32):
         concrete = memfit.estimate(model, sample, batch_size=batch, optimizer="sgd", precision="bf16-mixed",
                                    loss_fn=loss, target=memfit.Target("cuda"))  # fmt: skip
-        assert symbolic.at(batch).allocated_bytes == concrete.peak_allocated_bytes, batch
+        assert symbolic_curve.at(batch).allocated_bytes == concrete.peak_allocated_bytes, batch
 
 
 # --- embedding backward and cuDNN attention backward ------------------------------------------------------------

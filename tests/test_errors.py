@@ -204,16 +204,16 @@ def test_a_fraction_of_a_byte_is_refused_with_the_unit_it_likely_meant() -> None
 
 def test_plan_takes_a_size_or_a_gpu_name_and_refuses_other_strings_in_one_line() -> None:
     """``memfit.plan(estimate, "h100")`` plans for that card's memory, ``"20GiB"`` for that size, as budgets do."""
-    est = memfit.estimate(nn.Linear(8, 8), torch.randn(4, 8), batch_size=4, loss_fn=lambda out, batch: out.sum())
+    est_curve = memfit.trace(nn.Linear(8, 8), torch.randn(4, 8), batch_size=4, loss_fn=lambda out, batch: out.sum())
     h100 = gpu_by_name("h100").memory_bytes
-    assert memfit.plan(est, "h100").budget_bytes == memfit.plan(est, h100).budget_bytes
-    assert memfit.plan(est, "20GiB").budget_bytes == memfit.plan(est, 20 * 2**30).budget_bytes
+    assert memfit.plan(est_curve, "h100").budget_bytes == memfit.plan(est_curve, h100).budget_bytes
+    assert memfit.plan(est_curve, "20GiB").budget_bytes == memfit.plan(est_curve, 20 * 2**30).budget_bytes
     with pytest.raises(InvalidInputError, match="unknown GPU 'h1000'; did you mean H100"):
-        memfit.plan(est, "h1000")
+        memfit.plan(est_curve, "h1000")
     with pytest.raises(InvalidInputError, match=r"^capacity_bytes must be positive, got '-3GiB'"):
-        memfit.plan(est, "-3GiB")  # a size, but negative: said so, not "could not read it"
+        memfit.plan(est_curve, "-3GiB")  # a size, but negative: said so, not "could not read it"
     with pytest.raises(InvalidInputError, match=r"^capacity_bytes could not read '3Gx' as a size"):
-        memfit.plan(est, "3Gx")
+        memfit.plan(est_curve, "3Gx")
 
 
 def test_a_sample_longer_than_the_learned_positions_is_refused_before_tracing() -> None:

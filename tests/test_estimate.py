@@ -266,18 +266,19 @@ def test_meta_device_model_plans_like_the_real_one() -> None:
 
 def test_at_and_max_batch_size_agree() -> None:
     case = zoo.gpt2_case()
-    estimate = memfit.estimate(case.model, case.batch)
-    at_traced = estimate.at(estimate.batch_size)
+    curve = memfit.trace(case.model, case.batch)
+    estimate = curve.estimate
+    at_traced = curve.at(estimate.batch_size)
     assert estimate.peak_allocated_bytes <= at_traced.allocated_bytes <= 1.01 * estimate.peak_allocated_bytes
     assert estimate.peak_reserved_bytes <= at_traced.reserved_bytes
-    capacity = estimate.at(10).device_bytes
-    best = estimate.max_batch_size(capacity, at_limit=False)  # by the peaks at() reads, with room to spare
+    capacity = curve.at(10).device_bytes
+    best = curve.max_batch_size(capacity, at_limit=False)  # by the peaks at() reads, with room to spare
     assert best is not None and best >= 10
-    assert estimate.at(best).device_bytes <= capacity < estimate.at(best + 1).device_bytes
-    at_limit = estimate.max_batch_size(capacity)  # the allocator may free its cache and retry: never fewer
+    assert curve.at(best).device_bytes <= capacity < curve.at(best + 1).device_bytes
+    at_limit = curve.max_batch_size(capacity)  # the allocator may free its cache and retry: never fewer
     assert at_limit is not None and at_limit >= best
-    assert estimate.max_batch_size(estimate.cuda_context_bytes) is None
-    assert estimate.at(8).allocated_bytes > estimate.at(4).allocated_bytes
+    assert curve.max_batch_size(estimate.cuda_context_bytes) is None
+    assert curve.at(8).allocated_bytes > curve.at(4).allocated_bytes
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -287,35 +288,37 @@ def test_at_the_traced_batch_is_never_below_the_traced_peaks(batch: int) -> None
     from memfit.presets import from_hf_config
 
     spec = from_hf_config("bert-base", seq_len=512, layers=2)
-    estimate = memfit.estimate(spec.model, spec.sample, batch_size=batch, precision="bf16-mixed")
+    curve = memfit.trace(spec.model, spec.sample, batch_size=batch, precision="bf16-mixed")
+    estimate = curve.estimate
     top = max(estimate.phases, key=lambda p: p.allocated_bytes)
     assert top.allocated_bytes > top.tensor_bytes  # the case this guards
-    at_traced = estimate.at(batch)
+    at_traced = curve.at(batch)
     assert estimate.peak_allocated_bytes <= at_traced.allocated_bytes <= 1.01 * estimate.peak_allocated_bytes
     assert estimate.peak_reserved_bytes <= at_traced.reserved_bytes <= 1.01 * estimate.peak_reserved_bytes
 
 
 def test_one_trace_with_the_fit_of_another_gives_the_same_peaks() -> None:
-    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.prediction.estimator import trace_for_runtimes
     from memfit.presets import from_hf_config
 
     spec = from_hf_config("bert-base", seq_len=256, layers=1)
 
-    def traced(batch: int, fits: list[memfit.MemoryEstimate] | None = None) -> memfit.MemoryEstimate:
-        (result,) = estimate_for_runtimes(spec.model, spec.sample, runtimes=[memfit.CudaRuntime()], batch_size=batch,
-                                          precision="bf16-mixed", batch_fits=fits)  # fmt: skip
+    def traced(batch: int, fits: list[memfit.MemoryEstimate] | None = None) -> memfit.StepCurve:
+        (result,) = trace_for_runtimes(spec.model, spec.sample, runtimes=[memfit.CudaRuntime()], batch_size=batch,
+                                       precision="bf16-mixed", batch_fits=fits)  # fmt: skip
         return result
 
-    base, whole = traced(1), traced(6)
-    once = traced(6, [base])
+    base, whole = traced(1).estimate, traced(6).estimate
+    once_curve = traced(6, [base])
+    once = once_curve.estimate
     assert (once.peak_allocated_bytes, once.peak_reserved_bytes) == (
         whole.peak_allocated_bytes,
         whole.peak_reserved_bytes,
     )
     assert once.breakdown == whole.breakdown and once.phase_models == base.phase_models
     assert (
-        once.at(6).allocated_bytes >= once.peak_allocated_bytes
-        and once.at(6).reserved_bytes >= once.peak_reserved_bytes
+        once_curve.at(6).allocated_bytes >= once.peak_allocated_bytes
+        and once_curve.at(6).reserved_bytes >= once.peak_reserved_bytes
     )
     with pytest.raises(memfit.InvalidInputError, match="one estimate per runtime"):
         traced(6, [base, base])

@@ -140,7 +140,7 @@ def test_on_a_gpu_the_plan_moves_the_collection_off_the_device_in_time(
     assert steps is not None and 1 <= steps < 128
     assert planned.evaluation.collected.flush_every == steps
     assert planned.evaluation.device_bytes <= budget
-    more = evaluation_peak(planned.estimate, planned.evaluation.forward, keeps_training_batches=True,
+    more = evaluation_peak(planned.estimate, planned.evaluation.traced, keeps_training_batches=True,
                            collected=planned.evaluation.collected.flushed_every(steps + 1))  # fmt: skip
     assert more.device_bytes > budget  # the most batches that fit, not merely some
     assert any("eval_accumulation_steps" in reason for reason in planned.plan.reasons)

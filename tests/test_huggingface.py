@@ -59,17 +59,18 @@ def training_args(tmp_path: Path, **kwargs) -> TrainingArguments:
     return TrainingArguments(**{**defaults, **kwargs})
 
 
-def budget_between(estimate: memfit.MemoryEstimate, micro: int) -> int:
-    low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
+def budget_between(traced: memfit.StepCurve, micro: int) -> int:
+    low, high = traced.at(micro).device_bytes, traced.at(micro + 1).device_bytes
     return math.ceil((low + high) / 2 / (1 - MARGIN))
 
 
-def accumulating_estimate(model: torch.nn.Module, args: TrainingArguments, data: Any) -> memfit.MemoryEstimate:
+def accumulating_estimate(model: torch.nn.Module, args: TrainingArguments, data: Any) -> memfit.StepCurve:
     """The step as the Trainer runs it with accumulation: later micro batches keep the gradients."""
     accumulating = dataclasses.replace(args, gradient_accumulation_steps=4)
     planned = plan_training_arguments(model, accumulating, data, budget="1GiB", max_batch_size=12)
     assert (planned.plan.micro_batch_size, planned.plan.accumulate_grad_batches) == (12, 4)
-    return planned.estimate
+    assert planned.traced is not None and planned.traced.estimate == planned.estimate
+    return planned.traced
 
 
 class BatchSizes:
@@ -124,14 +125,14 @@ def test_tight_budget_turns_on_checkpointing_in_the_trainer(tmp_path: Path) -> N
     args = training_args(tmp_path, max_steps=1)
     plain = accumulating_estimate(model, args, data)  # micro batch 1 or 2 of 12: accumulation either way
     sample = {"input_ids": data.ids[:12], "labels": data.ids[:12]}
-    checkpointed = memfit.estimate(
+    checkpointed_curve = memfit.trace(
         model,
         sample,
         target=memfit.Target("cpu"),
         gradient_checkpointing=True,
         loop=memfit.TrainingLoop(accumulation_steps=4),
     )
-    budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
+    budget = math.ceil((plain.at(1).device_bytes + checkpointed_curve.at(1).device_bytes) / 2 / (1 - MARGIN))
     planned = plan_training_arguments(model, args, data, budget=budget, margin=MARGIN)
     assert planned.plan.gradient_checkpointing and getattr(planned.args, checkpointing_switch(args))
     trainer = Trainer(model=model, args=planned.args, train_dataset=data)
@@ -538,7 +539,7 @@ def test_a_cpu_run_planned_for_a_gpu_quotes_its_own_tensors_first_and_last(
     callback = attach(trainer, budget="h100", max_batch_size=8)
     with caplog.at_level(logging.INFO, logger="memfit"):
         trainer.train()
-    own = callback.estimate.at(callback.plan.micro_batch_size)
+    own = callback.traced.at(callback.plan.micro_batch_size)
     assert own.reserved_bytes == own.allocated_bytes  # a CPU trace: tensor bytes
     assert callback.plan.predicted_reserved_bytes != own.reserved_bytes  # the H100's allocator figure
     first = next(record.message for record in caplog.records if "predicted peak of this CPU run" in record.message)

@@ -58,10 +58,9 @@ def test_harness_compares_every_method_with_the_true_limit(tmp_path: Path) -> No
     family = next(f for f in FAMILIES if f.name == "gpt2")
     cls, kwargs = optimizer_spec("adamw")
     torch.manual_seed(0)
-    estimate = memfit.estimate(family.build("cpu"), family.batch("cpu"), batch_size=1, optimizer=cls,
-                               optimizer_kwargs=kwargs, precision="bf16-mixed",
-                               target=memfit.Target("cuda"))  # fmt: skip
-    expected = memfit.plan(estimate, 2 * 1024**3, target_batch_size="max", allow_checkpointing=False,
+    curve = memfit.trace(family.build("cpu"), family.batch("cpu"), batch_size=1, optimizer=cls,
+                         optimizer_kwargs=kwargs, precision="bf16-mixed", target=memfit.Target("cuda"))  # fmt: skip
+    expected = memfit.plan(curve, 2 * 1024**3, target_batch_size="max", allow_checkpointing=False,
                            max_batch_size=8192).micro_batch_size  # fmt: skip
     assert row["memfit"]["batch_size"] == expected > 6
     assert row["memfit"]["check_ok"] is False
@@ -135,13 +134,13 @@ def test_planned_without_the_gpu_the_whole_card_boundary_is_the_measured_one(fam
     check = json.loads((WHOLE_CARD / f"check-whole-{family}.log").read_text().splitlines()[-1])
     config = config_of(family, "bf16-mixed", "adamw")
     cls, kwargs = optimizer_spec("adamw")
-    estimate = memfit.estimate(build(config, "gpu"), config.family.batch("gpu"), batch_size=1, optimizer=cls,
-                               optimizer_kwargs=kwargs, precision="bf16-mixed", loss_fn=config.family.loss_fn,
-                               forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
+    curve = memfit.trace(build(config, "gpu"), config.family.batch("gpu"), batch_size=1, optimizer=cls,
+                         optimizer_kwargs=kwargs, precision="bf16-mixed", loss_fn=config.family.loss_fn,
+                         forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
     capacity = on_gpu["capacity_bytes"]
-    limit = estimate.max_batch_size(capacity, include_context=False, at_limit=True)
+    limit = curve.max_batch_size(capacity, include_context=False, at_limit=True)
     assert fits[limit] is True and fits[limit + 1] is False
-    chosen = memfit.plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False,
+    chosen = memfit.plan(curve, capacity, target_batch_size="max", allow_checkpointing=False,
                          include_context=False, max_batch_size=8192)  # fmt: skip
     assert chosen.micro_batch_size == on_gpu["batch_size"] == check["batch_size"] < limit
     assert check["ok"] is True and check["alloc_retries"] == 0

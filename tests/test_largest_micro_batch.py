@@ -18,7 +18,7 @@ from torch import nn
 
 import memfit
 from memfit.planning.session import PlanningSession, PlanRequest
-from memfit.prediction.estimator import estimate_for_runtimes
+from memfit.prediction.estimator import trace_for_runtimes
 from memfit.tracing.config import Target, TrainingLoop
 from memfit.units import MiB
 
@@ -94,7 +94,7 @@ def small_model(name: str) -> tuple[nn.Module, object, object, str]:
     return (*_gpt_step(TinyGPT(depth=1, tokens=8), tokens=8), "sgd")
 
 
-def traced(name: str, micro: int, accumulation: int) -> memfit.MemoryEstimate:
+def traced(name: str, micro: int, accumulation: int) -> memfit.StepCurve:
     """The whole step at that configuration (CPU target), each traced once per test session; above micro
     batch 1, one trace that takes its fit in the batch from batch 1's, as ``memfit plan`` does.
 
@@ -105,18 +105,18 @@ def traced(name: str, micro: int, accumulation: int) -> memfit.MemoryEstimate:
 
 
 @functools.cache
-def _traced(name: str, micro: int, accumulation: int) -> memfit.MemoryEstimate:
+def _traced(name: str, micro: int, accumulation: int) -> memfit.StepCurve:
     model, sample, loss, optimizer = small_model(name)
     loop = TrainingLoop(accumulation_steps=accumulation)
     if micro == 1:
-        return memfit.estimate(
+        return memfit.trace(
             model, sample, batch_size=1, target=memfit.Target("cpu"), loss_fn=loss, optimizer=optimizer, loop=loop
         )
-    (estimate,) = estimate_for_runtimes(
+    (curve,) = trace_for_runtimes(
         model, sample, batch_size=micro, loss_fn=loss, optimizer=optimizer, loop=loop, target=Target("cpu"),
-        batch_fits=[_traced(name, 1, accumulation)],
+        batch_fits=[_traced(name, 1, accumulation).estimate],
     )  # fmt: skip
-    return estimate
+    return curve
 
 
 def tracer(name: str):
@@ -134,8 +134,8 @@ def test_a_plain_mlp_is_not_planned_at_micro_batch_1_when_16_x_16_fits() -> None
     torch.manual_seed(0)
     model = WideMLP()
 
-    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-        return memfit.estimate(
+    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
+        return memfit.trace(
             model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
             gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
@@ -144,13 +144,13 @@ def test_a_plain_mlp_is_not_planned_at_micro_batch_1_when_16_x_16_fits() -> None
     session = PlanningSession(trace_at, batch_size=8)
     chosen = session.decide(PlanRequest(capacity_bytes=45 * MiB, margin=0.05, target_batch_size=256)).plan
     budget = chosen.budget_bytes
-    assert session.trace_at(16, False, 16).peak_bytes <= budget  # what the old plan left on the table
+    assert session.trace_at(16, False, 16).estimate.peak_bytes <= budget  # what the old plan left on the table
     assert chosen.micro_batch_size >= 16 and chosen.effective_batch_size == 256
     largest = chosen.largest_micro_batch
-    assert session.trace_at(largest, False, math.ceil(256 / largest)).peak_bytes <= budget
-    assert session.trace_at(largest + 1, False, math.ceil(256 / (largest + 1))).peak_bytes > budget
+    assert session.trace_at(largest, False, math.ceil(256 / largest)).estimate.peak_bytes <= budget
+    assert session.trace_at(largest + 1, False, math.ceil(256 / (largest + 1))).estimate.peak_bytes > budget
     exact = session.trace_at(chosen.micro_batch_size, False, chosen.accumulate_grad_batches)
-    assert exact.peak_bytes == chosen.predicted_peak_bytes <= budget
+    assert exact.estimate.peak_bytes == chosen.predicted_peak_bytes <= budget
     assert any(f"{largest + 1} does not" in reason for reason in chosen.reasons)
     assert len(session.traced) <= 12  # the search stays a handful of traces
 
@@ -166,8 +166,8 @@ def test_a_plain_mlp_is_not_planned_at_micro_batch_1_when_16_x_16_fits() -> None
 )
 def test_the_plan_matches_a_brute_force_scan_of_full_traces(name, configured, room, margin, target, max_batch):
     per_device = None if target == "max" else target
-    low = max(traced(name, 1, steps).peak_bytes for steps in (1, 2))
-    high = traced(name, SCAN, 1).peak_bytes
+    low = max(traced(name, 1, steps).estimate.peak_bytes for steps in (1, 2))
+    high = traced(name, SCAN, 1).estimate.peak_bytes
     budget = int(low + room * (high - low))
     capacity = math.ceil(budget / (1 - margin)) + 1
     session = PlanningSession(tracer(name), batch_size=configured)
@@ -177,7 +177,7 @@ def test_the_plan_matches_a_brute_force_scan_of_full_traces(name, configured, ro
     cap = min(max_batch or 1 << 31, per_device or 1 << 31)
 
     def fits(micro: int) -> bool:
-        return traced(name, micro, fewest_steps(per_device, micro)).peak_bytes <= budget
+        return traced(name, micro, fewest_steps(per_device, micro)).estimate.peak_bytes <= budget
 
     # b fits by a full trace, b + 1 does not unless capped
     largest = chosen.largest_micro_batch
@@ -189,7 +189,7 @@ def test_the_plan_matches_a_brute_force_scan_of_full_traces(name, configured, ro
         assert largest == min(cap, sum(scan))
     # the split fits once traced and keeps the accumulation rule: fewest steps, or an exact split
     micro, steps = chosen.micro_batch_size, chosen.accumulate_grad_batches
-    assert traced(name, micro, steps).peak_bytes == chosen.predicted_peak_bytes <= budget
+    assert traced(name, micro, steps).estimate.peak_bytes == chosen.predicted_peak_bytes <= budget
     if per_device is None:
         assert (micro, steps) == (largest, 1)
     else:
@@ -202,7 +202,7 @@ def test_the_plan_matches_a_brute_force_scan_of_full_traces(name, configured, ro
 
 
 def test_max_batch_size_is_the_interpolation_and_the_plan_says_where_the_traces_differ() -> None:
-    """``MemoryEstimate.max_batch_size`` reads the interpolation; the plan, confirmed on full traces, is the
+    """``StepCurve.max_batch_size`` reads the interpolation; the plan, confirmed on full traces, is the
     authority and names the interpolation's answer in its reasons when the traces moved it (both ways: on
     the GPT the interpolation is optimistic at some budgets and leaves a micro batch on the table at others)."""
     differ = []
@@ -210,7 +210,7 @@ def test_max_batch_size_is_the_interpolation_and_the_plan_says_where_the_traces_
         base = traced(name, 2, 1)
         session = PlanningSession(tracer(name), batch_size=2)
         for micro in range(1, SCAN + 1):
-            budget = (traced(name, micro, 1).peak_bytes + traced(name, micro + 1, 1).peak_bytes) // 2
+            budget = (traced(name, micro, 1).estimate.peak_bytes + traced(name, micro + 1, 1).estimate.peak_bytes) // 2
             chosen = session.decide(PlanRequest(capacity_bytes=budget, margin=0.0, target_batch_size="max")).plan
             interpolated = base.max_batch_size(budget)
             assert chosen.largest_micro_batch == chosen.micro_batch_size == micro  # what the full traces say

@@ -32,11 +32,11 @@ def budget_for_micro_batch(module: TinyGPT, micro: int, configured: int = 12, **
     """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``, in
     Lightning's loop (``loop``: more of ``memfit.TrainingLoop``'s fields, accumulation, DDP)."""
     ids = torch.zeros(configured, SEQ, dtype=torch.long)
-    estimate = memfit.estimate(
+    curve = memfit.trace(
         module, (ids,), target=memfit.Target("cpu"), forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
         loop=memfit.TrainingLoop(zero_grad="before_backward", **loop),
     )  # fmt: skip
-    low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
+    low, high = curve.at(micro).device_bytes, curve.at(micro + 1).device_bytes
     assert low < high
     return math.ceil((low + high) / 2 / (1 - MARGIN))
 
@@ -181,10 +181,10 @@ def test_tight_budget_turns_on_checkpointing_of_the_hf_model(tmp_path: Path) -> 
         # micro batch 1 or 2 of 12: accumulation either way
         "loop": memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=12),
     }
-    plain = memfit.estimate(module, (ids,), **kwargs)
-    checkpointed = memfit.estimate(module, (ids,), gradient_checkpointing=True, **kwargs)
-    budget = math.ceil((plain.at(1).device_bytes + checkpointed.at(1).device_bytes) / 2 / (1 - MARGIN))
-    assert checkpointed.at(1).device_bytes < plain.at(1).device_bytes
+    plain_curve = memfit.trace(module, (ids,), **kwargs)
+    checkpointed_curve = memfit.trace(module, (ids,), gradient_checkpointing=True, **kwargs)
+    budget = math.ceil((plain_curve.at(1).device_bytes + checkpointed_curve.at(1).device_bytes) / 2 / (1 - MARGIN))
+    assert checkpointed_curve.at(1).device_bytes < plain_curve.at(1).device_bytes
     callback = MemoryPlanner(budget=budget, margin=MARGIN)
     fit = trainer(tmp_path, callback, max_steps=1)
     fit.fit(module)
@@ -201,7 +201,7 @@ def test_missing_batch_attribute_warns_and_changes_nothing(tmp_path: Path) -> No
     # nothing memfit reports describes the plan it could not apply: it measures the run as configured
     callback = next(c for c in fit.callbacks if isinstance(c, MemoryPlanner))
     assert callback.plan is None and callback.estimate.batch_size == 12
-    assert {w.predicted_allocated_bytes for w in callback.monitor.history} == {callback.estimate.at(12).allocated_bytes}
+    assert {w.predicted_allocated_bytes for w in callback.monitor.history} == {callback.traced.at(12).allocated_bytes}
 
 
 def test_without_a_batch_attribute_a_plan_that_is_the_run_as_configured_says_nothing_is_missing(

@@ -14,17 +14,17 @@ from memfit.tracing.config import Target
 from memfit.units import format_margin
 
 
-def small_mlp_estimate() -> memfit.MemoryEstimate:
+def small_mlp_estimate() -> memfit.StepCurve:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-    return memfit.estimate(model, torch.randn(8, 64), target=Target(device="cuda"), loss_fn=lambda out, _: out.mean())
+    return memfit.trace(model, torch.randn(8, 64), target=Target(device="cuda"), loss_fn=lambda out, _: out.mean())
 
 
 def test_a_step_that_cannot_fit_names_the_cuda_context_not_the_model_states() -> None:
     """A 17k-parameter model's optimizer step on a GPU is mostly the CUDA context: the refusal says so, and does
     not call it parameters, gradients and optimizer state."""
     estimate = small_mlp_estimate()
-    context = estimate.cuda_context_bytes
+    context = estimate.estimate.cuda_context_bytes
     assert context and context > 100 * 2**20
     with pytest.raises(memfit.MemfitError) as error:
         memfit.plan(estimate, 500 * 2**20, target_batch_size=8)

@@ -163,12 +163,12 @@ def test_the_first_chunk_fits_the_room_the_error_reports() -> None:
     # there really was, and the first chunk is chosen for that room, not just 2 x margin below the plan.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 256))
-    estimate = memfit.estimate(net, torch.zeros(16, 256), loss_fn=lambda out, batch: out.float().pow(2).mean())
-    planned = estimate.at(16384)
+    curve = memfit.trace(net, torch.zeros(16, 256), loss_fn=lambda out, batch: out.float().pow(2).mean())
+    planned = curve.at(16384)
     room = planned.reserved_bytes // 2
 
     def failing_at(limit: int, message: str) -> tuple[OOMRecovery, list[int]]:
-        recovery = OOMRecovery(reset_gradients=lambda: None, estimate=estimate, margin=0.05)
+        recovery = OOMRecovery(reset_gradients=lambda: None, traced=curve, margin=0.05)
         sizes: list[int] = []
 
         def run(chunk: torch.Tensor, weight: float, last: bool) -> None:
@@ -182,7 +182,7 @@ def test_the_first_chunk_fits_the_room_the_error_reports() -> None:
     figures = CUDA_MESSAGE.format(tried="64.00 MiB", free=f"{room // 2 / MiB:.2f} MiB",
                                   allocated=f"{room // 2 / MiB:.2f} MiB", unallocated="0 bytes")  # fmt: skip
     reported = out_of_memory_figures(torch.OutOfMemoryError(figures)).room_bytes  # about `room`, as printed
-    expected = max(b for b in range(1, 16384) if estimate.at(b).reserved_bytes <= 0.95 * reported)
+    expected = max(b for b in range(1, 16384) if curve.at(b).reserved_bytes <= 0.95 * reported)
     informed, _ = failing_at(expected, figures)
     assert informed.recoveries[0].chunk_after == expected and len(informed.recoveries) == 1
     blind, sizes = failing_at(expected, "CUDA out of memory. Tried to allocate 64.00 MiB")

@@ -21,12 +21,12 @@ from memfit.units import GiB
 
 
 @functools.cache
-def resnet50() -> memfit.MemoryEstimate:
+def resnet50() -> memfit.StepCurve:
     torch.manual_seed(0)
     model = RESNET50.build("gpu")
-    return memfit.estimate(model, RESNET50.batch("gpu"), batch_size=16, optimizer="adamw", precision="bf16-mixed",
-                           loss_fn=RESNET50.loss_fn, forward_fn=RESNET50.forward_fn,
-                           target=memfit.Target("cuda"))  # fmt: skip
+    return memfit.trace(model, RESNET50.batch("gpu"), batch_size=16, optimizer="adamw", precision="bf16-mixed",
+                        loss_fn=RESNET50.loss_fn, forward_fn=RESNET50.forward_fn,
+                        target=memfit.Target("cuda"))  # fmt: skip
 
 
 def test_resnet50_under_an_allocator_limit_runs_out_where_it_did_on_an_h100() -> None:
@@ -37,14 +37,14 @@ def test_resnet50_under_an_allocator_limit_runs_out_where_it_did_on_an_h100() ->
     limit = truth["allocator_limit_bytes"]
     largest_ran = max(run["batch_size"] for run in truth["runs"] if run["ran"])
     first_out = min(run["batch_size"] for run in truth["runs"] if not run["ran"])
-    estimate = resnet50()
-    at_limit = estimate.max_batch_size(limit, include_context=False, at_limit=True, allocator=AllocatorConfig())
-    with_room = estimate.max_batch_size(limit, include_context=False, at_limit=False)
+    curve = resnet50()
+    at_limit = curve.max_batch_size(limit, include_context=False, at_limit=True, allocator=AllocatorConfig())
+    with_room = curve.max_batch_size(limit, include_context=False, at_limit=False)
     assert at_limit is not None and with_room is not None
     assert abs(at_limit - largest_ran) <= 0.01 * largest_ran
     assert with_room < 0.95 * largest_ran
-    assert not estimate.at_limit(first_out + 2, limit, include_context=False, allocator=AllocatorConfig()).fits
-    retried = estimate.at_limit(largest_ran, limit, include_context=False, allocator=AllocatorConfig())
+    assert not curve.at_limit(first_out + 2, limit, include_context=False, allocator=AllocatorConfig()).fits
+    retried = curve.at_limit(largest_ran, limit, include_context=False, allocator=AllocatorConfig())
     assert retried.fits and retried.alloc_retries > 0
 
 
@@ -73,14 +73,14 @@ def test_the_plan_for_that_budget_takes_at_least_95_percent_of_the_real_maximum_
 
 
 def test_a_plan_says_when_its_step_needs_allocator_retries_and_what_expandable_segments_would_change() -> None:
-    estimate = resnet50()
+    curve = resnet50()
     capacity = 12 * GiB
-    chosen = plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False, margin=0.0,
+    chosen = plan(curve, capacity, target_batch_size="max", allow_checkpointing=False, margin=0.0,
                   allocator=AllocatorConfig())  # fmt: skip
-    replayed = estimate.at_limit(chosen.micro_batch_size, capacity, allocator=AllocatorConfig())
+    replayed = curve.at_limit(chosen.micro_batch_size, capacity, allocator=AllocatorConfig())
     assert chosen.alloc_retries == replayed.alloc_retries > 0
     assert any(f"retries {chosen.alloc_retries} time(s)" in reason for reason in chosen.reasons)
-    expandable = plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False, margin=0.0,
+    expandable = plan(curve, capacity, target_batch_size="max", allow_checkpointing=False, margin=0.0,
                       allocator=AllocatorConfig(expandable_segments=True))  # fmt: skip
     assert expandable.allocator_settings == "expandable_segments:True"
     assert expandable.micro_batch_size >= chosen.micro_batch_size
@@ -88,21 +88,21 @@ def test_a_plan_says_when_its_step_needs_allocator_retries_and_what_expandable_s
 
 
 def test_the_run_environments_allocator_options_are_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    estimate = resnet50()
+    curve = resnet50()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    chosen = plan(estimate, 12 * GiB, target_batch_size="max", allow_checkpointing=False)
+    chosen = plan(curve, 12 * GiB, target_batch_size="max", allow_checkpointing=False)
     assert chosen.allocator_settings == "expandable_segments:True"
     assert not any("with PYTORCH_ALLOC_CONF=expandable_segments" in reason for reason in chosen.reasons)
 
 
 def test_a_cpu_target_is_planned_on_its_peak_as_before() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-    estimate = memfit.estimate(model, torch.randn(8, 64), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
-    assert estimate.least_device_bytes(8) is None and estimate.at_limit(8, 1 << 30) is None
-    capacity = estimate.at(40).device_bytes
+    curve = memfit.trace(model, torch.randn(8, 64), loss_fn=lambda out, _: out.sum(), target=memfit.Target("cpu"))
+    assert curve.least_device_bytes(8) is None and curve.at_limit(8, 1 << 30) is None
+    capacity = curve.at(40).device_bytes
     assert (
-        plan(estimate, capacity, target_batch_size="max", margin=0.0).micro_batch_size
-        == plan(estimate, capacity, target_batch_size="max", margin=0.0, at_limit=False).micro_batch_size
+        plan(curve, capacity, target_batch_size="max", margin=0.0).micro_batch_size
+        == plan(curve, capacity, target_batch_size="max", margin=0.0, at_limit=False).micro_batch_size
     )
 
 
@@ -123,9 +123,9 @@ def test_the_resnet50_is_torchvisions_layer_for_layer() -> None:
 
 
 def test_with_room_to_spare_the_plan_quotes_what_the_run_reserves_and_says_nothing_of_the_limit() -> None:
-    estimate = resnet50()
-    roomy = plan(estimate, 80 * GiB, target_batch_size=32, allocator=AllocatorConfig())
-    peak = estimate.at(roomy.micro_batch_size)
+    curve = resnet50()
+    roomy = plan(curve, 80 * GiB, target_batch_size=32, allocator=AllocatorConfig())
+    peak = curve.at(roomy.micro_batch_size)
     assert roomy.alloc_retries == 0 and roomy.predicted_reserved_bytes == peak.reserved_bytes
     assert roomy.predicted_peak_bytes == peak.device_bytes  # what the run reaches: no allocator retries there
     assert roomy.needed_bytes <= roomy.predicted_peak_bytes

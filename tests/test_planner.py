@@ -17,6 +17,7 @@ from memfit import (
     Phase,
     PhaseModel,
     Precision,
+    StepCurve,
     plan,
 )
 from memfit.units import GiB, MiB
@@ -24,11 +25,12 @@ from memfit.units import GiB, MiB
 
 def linear_estimate(
     fixed: int, per_sample: float, *, batch: int = 8, context: int | None = 500 * MiB, ratio: float = 1.0
-) -> MemoryEstimate:
-    """An estimate whose peak is ``fixed + per_sample x batch`` (allocated), reserved ``ratio`` x that."""
+) -> StepCurve:
+    """A step whose peak is ``fixed + per_sample x batch`` (allocated), reserved ``ratio`` x that (read off the
+    fit: no trace)."""
     model = PhaseModel(2, Phase.BACKWARD, fixed, per_sample)
     allocated = model.at(batch)
-    return MemoryEstimate(
+    value = MemoryEstimate(
         batch_size=batch,
         device="cuda",
         precision=Precision.FP32,
@@ -47,6 +49,7 @@ def linear_estimate(
         trace_seconds=0.0,
         reserved_to_allocated_ratio=ratio,
     )
+    return StepCurve(value)
 
 
 estimates = st.builds(
@@ -134,7 +137,7 @@ def test_checkpointing_only_when_needed_and_traced_only_then() -> None:
     with_ckpt = linear_estimate(10 * GiB, 0.5 * GiB)
     calls = []
 
-    def trace_checkpointed() -> MemoryEstimate:
+    def trace_checkpointed() -> StepCurve:
         calls.append(1)
         return with_ckpt
 
@@ -219,7 +222,7 @@ def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_opti
     optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says 9 samples fit in 10 GiB
     calls = []
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         calls.append(micro)
         return linear_estimate(2 * GiB, 1 * GiB, batch=micro, context=None)  # the real step is 1 GiB heavier
 
@@ -237,7 +240,7 @@ def test_confirming_trace_steps_the_micro_batch_down_when_interpolation_was_opti
 def test_a_target_that_only_accumulation_misses_says_the_accumulation_is_what_does_not_fit() -> None:
     """Micro batch 8 alone is over 10 GiB; split 1 x 8, the gradients kept across micro batches are too."""
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         held = 4 * GiB if accumulation > 1 else 0  # what accumulating holds beside one micro batch
         return linear_estimate(8 * GiB + held, 1 * GiB, batch=micro, context=None)
 
@@ -264,9 +267,9 @@ def test_plan_on_a_real_trace() -> None:
 
     case = zoo.gpt2_case(batch=4, seq=128)
     loop = memfit.TrainingLoop(accumulation_steps=4)  # the loop the plan will run
-    estimate = memfit.estimate(case.model, case.batch, loop=loop)
-    capacity = estimate.at(3).device_bytes + 1
-    chosen = plan(estimate, capacity, margin=0.0, target_batch_size=12)
+    curve = memfit.trace(case.model, case.batch, loop=loop)
+    capacity = curve.at(3).device_bytes + 1
+    chosen = plan(curve, capacity, margin=0.0, target_batch_size=12)
     assert chosen.largest_micro_batch == 3
     assert (chosen.micro_batch_size, chosen.accumulate_grad_batches, chosen.effective_batch_size) == (3, 4, 12)
     assert "micro batch 3 x accumulation 4" in chosen.summary()
@@ -279,27 +282,28 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
     import zoo
 
     case = zoo.gpt2_case(batch=4, seq=128)
-    plain = memfit.estimate(case.model, case.batch)
-    accumulating = memfit.estimate(case.model, case.batch, loop=memfit.TrainingLoop(accumulation_steps=4))
+    plain_curve = memfit.trace(case.model, case.batch)
+    plain = plain_curve.estimate
+    accumulating_curve = memfit.trace(case.model, case.batch, loop=memfit.TrainingLoop(accumulation_steps=4))
     assert plain.gradient_bytes > 0
-    assert accumulating.at(3).allocated_bytes > plain.at(3).allocated_bytes  # what the loop adds
-    capacity = accumulating.at(3).device_bytes + 1
-    chosen = plan(plain, capacity, margin=0.0, target_batch_size=12)
+    assert accumulating_curve.at(3).allocated_bytes > plain_curve.at(3).allocated_bytes  # what the loop adds
+    capacity = accumulating_curve.at(3).device_bytes + 1
+    chosen = plan(plain_curve, capacity, margin=0.0, target_batch_size=12)
     assert chosen.accumulate_grad_batches > 1
     assert any("room is kept" in reason for reason in chosen.reasons)
-    exact = accumulating.at(chosen.micro_batch_size)
+    exact = accumulating_curve.at(chosen.micro_batch_size)
     assert chosen.predicted_allocated_bytes >= exact.allocated_bytes
     assert chosen.predicted_peak_bytes >= exact.device_bytes
     assert chosen.micro_batch_size <= 3
 
     calls = []
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         calls.append((micro, accumulation))
         loop = memfit.TrainingLoop(accumulation_steps=accumulation)
-        return memfit.estimate(case.model, case.batch, batch_size=micro, loop=loop)
+        return memfit.trace(case.model, case.batch, batch_size=micro, loop=loop)
 
-    confirmed = plan(plain, capacity, margin=0.0, target_batch_size=12, confirm=confirm)
+    confirmed = plan(plain_curve, capacity, margin=0.0, target_batch_size=12, confirm=confirm)
     # the plan chosen was confirmed by a trace of its own loop (a larger micro batch may be tried after it)
     assert (confirmed.micro_batch_size, confirmed.accumulate_grad_batches) in calls
     assert confirmed.accumulate_grad_batches > 1
@@ -308,12 +312,10 @@ def test_accumulation_planned_from_a_trace_without_it_keeps_room_for_the_gradien
 
 
 def test_checkpointing_is_not_traced_when_the_optimizer_step_alone_is_over_budget() -> None:
-    import dataclasses
-
     from memfit.simulation.replay import PhasePeak
 
     optimizer_step = PhasePeak(1, Phase.OPTIMIZER, 20 * GiB, 20 * GiB, {})
-    estimate = dataclasses.replace(linear_estimate(30 * GiB, 1 * GiB), phases=(optimizer_step,))
+    estimate = linear_estimate(30 * GiB, 1 * GiB).replaced(phases=(optimizer_step,))
     traced: list[bool] = []
     with pytest.raises(InsufficientMemoryError) as error:
         plan(estimate, 16 * GiB, checkpointed=lambda: traced.append(True))
@@ -326,7 +328,7 @@ def test_a_split_whose_confirmation_does_not_fit_falls_back_to_checkpointing() -
     optimistic = linear_estimate(1 * GiB, 1 * GiB, context=None)  # says micro batch 4 fits in 5.5 GiB
     checkpointed = linear_estimate(1 * GiB, GiB / 4, context=None)
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         if checkpointing:
             return linear_estimate(1 * GiB, GiB / 4, batch=micro, context=None)
         return linear_estimate(6 * GiB, 1 * GiB, batch=micro, context=None)  # the real step: nothing fits
@@ -364,7 +366,7 @@ def test_confirming_traces_step_the_micro_batch_up_when_interpolation_was_pessim
     pessimistic = linear_estimate(2 * GiB, 1 * GiB, context=None)  # says 8 samples fit in 10 GiB
     calls = []
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         calls.append(micro)
         return linear_estimate(1 * GiB, 1 * GiB, batch=micro, context=None)  # the real step: 9 fit
 
@@ -391,12 +393,12 @@ def test_the_search_over_confirming_traces_finds_the_largest_that_fits(
     """Against a brute-force scan of a convex "real" step (the interpolation's slope off by ``error``):
     the largest micro batch fits once traced, the next does not unless capped, in a few traces."""
 
-    def real(micro: int) -> MemoryEstimate:  # peak = fixed + linear x b + curvature x linear x b^2
+    def real(micro: int) -> StepCurve:  # peak = fixed + linear x b + curvature x linear x b^2
         return linear_estimate(fixed + round(curvature * linear * micro * micro), linear, batch=micro, context=None)
 
     calls = []
 
-    def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+    def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
         calls.append((micro, accumulation))
         return real(micro)
 
@@ -407,12 +409,12 @@ def test_the_search_over_confirming_traces_finds_the_largest_that_fits(
         chosen = plan(guess, capacity, margin=0.0, target_batch_size=target, max_batch_size=max_batch,
                       allow_checkpointing=False, confirm=confirm)  # fmt: skip
     except InsufficientMemoryError:
-        assert guess.at(1).device_bytes > capacity or real(1).peak_bytes > capacity
+        assert guess.at(1).device_bytes > capacity or real(1).estimate.peak_bytes > capacity
         return
     largest = chosen.largest_micro_batch
-    assert real(largest).peak_bytes <= capacity
-    assert largest == cap or real(largest + 1).peak_bytes > capacity
-    assert real(chosen.micro_batch_size).peak_bytes == chosen.predicted_peak_bytes <= capacity
+    assert real(largest).estimate.peak_bytes <= capacity
+    assert largest == cap or real(largest + 1).estimate.peak_bytes > capacity
+    assert real(chosen.micro_batch_size).estimate.peak_bytes == chosen.predicted_peak_bytes <= capacity
     assert len(calls) == len(set(calls))  # each configuration traced once
     assert len(calls) <= 2 * math.log2(largest + 1) + 6
 
@@ -421,7 +423,7 @@ def test_a_split_over_budget_once_traced_falls_back_to_the_fewest_steps_then_sea
     estimate = linear_estimate(1 * GiB, 1 * GiB, context=None)
 
     def confirm_over_at(*over: tuple[int, int]):
-        def confirm(micro: int, checkpointing: bool, accumulation: int) -> MemoryEstimate:
+        def confirm(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
             held = 8 * GiB if (micro, accumulation) in over else 0  # as if that window held far more batches
             return linear_estimate(1 * GiB + held, 1 * GiB, batch=micro, context=None)
 
@@ -447,10 +449,10 @@ def test_a_hopeless_verdict_quotes_the_optimizer_step_at_the_batch_it_judges() -
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(), nn.Linear(512, 512))
-    traced = memfit.estimate(model, torch.randn(1024, 512), optimizer="adamw", target=memfit.Target("cpu"),
+    traced_curve = memfit.trace(model, torch.randn(1024, 512), optimizer="adamw", target=memfit.Target("cpu"),
                              loss_fn=lambda out, batch: out.pow(2).mean())  # fmt: skip
     with pytest.raises(InsufficientMemoryError) as verdict:
-        plan(traced, 40 * MiB, target_batch_size=1024, include_context=False)
+        plan(traced_curve, 40 * MiB, target_batch_size=1024, include_context=False)
     message = str(verdict.value)
     sizes = [memfit.parse_bytes(size.replace(" ", "")) for size in re.findall(r"(\d+\.\d+ [KMG]iB)", message)]
     assert "optimizer step alone holds" in message

@@ -64,9 +64,9 @@ def token_ids(n: int = 64) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def budget_for(estimate: memfit.MemoryEstimate, micro: int) -> int:
+def budget_for(traced: memfit.StepCurve, micro: int) -> int:
     """A budget whose usable part lies between the predicted peaks of ``micro`` and ``micro + 1``."""
-    low, high = estimate.at(micro).device_bytes, estimate.at(micro + 1).device_bytes
+    low, high = traced.at(micro).device_bytes, traced.at(micro + 1).device_bytes
     assert low < high
     return math.ceil((low + high) / 2 / (1 - MARGIN))
 
@@ -129,9 +129,9 @@ def test_lightning_plans_and_trains_a_quantized_lora(checkpoint: Path, quantizat
                                                      precision: str, tmp_path: Path) -> None:  # fmt: skip
     module = QLoRAModule(quantized_llama(checkpoint, quantization, kbit=kbit))
     ids = token_ids(CONFIGURED)
-    by_hand = memfit.estimate(module, (ids,), precision=precision, target=memfit.Target("cpu"),
-                              forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
-                              loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=4))  # fmt: skip
+    by_hand = memfit.trace(module, (ids,), precision=precision, target=memfit.Target("cpu"),
+                           forward_fn=lambda m, b: m.model(input_ids=b[0], labels=b[0]),
+                           loop=memfit.TrainingLoop(zero_grad="before_backward", accumulation_steps=4))  # fmt: skip
     callback = MemoryPlanner(budget=budget_for(by_hand, MICRO), margin=MARGIN)
     before, stored = snapshot(module.model), weight_bytes(module.model)
     fit = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[callback], logger=False, precision=precision,
@@ -186,7 +186,7 @@ def test_hf_trainer_plans_and_trains_a_quantized_lora(checkpoint: Path, quantiza
     args = hf_args(tmp_path, bf16=bf16)
     accumulating = hf_args(tmp_path, bf16=bf16, gradient_accumulation_steps=4)
     roomy = plan_training_arguments(model, accumulating, data, budget="1GiB", max_batch_size=CONFIGURED)
-    planned = plan_training_arguments(model, args, data, budget=budget_for(roomy.estimate, MICRO), margin=MARGIN)
+    planned = plan_training_arguments(model, args, data, budget=budget_for(roomy.traced, MICRO), margin=MARGIN)
     assert (planned.plan.micro_batch_size, planned.plan.accumulate_grad_batches) == (MICRO, CONFIGURED // MICRO)
     assert planned.estimate.precision is (memfit.Precision.BF16_MIXED if bf16 else memfit.Precision.FP32)
     assert_adapters_alone_train(planned.estimate, model, weight_bytes(model))

@@ -35,9 +35,9 @@ def mlp() -> nn.Module:
 def traced_mlp() -> tuple[nn.Module, list[tuple[int, bool, int]]]:
     model, calls = mlp(), []
 
-    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
+    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
         calls.append((micro, checkpointing, accumulation))
-        return memfit.estimate(
+        return memfit.trace(
             model, torch.zeros(micro, 256), optimizer="adamw", target=memfit.Target("cpu"), batch_size=micro,
             gradient_checkpointing=checkpointing, loop=memfit.TrainingLoop(accumulation_steps=accumulation),
             loss_fn=lambda out, batch: out.float().pow(2).mean(),
@@ -57,15 +57,15 @@ def test_each_configuration_is_traced_once_and_the_decision_carries_the_trace_of
     assert plan.effective_batch_size == 32
     exact = (plan.micro_batch_size, plan.gradient_checkpointing, plan.accumulate_grad_batches)
     assert exact in calls and len(calls) == len(set(calls))  # nothing traced twice
-    assert decision.estimate is session.trace_at(*exact)
-    assert decision.estimate.peak_reserved_bytes == plan.predicted_reserved_bytes
+    assert decision.traced is session.trace_at(*exact)
+    assert decision.traced.estimate.peak_reserved_bytes == plan.predicted_reserved_bytes
 
 
 def test_a_user_who_checkpoints_already_is_planned_with_checkpointing() -> None:
     trace_at, calls = traced_mlp()
     session = PlanningSession(trace_at, batch_size=8)
     decision = session.decide(PlanRequest(capacity_bytes=4 * GiB, always_checkpoint=True))
-    assert decision.plan.gradient_checkpointing and decision.estimate.gradient_checkpointing
+    assert decision.plan.gradient_checkpointing and decision.traced.estimate.gradient_checkpointing
     assert all(checkpointing for _, checkpointing, _ in calls)
 
 
@@ -73,15 +73,15 @@ def test_the_search_may_use_a_stand_in_but_the_plan_is_confirmed_on_the_whole_tr
     trace_at, calls = traced_mlp()
     searched: list[tuple[int, bool, int]] = []
 
-    def optimistic(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
+    def optimistic(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
         searched.append((micro, checkpointing, accumulation))
         return trace_at(micro, checkpointing, accumulation)
 
     session = PlanningSession(trace_at, batch_size=1, search_at=optimistic)
     decision = session.decide(PlanRequest(capacity_bytes=4 * GiB, target_batch_size="max", max_batch_size=64))
     assert searched and searched[0] == (1, False, 1)
-    assert decision.estimate.batch_size == decision.plan.micro_batch_size == 64
-    assert (64, False, 1) in calls and decision.estimate is session.trace_at(64, False, 1)
+    assert decision.traced.estimate.batch_size == decision.plan.micro_batch_size == 64
+    assert (64, False, 1) in calls and decision.traced is session.trace_at(64, False, 1)
 
 
 class FakeSampler:
@@ -98,14 +98,14 @@ class FakeSampler:
 def test_the_final_line_compares_the_worst_window_with_the_prediction_it_was_measured_against() -> None:
     """After a recovery the prediction changes; the summary must not mix one window's peak with another's prediction."""
     trace_at, _ = traced_mlp()
-    estimate = trace_at(32, False, 1)
-    first = estimate.at(32).reserved_bytes
+    curve = trace_at(32, False, 1)
+    first = curve.at(32).reserved_bytes
     drift = DriftMonitor(predicted_allocated_bytes=first, predicted_reserved_bytes=first, margin=0.05)
     warned: list[str] = []
-    monitor = RunMonitor(FakeSampler([first, estimate.at(8).reserved_bytes * 2]), drift, estimate=estimate,
+    monitor = RunMonitor(FakeSampler([first, curve.at(8).reserved_bytes * 2]), drift, traced=curve,
                          warn=lambda key, message: warned.append(key))  # fmt: skip
     assert monitor.observe(10)["memfit/drift_reserved_pct"] == 0.0
-    recovery = OOMRecovery(reset_gradients=lambda: None, estimate=estimate)
+    recovery = OOMRecovery(reset_gradients=lambda: None, traced=curve)
     record = Recovery(step=11, batch_size=32, chunk_before=32, chunk_after=8, checkpointing_enabled=False,
                       replayed_batches=0, error="injected")  # fmt: skip
     recovery.recoveries.append(record)
@@ -116,9 +116,9 @@ def test_the_final_line_compares_the_worst_window_with_the_prediction_it_was_mea
     assert second["memfit/drift_reserved_pct"] == pytest.approx(100.0)
     assert warned == ["over_margin"]
     line = monitor.final_line()
-    assert "(+100.0%)" in line and memfit.format_bytes(estimate.at(8).reserved_bytes) in line
+    assert "(+100.0%)" in line and memfit.format_bytes(curve.at(8).reserved_bytes) in line
     steps, predicted, measured = monitor.drift_series()
-    assert steps == [10, 20] and predicted == first and measured[1] == 2 * estimate.at(8).reserved_bytes
+    assert steps == [10, 20] and predicted == first and measured[1] == 2 * curve.at(8).reserved_bytes
 
 
 class RssSampler:
@@ -135,7 +135,7 @@ def test_on_cpu_the_final_line_names_the_process_rss_and_quotes_the_plans_peak()
     """CPU measures the whole process, not tensors: the line says so and shows no drift percentage."""
     plan_peak = 300 * 2**20
     drift = DriftMonitor(predicted_allocated_bytes=plan_peak, predicted_reserved_bytes=plan_peak, margin=0.05)
-    monitor = RunMonitor(RssSampler([2 * GiB, 3 * GiB]), drift, estimate=None, warn=lambda key, message: None)
+    monitor = RunMonitor(RssSampler([2 * GiB, 3 * GiB]), drift, traced=None, warn=lambda key, message: None)
     assert "memfit/drift_rss_pct" not in monitor.observe(5) and monitor.observe(10)
     line = monitor.final_line()
     assert line.startswith("memfit: process RSS up to 3.00 GiB over 2 window(s)")
@@ -146,7 +146,7 @@ def test_on_cpu_the_final_line_names_the_process_rss_and_quotes_the_plans_peak()
 
 def test_without_a_prediction_the_monitor_logs_and_summarises_the_measured_peaks() -> None:
     drift = DriftMonitor(predicted_allocated_bytes=None, predicted_reserved_bytes=None, margin=0.05)
-    monitor = RunMonitor(FakeSampler([GiB, 2 * GiB]), drift, estimate=None, warn=lambda key, message: None)
+    monitor = RunMonitor(FakeSampler([GiB, 2 * GiB]), drift, traced=None, warn=lambda key, message: None)
     measured = {"memfit/measured_peak_allocated_bytes": GiB, "memfit/measured_peak_reserved_bytes": GiB}
     assert monitor.observe(5) == measured
     monitor.observe(10)
@@ -160,7 +160,7 @@ def test_a_failing_sampler_stops_measuring_and_raises_under_the_strict_switch() 
             raise RuntimeError("counter gone")
 
     drift = DriftMonitor(predicted_allocated_bytes=1, predicted_reserved_bytes=1, margin=0.05)
-    monitor = RunMonitor(Broken(), drift, estimate=None, warn=lambda key, message: None)
+    monitor = RunMonitor(Broken(), drift, traced=None, warn=lambda key, message: None)
     with pytest.raises(memfit.errors.StrictModeError, match="stopped measuring"):
         monitor.observe(1)
     assert not monitor.measuring
@@ -176,9 +176,9 @@ def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
     def plan_once() -> weakref.ref:
         sample = torch.zeros(4, 256)
 
-        def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-            return memfit.estimate(model, sample, target=memfit.Target("cpu"), batch_size=micro, optimizer="sgd",
-                                   loss_fn=lambda out, batch: out.sum())  # fmt: skip
+        def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
+            return memfit.trace(model, sample, target=memfit.Target("cpu"), batch_size=micro, optimizer="sgd",
+                                loss_fn=lambda out, batch: out.sum())  # fmt: skip
 
         PlanningSession(trace_at, batch_size=4).decide(PlanRequest(capacity_bytes=1 * GiB, max_batch_size=8))
         return weakref.ref(sample)
@@ -194,9 +194,9 @@ def test_a_finished_session_lets_go_of_the_sample_at_once() -> None:
 
 def test_a_cpu_run_planned_for_a_gpu_names_what_its_prediction_is() -> None:
     """A plan for a named GPU on a CPU box: the final line must not call the GPU's reserved peak "tensors"."""
-    estimate = memfit.estimate(mlp(), torch.zeros(8, 256), target=memfit.Target("cuda"), optimizer="adamw",
-                               loss_fn=lambda out, batch: out.float().pow(2).mean())  # fmt: skip
-    peak = estimate.at(8)
+    curve = memfit.trace(mlp(), torch.zeros(8, 256), target=memfit.Target("cuda"), optimizer="adamw",
+                         loss_fn=lambda out, batch: out.float().pow(2).mean())  # fmt: skip
+    peak = curve.at(8)
     drift = DriftMonitor(predicted_allocated_bytes=peak.allocated_bytes, predicted_reserved_bytes=peak.reserved_bytes,
                          margin=0.05)  # fmt: skip
 
@@ -204,7 +204,7 @@ def test_a_cpu_run_planned_for_a_gpu_names_what_its_prediction_is() -> None:
         def sample(self) -> MemorySample:
             return MemorySample(None, None, None, 600 * 2**20)
 
-    monitor = RunMonitor(CpuSampler(), drift, estimate=estimate, warn=lambda key, message: None)
+    monitor = RunMonitor(CpuSampler(), drift, traced=curve, warn=lambda key, message: None)
     monitor.observe(1)
     line = monitor.final_line()
     assert "process RSS" in line and "reserved on the CUDA device the plan was made for" in line

@@ -292,13 +292,13 @@ def test_kept_gradients_are_reduced_unit_by_unit_as_fully_shard_does(loop: Train
 def test_a_rank_log_built_from_shallow_traces_is_the_whole_models() -> None:
     """``memfit plan`` builds a deep model's log from traces at 3 and 4 blocks (``memfit.tracing.depth``); the built
     log says which block runs each event, so FSDP's units are placed in it as in a trace of the whole model."""
-    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.prediction.estimator import trace_for_runtimes
 
     sharding = ShardingConfig("fsdp", 4, mixed_precision_param_dtype="bfloat16")
     step = {"precision": "bf16-mixed", "loop": TrainingLoop(sharding=sharding)}
-    whole = estimate_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), **step)[0]  # type: ignore[arg-type]
-    built = estimate_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), repeated=[tiny_llama(3, SEQ), tiny_llama(4, SEQ)],
-                                  **step)[0]  # type: ignore[arg-type]  # fmt: skip
+    whole = trace_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), **step)[0].estimate  # type: ignore[arg-type]
+    built = trace_for_runtimes(tiny_llama(6, SEQ), sample(2, SEQ), repeated=[tiny_llama(3, SEQ), tiny_llama(4, SEQ)],
+                               **step)[0].estimate  # type: ignore[arg-type]  # fmt: skip
     assert any("built from traces at 3 and 4 blocks" in note for note in built.notes), built.notes
     assert [p.allocated_bytes for p in built.phases] == [p.allocated_bytes for p in whole.phases]
     assert built.rank_terms == whole.rank_terms
@@ -361,13 +361,13 @@ def test_sharded_traces_extrapolate_in_depth_like_a_whole_trace(strategy: str) -
     sharding = ShardingConfig(strategy, 4, stage3_param_persistence_threshold=0, reduce_bucket_size=100_000)
     loop = TrainingLoop(sharding=sharding)
 
-    def at(depth: int) -> memfit.MemoryEstimate:
-        return memfit.estimate(tiny_gpt2(depth, SEQ), sample(2, SEQ), loop=loop, precision="bf16-mixed")
+    def at(depth: int) -> memfit.StepCurve:
+        return memfit.trace(tiny_gpt2(depth, SEQ), sample(2, SEQ), loop=loop, precision="bf16-mixed")
 
-    whole = at(6)
+    whole = at(6).estimate
     # from three blocks on (as memfit plan traces a sharded search): under FSDP two blocks have no middle one,
     # reduced while the next runs backward with a third prefetched, and one rank's step is affine in depth after
-    extrapolated = extrapolate_depth(at(3), at(4), 3, 4, 6)
+    extrapolated = extrapolate_depth(at(3), at(4), 3, 4, 6).estimate
     for name, size in whole.rank_terms.items():
         assert extrapolated.rank_terms[name] == pytest.approx(size, rel=0.01), name
     assert extrapolated.peak_allocated_bytes == pytest.approx(whole.peak_allocated_bytes, rel=0.03)

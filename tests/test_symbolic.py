@@ -12,7 +12,7 @@ from torch import nn
 
 import memfit
 from memfit.errors import ValueDependentError
-from memfit.prediction.estimator import estimate_for_runtimes
+from memfit.prediction.estimator import trace_for_runtimes
 from memfit.prediction.exact import clear_sessions, kept_sessions
 
 
@@ -43,15 +43,19 @@ def _fresh_traces(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _estimate(case: Case, **kwargs: Any) -> memfit.MemoryEstimate:
-    return memfit.estimate(case.model, case.batch, loss_fn=case.loss_fn, forward_fn=case.forward_fn, **kwargs)
+    return _trace(case, **kwargs).estimate
+
+
+def _trace(case: Case, **kwargs: Any) -> memfit.StepCurve:
+    return memfit.trace(case.model, case.batch, loss_fn=case.loss_fn, forward_fn=case.forward_fn, **kwargs)
 
 
 def _concrete(case: Case, batch: int, fit: memfit.MemoryEstimate, **kwargs: Any) -> memfit.MemoryEstimate:
     """One concrete trace at ``batch`` (``batch_fits`` skips the symbolic path and the second trace)."""
-    return estimate_for_runtimes(
+    return trace_for_runtimes(
         case.model, case.batch, batch_size=batch, batch_fits=[fit], loss_fn=case.loss_fn, forward_fn=case.forward_fn,
         **kwargs,
-    )[0]  # fmt: skip
+    )[0].estimate  # fmt: skip
 
 
 def _log(trace: Any) -> list[tuple[str, int, Any]]:
@@ -80,36 +84,39 @@ def test_the_log_read_at_a_batch_is_the_concrete_log_event_by_event(family: str)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_at_equals_a_concrete_trace_to_the_byte(family: str) -> None:
     case = FAMILIES[family]()
-    estimate = _estimate(case)
+    curve = _trace(case)
+    estimate = curve.estimate
     assert any("symbolic" in note for note in estimate.notes), estimate.notes
     traced = _concrete(case, estimate.batch_size, estimate)
     assert estimate.peak_allocated_bytes == traced.peak_allocated_bytes  # the estimate's own batch, unchanged
     assert estimate.peak_reserved_bytes == traced.peak_reserved_bytes
     for batch in (1, 7, 64):
-        predicted, concrete = estimate.at(batch), _concrete(case, batch, estimate)
+        predicted, concrete = curve.at(batch), _concrete(case, batch, estimate)
         assert predicted.allocated_bytes == concrete.peak_allocated_bytes, (family, batch)
         assert predicted.reserved_bytes == concrete.peak_reserved_bytes, (family, batch)
 
 
 def test_inference_pass_is_symbolic_too() -> None:
     case = gpt2_case()
-    estimate = _estimate(case, inference=True)
+    curve = _trace(case, inference=True)
+    estimate = curve.estimate
     assert any("symbolic" in note for note in estimate.notes)
     for batch in (3, 32):
         concrete = _concrete(case, batch, estimate, inference=True)
-        assert estimate.at(batch).allocated_bytes == concrete.peak_allocated_bytes
+        assert curve.at(batch).allocated_bytes == concrete.peak_allocated_bytes
 
 
 def test_batch_one_is_traced_concretely_and_the_symbolic_trace_taken_when_needed() -> None:
     case = mlp_case()
-    estimate = _estimate(case, batch_size=1)
+    curve = _trace(case, batch_size=1)
+    estimate = curve.estimate
     assert any("traced at batch sizes 1 and 2" in note for note in estimate.notes), estimate.notes
     assert estimate.peak_allocated_bytes == _concrete(case, 1, estimate).peak_allocated_bytes
     (session,) = kept_sessions()
     assert not session.symbolic and sorted(session.concrete) == [1, 2]
-    assert estimate.at(2).allocated_bytes == _concrete(case, 2, estimate).peak_allocated_bytes
+    assert curve.at(2).allocated_bytes == _concrete(case, 2, estimate).peak_allocated_bytes
     assert not session.symbolic  # batch 2 was traced: no symbolic trace yet
-    assert estimate.at(13).allocated_bytes == _concrete(case, 13, estimate).peak_allocated_bytes
+    assert curve.at(13).allocated_bytes == _concrete(case, 13, estimate).peak_allocated_bytes
     assert len(session.symbolic) == 1
 
 
@@ -120,10 +127,11 @@ def test_an_estimate_of_a_model_the_caller_let_go_still_replays_its_trace() -> N
     import gc
 
     twin = mlp_case()  # the same step, kept here for the concrete traces
-    estimate = _estimate(mlp_case(), batch_size=1)
+    curve = _trace(mlp_case(), batch_size=1)
+    estimate = curve.estimate
     gc.collect()
     for batch in (13, 200):
-        predicted, concrete = estimate.at(batch), _concrete(twin, batch, estimate)
+        predicted, concrete = curve.at(batch), _concrete(twin, batch, estimate)
         assert (predicted.allocated_bytes, predicted.reserved_bytes) == (
             concrete.peak_allocated_bytes, concrete.peak_reserved_bytes), batch  # fmt: skip
     (session,) = kept_sessions()
@@ -151,11 +159,12 @@ def _branching_case(batch: int = 8) -> Case:
 
 def test_guards_limit_the_batches_one_trace_answers() -> None:
     case = _branching_case()
-    estimate = _estimate(case)
+    curve = _trace(case)
+    estimate = curve.estimate
     assert any("the batch size is at most 16" in note for note in estimate.notes), estimate.notes
     for batch in (5, 16, 17, 40):  # both sides of the branch, each equal to its own concrete trace
-        assert estimate.at(batch).allocated_bytes == _concrete(case, batch, estimate).peak_allocated_bytes
-    assert estimate.at(17).allocated_bytes > estimate.at(16).allocated_bytes
+        assert curve.at(batch).allocated_bytes == _concrete(case, batch, estimate).peak_allocated_bytes
+    assert curve.at(17).allocated_bytes > curve.at(16).allocated_bytes
 
 
 class ReadsBatchAsNumber(nn.Module):
@@ -173,10 +182,11 @@ class ReadsBatchAsNumber(nn.Module):
 def test_a_pinned_batch_is_traced_per_batch_size_and_still_exact() -> None:
     torch.manual_seed(0)
     case = Case("pinned", ReadsBatchAsNumber(), torch.randn(6, 16), lambda out, b: out.sum(), None)
-    estimate = _estimate(case)
+    curve = _trace(case)
+    estimate = curve.estimate
     assert any("reads it as a plain number" in note for note in estimate.notes), estimate.notes
     for batch in (3, 11):
-        assert estimate.at(batch).allocated_bytes == _concrete(case, batch, estimate).peak_allocated_bytes
+        assert curve.at(batch).allocated_bytes == _concrete(case, batch, estimate).peak_allocated_bytes
 
 
 class ValueDependent(nn.Module):
@@ -206,20 +216,22 @@ def test_a_sample_factory_whose_shapes_change_falls_back_and_says_why() -> None:
     def sample(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(batch, 32 + 0 * batch), torch.randint(0, 10, (batch, 1 + batch % 2))
 
-    estimate = memfit.estimate(
+    curve = memfit.trace(
         model, sample, batch_size=4, forward_fn=lambda m, b: m(b[0]), loss_fn=lambda out, b: out.float().mean()
     )
+    estimate = curve.estimate
     assert any("interpolated" in note and "beyond their first dimension" in note for note in estimate.notes), (
         estimate.notes
     )
-    assert estimate.exact_peaks is None
+    assert not curve.exact
 
 
 def test_concrete_environment_switch_keeps_the_two_trace_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     case = mlp_case()
     monkeypatch.setenv("MEMFIT_TRACE", "concrete")
-    estimate = _estimate(case)
-    assert estimate.exact_peaks is None
+    curve = _trace(case)
+    estimate = curve.estimate
+    assert not curve.exact
     assert not any("symbolic" in note for note in estimate.notes)
 
 
@@ -229,8 +241,8 @@ def test_planning_session_traces_the_step_once() -> None:
 
     case = gpt2_case()
 
-    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.MemoryEstimate:
-        return _estimate(case, batch_size=micro, gradient_checkpointing=checkpointing)
+    def trace_at(micro: int, checkpointing: bool, accumulation: int) -> memfit.StepCurve:
+        return _trace(case, batch_size=micro, gradient_checkpointing=checkpointing)
 
     session = PlanningSession(trace_at, batch_size=4)
     budget = session.baseline.at(37).device_bytes + 1
@@ -247,8 +259,8 @@ def test_planning_session_traces_the_step_once() -> None:
 def _peak_of(case: Case, batch: int) -> tuple[int, int]:
     """Allocated and reserved peaks of one concrete trace of ``case`` at ``batch`` (CUDA semantics, bf16-mixed)."""
     options: dict[str, Any] = {"target": memfit.Target("cuda"), "precision": "bf16-mixed"}
-    fit = estimate_for_runtimes(case.model, case.batch, batch_size=batch, loss_fn=case.loss_fn,
-                                forward_fn=case.forward_fn, **options)[0]  # fmt: skip
+    fit = trace_for_runtimes(case.model, case.batch, batch_size=batch, loss_fn=case.loss_fn,
+                             forward_fn=case.forward_fn, **options)[0].estimate  # fmt: skip
     clear_sessions()
     traced = _concrete(case, batch, fit, **options)
     return traced.peak_allocated_bytes, traced.peak_reserved_bytes
@@ -260,12 +272,13 @@ def test_one_trace_answers_other_sequence_lengths_to_the_byte(family: str) -> No
     points = ((2, 17), (7, 64), (5, 128), (1, 33))
     expected = {(batch, seq): _peak_of(build(batch=batch, seq=seq), batch) for batch, seq in points}
     clear_sessions()
-    estimate = _estimate(build(batch=2, seq=64), target=memfit.Target("cuda"), precision="bf16-mixed")
+    curve = _trace(build(batch=2, seq=64), target=memfit.Target("cuda"), precision="bf16-mixed")
+    estimate = curve.estimate
     assert estimate.seq_len == 64
     (session,) = kept_sessions()
     assert session.with_length is None  # the sample's own length needs no second symbol
     for (batch, seq), peaks in expected.items():
-        got = estimate.at(batch, seq)
+        got = curve.at(batch, seq)
         assert (got.allocated_bytes, got.reserved_bytes) == peaks, (batch, seq)
     # one more symbolic trace, the length symbolic too, answered every batch of 2 and up at every length; batch 1
     # took a trace of its own
@@ -293,14 +306,15 @@ def test_a_pinned_sequence_length_is_traced_at_each_length_and_still_exact() -> 
 
     expected = {(batch, seq): _peak_of(build(batch, seq), batch) for batch, seq in ((3, 16), (3, 40))}
     clear_sessions()
-    estimate = memfit.estimate(build().model, build().batch, target=memfit.Target("cuda"), precision="bf16-mixed")
+    curve = memfit.trace(build().model, build().batch, target=memfit.Target("cuda"), precision="bf16-mixed")
     for (batch, seq), peaks in expected.items():
-        got = estimate.at(batch, seq)
+        got = curve.at(batch, seq)
         assert (got.allocated_bytes, got.reserved_bytes) == peaks, (batch, seq)
 
 
 def test_a_sample_without_a_sequence_says_so() -> None:
-    estimate = _estimate(resnet_case())
+    curve = _trace(resnet_case())
+    estimate = curve.estimate
     assert estimate.seq_len is None
     with pytest.raises(memfit.InvalidInputError, match="no sequence dimension"):
-        estimate.at(2, 128)
+        curve.at(2, 128)

@@ -44,8 +44,9 @@ def test_traced_peak_agrees_with_pytorch_memtracker_on_real_tensors(name: str) -
 def test_per_sample_model_predicts_a_fresh_trace_at_another_batch(name: str) -> None:
     case = zoo.CASES[name]()
     kwargs = {"optimizer": "adamw", "loss_fn": case.loss_fn, "forward_fn": case.forward_fn}
-    small = memfit.estimate(case.model, case.batch, **kwargs)
+    small_curve = memfit.trace(case.model, case.batch, **kwargs)
+    small = small_curve.estimate
     for batch in (1, 3 * small.batch_size):
         traced = memfit.estimate(case.model, case.batch, batch_size=batch, **kwargs)
-        predicted = small.at(batch).allocated_bytes
+        predicted = small_curve.at(batch).allocated_bytes
         assert abs(predicted - traced.peak_allocated_bytes) <= 0.01 * traced.peak_allocated_bytes

@@ -64,38 +64,38 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _estimate(model: torch.nn.Module, batch: dict | None = None, **options) -> memfit.MemoryEstimate:
+def _trace(model: torch.nn.Module, batch: dict | None = None, **options) -> memfit.StepCurve:
     clear_sessions()  # the process's own kept traces would answer first: only the disk may
-    return memfit.estimate(
+    return memfit.trace(
         model, batch or _batch(), batch_size=4, optimizer="adamw", target=memfit.Target("cuda"), **options
     )
 
 
-def _answers(estimate: memfit.MemoryEstimate) -> list[tuple[int, int]]:
-    return [(estimate.peak_allocated_bytes, estimate.peak_reserved_bytes)] + [
-        (peak.allocated_bytes, peak.reserved_bytes) for peak in (estimate.at(b) for b in (2, 3, 7, 16))
+def _answers(curve: memfit.StepCurve) -> list[tuple[int, int]]:
+    return [(curve.estimate.peak_allocated_bytes, curve.estimate.peak_reserved_bytes)] + [
+        (peak.allocated_bytes, peak.reserved_bytes) for peak in (curve.at(b) for b in (2, 3, 7, 16))
     ]
 
 
 def test_a_kept_trace_answers_every_batch_exactly_as_a_fresh_trace(
     cache: Path, traces: list[int], replays: list[int]
 ) -> None:
-    fresh = _estimate(_gpt2())
+    fresh = _trace(_gpt2())
     answers = _answers(fresh)
     assert traces and len(list(cache.glob("*.json.gz"))) >= 1
     traces.clear()
     replays.clear()
-    kept = _estimate(_gpt2())
+    kept = _trace(_gpt2())
     assert _answers(kept) == answers
     assert traces == []  # nothing was traced
     assert replays == []  # nor replayed: the estimate's own replays are kept with the trace
-    assert kept.breakdown == fresh.breakdown
+    assert kept.estimate.breakdown == fresh.estimate.breakdown
 
 
 def test_another_sequence_length_is_kept_too(cache: Path) -> None:
-    fresh = _estimate(_gpt2())
+    fresh = _trace(_gpt2())
     first = fresh.at(4, seq_len=SEQ // 2)
-    again = _estimate(_gpt2()).at(4, seq_len=SEQ // 2)
+    again = _trace(_gpt2()).at(4, seq_len=SEQ // 2)
     assert (again.allocated_bytes, again.reserved_bytes) == (first.allocated_bytes, first.reserved_bytes)
 
 
@@ -104,7 +104,7 @@ def test_another_sequence_length_is_kept_too(cache: Path) -> None:
     ["deeper", "frozen embedding", "precision", "shorter sequence", "optimizer"],
 )
 def test_anything_the_trace_reads_changes_the_key(cache: Path, traces: list[int], change: str) -> None:
-    _estimate(_gpt2())
+    _trace(_gpt2())
     traces.clear()
     entries = set(cache.glob("*.json.gz"))
     model, batch, options = _gpt2(), None, {}
@@ -120,7 +120,7 @@ def test_anything_the_trace_reads_changes_the_key(cache: Path, traces: list[int]
         clear_sessions()
         memfit.estimate(model, _batch(), batch_size=4, optimizer="sgd", target=memfit.Target("cuda"))
     else:
-        _estimate(model, batch, **options)
+        _trace(model, batch, **options)
     assert traces
     assert set(cache.glob("*.json.gz")) > entries
 
@@ -171,7 +171,7 @@ def test_code_outside_an_installed_distribution_is_never_cached(cache: Path) -> 
 
 def test_off_means_nothing_is_written(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEMFIT_CACHE", "off")
-    _estimate(_gpt2())
+    _trace(_gpt2())
     assert not cache.exists() or not list(cache.glob("*.json.gz"))
 
 
@@ -182,7 +182,7 @@ def test_a_setting_that_is_neither_on_nor_off_warns_once_and_keeps_the_cache(
     forget_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _estimate(_gpt2())
+        _trace(_gpt2())
     said = [str(w.message) for w in caught if "MEMFIT_CACHE" in str(w.message)]
     assert said == ["MEMFIT_CACHE='sometimes' is neither on nor off; memfit's caches stay on (set MEMFIT_CACHE=off "
                     "to turn them off, or on)"]  # fmt: skip
@@ -201,7 +201,7 @@ def _rewrite(path: Path, edit) -> None:
 def test_a_damaged_or_foreign_entry_is_ignored_with_one_warning_and_traced_again(
     cache: Path, traces: list[int], damage: str
 ) -> None:
-    answers = _answers(_estimate(_gpt2()))
+    answers = _answers(_trace(_gpt2()))
     traces.clear()
     paths = sorted(cache.glob("*.json.gz"))
     for path in paths:
@@ -229,7 +229,7 @@ def test_a_damaged_or_foreign_entry_is_ignored_with_one_warning_and_traced_again
             path.write_bytes(b"\x00not json")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        again = _estimate(_gpt2())
+        again = _trace(_gpt2())
     ignored = [w for w in caught if "ignored the trace cache entry" in str(w.message)]
     assert len(ignored) == 1, [str(w.message) for w in caught]
     assert traces
@@ -288,9 +288,7 @@ def test_an_optimizer_instance_is_keyed_by_its_groups_and_state(cache: Path, tra
         rest = [p for n, p in model.named_parameters() if "ln" in n]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest}], lr=lr)
         clear_sessions()
-        return _answers(
-            memfit.estimate(model, _batch(), batch_size=4, optimizer=optimizer, target=memfit.Target("cuda"))
-        )
+        return _answers(memfit.trace(model, _batch(), batch_size=4, optimizer=optimizer, target=memfit.Target("cuda")))
 
     first = run(1e-3, 0.1)
     traces.clear()
@@ -306,16 +304,16 @@ def test_a_factory_of_random_tokens_answers_from_the_cache(cache: Path, traces: 
         ids = torch.randint(0, VOCAB, (batch, SEQ))
         return {"input_ids": ids, "labels": ids}
 
-    first = _answers(_estimate(_gpt2(), random_tokens))
+    first = _answers(_trace(_gpt2(), random_tokens))
     traces.clear()
-    assert _answers(_estimate(_gpt2(), random_tokens)) == first and traces == []
+    assert _answers(_trace(_gpt2(), random_tokens)) == first and traces == []
 
 
 def test_a_read_only_cache_still_answers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries that can be neither rewritten nor deleted (a read-only file system) are ignored; the answer stands."""
     import errno
 
-    answers = _answers(_estimate(_gpt2()))
+    answers = _answers(_trace(_gpt2()))
     for path in cache.glob("*.json.gz"):
         path.write_bytes(b"damaged")
 
@@ -326,31 +324,31 @@ def test_a_read_only_cache_still_answers(cache: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(trace_cache.tempfile, "mkstemp", read_only)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        assert _answers(_estimate(_gpt2())) == answers
+        assert _answers(_trace(_gpt2())) == answers
 
 
 def test_a_deep_log_built_from_kept_traces_is_the_fresh_one(cache: Path, traces: list[int]) -> None:
     """The shallow traces a deep log is built from keep their in-place gradient sums apart (they record blocks);
     the kept ones must say which, or the log built from them is not the whole model's."""
-    from memfit.prediction.estimator import estimate_for_runtimes
+    from memfit.prediction.estimator import trace_for_runtimes
     from memfit.simulation.runtime import CudaRuntime
     from memfit.tracing.depth import log_difference
 
-    def built() -> memfit.MemoryEstimate:
+    def built() -> memfit.StepCurve:
         clear_sessions()
-        return estimate_for_runtimes(
+        return trace_for_runtimes(
             _gpt2(6), _batch(), runtimes=[CudaRuntime()], batch_size=4, optimizer="adamw",
             target=memfit.Target("cuda"), repeated=[_gpt2(3), _gpt2(4)],
         )[0]  # fmt: skip
 
     fresh = built()
-    logs = {batch: fresh.exact_peaks._session.trace_at(batch)[0].recorder for batch in (2, 3, 7)}
+    logs = {batch: fresh.replayer._session.trace_at(batch)[0].recorder for batch in (2, 3, 7)}
     answers = _answers(fresh)
     traces.clear()
     kept = built()
     assert traces == []  # nothing was traced
     for batch, log in logs.items():
-        assert log_difference(kept.exact_peaks._session.trace_at(batch)[0].recorder, log) is None, batch
+        assert log_difference(kept.replayer._session.trace_at(batch)[0].recorder, log) is None, batch
     assert _answers(kept) == answers
 
 
@@ -378,13 +376,13 @@ def test_a_sharded_rank_replays_from_the_cache_as_it_replays_fresh(
     and the model's facts), so a question asked again replays nothing, and another sharding replays its own."""
     from memfit.tracing.sharding import ShardingConfig
 
-    def sharded(world_size: int) -> memfit.MemoryEstimate:
+    def sharded(world_size: int) -> memfit.StepCurve:
         loop = memfit.TrainingLoop(sharding=ShardingConfig(strategy, world_size))
-        return _estimate(_gpt2(), precision="bf16-mixed", loop=loop)
+        return _trace(_gpt2(), precision="bf16-mixed", loop=loop)
 
-    def answers(estimate: memfit.MemoryEstimate) -> list[object]:
-        limit = estimate.max_batch_size(estimate.peak_reserved_bytes * 3, include_context=False, at_limit=True)
-        return [*_answers(estimate), estimate.rank_terms, limit]
+    def answers(curve: memfit.StepCurve) -> list[object]:
+        limit = curve.max_batch_size(curve.estimate.peak_reserved_bytes * 3, include_context=False, at_limit=True)
+        return [*_answers(curve), curve.estimate.rank_terms, limit]
 
     fresh = answers(sharded(4))
     assert replays
@@ -402,12 +400,12 @@ def test_a_step_traced_only_at_concrete_batches_answers_from_the_cache(
     """Where the step cannot be traced with a symbolic batch (here: told not to), its two concrete traces are kept
     too, and asked again it traces nothing and answers the same."""
     monkeypatch.setenv("MEMFIT_TRACE", "concrete")
-    fresh = _estimate(_gpt2())
+    fresh = _trace(_gpt2())
     assert sorted(traces) == [4, 8]  # the batch asked and twice it, for the fit between them
     traces.clear()
-    kept = _estimate(_gpt2())
+    kept = _trace(_gpt2())
     assert traces == []
-    assert _answers(kept) == _answers(fresh) and kept.breakdown == fresh.breakdown
+    assert _answers(kept) == _answers(fresh) and kept.estimate.breakdown == fresh.estimate.breakdown
 
 
 def test_a_forward_that_writes_to_its_config_leaves_it_and_its_key_as_they_were(cache: Path, traces: list[int]) -> None:
@@ -421,9 +419,9 @@ def test_a_forward_that_writes_to_its_config_leaves_it_and_its_key_as_they_were(
     model = BertForSequenceClassification(config)
     batch = {"input_ids": torch.ones(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)}
     before = trace_cache.session_key(model, batch, 2, None)
-    fresh = _estimate(model, batch)
+    fresh = _trace(model, batch)
     assert model.config.problem_type is None
     assert trace_cache.session_key(model, batch, 2, None) == before
     traces.clear()
-    assert _answers(_estimate(model, batch)) == _answers(fresh)
+    assert _answers(_trace(model, batch)) == _answers(fresh)
     assert traces == []

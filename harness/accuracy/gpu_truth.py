@@ -19,7 +19,7 @@ from typing import Any
 
 import memfit
 from harness.accuracy import lora_llama
-from harness.accuracy.run import predict as predict_zoo
+from harness.accuracy.run import trace_config
 from harness.accuracy.zoo import Config, configs
 
 __all__ = [
@@ -129,26 +129,27 @@ def groups(selected: list[TruthRow]) -> Iterator[tuple[tuple[str, str], list[Tru
 
 def predict(group: list[TruthRow]) -> list[Prediction]:
     """Predict every row of one configuration for a CUDA target on this machine: one estimate at the smallest
-    batch, read at the others (``MemoryEstimate.at``: the step's log replayed at that batch)."""
+    batch, read at the others (``StepCurve.at``: the step's log replayed at that batch)."""
     first = group[0]
     started = time.perf_counter()
-    estimate = _estimate(first)
+    curve = _trace(first)
+    estimate = curve.estimate
     seconds = time.perf_counter() - started
     out = []
     for row in group:
         if row.batch_size == estimate.batch_size:
             allocated, reserved = estimate.peak_allocated_bytes, estimate.peak_reserved_bytes
         else:
-            peak = estimate.at(row.batch_size)
+            peak = curve.at(row.batch_size)
             allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         out.append(Prediction(row, allocated, reserved, tuple(estimate.notes), seconds))
     return out
 
 
-def _estimate(row: TruthRow) -> memfit.MemoryEstimate:
+def _trace(row: TruthRow) -> memfit.StepCurve:
     if row.kind == "lora":
         model = lora_llama.build(row.config, "meta")
-        return memfit.estimate(
+        return memfit.trace(
             model,
             lora_llama.batch,
             batch_size=row.batch_size,
@@ -156,7 +157,7 @@ def _estimate(row: TruthRow) -> memfit.MemoryEstimate:
             precision="fp32",
             target=memfit.Target("cuda"),
         )
-    return predict_zoo(_zoo_config(row.config), row.batch_size, "gpu", "cuda")[0]
+    return trace_config(_zoo_config(row.config), row.batch_size, "gpu", "cuda")[0]
 
 
 def _zoo_config(name: str) -> Config:

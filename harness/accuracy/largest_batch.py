@@ -136,12 +136,12 @@ def memfit_plan(
         capacity, include_context = parse_budget(budget), True
     cls, kwargs = optimizer_spec(config.optimizer)
     started = time.perf_counter()
-    estimate = memfit.estimate(model, config.family.batch(size), batch_size=1, optimizer=cls, optimizer_kwargs=kwargs,
+    curve = memfit.trace(model, config.family.batch(size), batch_size=1, optimizer=cls, optimizer_kwargs=kwargs,
                                precision=config.precision, loss_fn=config.family.loss_fn,
                                forward_fn=config.family.forward_fn, target=memfit.Target("cuda"))  # fmt: skip
-    limit = estimate.max_batch_size(capacity, include_context=include_context, at_limit=True)
+    limit = curve.max_batch_size(capacity, include_context=include_context, at_limit=True)
     try:
-        chosen = memfit.plan(estimate, capacity, target_batch_size="max", allow_checkpointing=False,
+        chosen = memfit.plan(curve, capacity, target_batch_size="max", allow_checkpointing=False,
                              include_context=include_context, max_batch_size=max_batch)  # fmt: skip
     except memfit.InsufficientMemoryError as error:
         return {"batch_size": None, "seconds": round(time.perf_counter() - started, 3), "capacity_bytes": capacity,

@@ -62,10 +62,16 @@ def build(config: Config, size: str) -> torch.nn.Module:
 
 
 def predict(config: Config, batch: int, size: str, device: str) -> tuple[memfit.MemoryEstimate, float]:
+    curve, seconds = trace_config(config, batch, size, device)
+    return curve.estimate, seconds
+
+
+def trace_config(config: Config, batch: int, size: str, device: str) -> tuple[memfit.StepCurve, float]:
+    """The configuration's step traced at ``batch`` (read at any other off the same trace), and the seconds it took."""
     model = build(config, size)
     cls, kwargs = optimizer_spec(config.optimizer)
     started = time.perf_counter()
-    estimate = memfit.estimate(
+    curve = memfit.trace(
         model,
         config.family.batch(size),
         batch_size=batch,
@@ -77,7 +83,7 @@ def predict(config: Config, batch: int, size: str, device: str) -> tuple[memfit.
         forward_fn=config.family.forward_fn,
         target=memfit.Target(device),
     )
-    return estimate, time.perf_counter() - started
+    return curve, time.perf_counter() - started
 
 
 def _loss(config: Config, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     )
     from memfit.planning.planner import Plan, plan
     from memfit.precision import Precision
-    from memfit.prediction.estimator import BatchPeak, MemoryEstimate, PhaseModel, estimate
+    from memfit.prediction.estimator import BatchPeak, MemoryEstimate, PhaseModel, StepCurve, estimate, trace
     from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
     from memfit.prediction.formula import FormulaEstimate, estimate_from_counts
     from memfit.simulation.replay import PhasePeak
@@ -52,7 +52,9 @@ _EXPORTS = {
     "BatchPeak": "memfit.prediction.estimator",
     "MemoryEstimate": "memfit.prediction.estimator",
     "PhaseModel": "memfit.prediction.estimator",
+    "StepCurve": "memfit.prediction.estimator",
     "estimate": "memfit.prediction.estimator",
+    "trace": "memfit.prediction.estimator",
     "EvaluationPeak": "memfit.prediction.evaluation",
     "evaluation_peak": "memfit.prediction.evaluation",
     "FormulaEstimate": "memfit.prediction.formula",
@@ -85,6 +87,7 @@ __all__ = [
     "Plan",
     "Precision",
     "ShardingConfig",
+    "StepCurve",
     "Target",
     "TraceError",
     "TrainingLoop",
@@ -97,6 +100,7 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan",
+    "trace",
 ]
 
 

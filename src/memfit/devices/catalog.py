@@ -14,8 +14,9 @@ from typing import Any
 
 from memfit.errors import InvalidInputError
 from memfit.precision import Precision
+from memfit.units import parse_bytes
 
-__all__ = ["GPU", "gpu_by_name", "known_gpus"]
+__all__ = ["GPU", "capacity_bytes", "gpu_by_name", "known_gpus"]
 
 _BF16 = (Precision.BF16_MIXED, Precision.BF16_TRUE)
 
@@ -133,3 +134,24 @@ def gpu_by_name(name: str) -> GPU:
         f"unknown GPU {name!r}; {hint}`memfit gpus` lists the known ones; for a card memfit does not know, plan for "
         "its memory as a budget (--budget 20GiB on the command line, budget='20GiB' in Python)"
     )
+
+
+def capacity_bytes(value: int | str, argument: str = "capacity_bytes") -> int:
+    """Bytes, a size such as ``"20GiB"``, or a GPU name such as ``"h100"`` (that card's memory); anything else is
+    refused in one line naming ``argument`` and what it takes."""
+    if isinstance(value, str) and value.strip()[:1].isalpha():
+        try:
+            return gpu_by_name(value).memory_bytes
+        except InvalidInputError as error:  # a word that names no card: say which argument, and what else it takes
+            if not str(error).startswith("unknown GPU"):
+                raise
+            raise InvalidInputError(f"{argument} is neither a size such as '20GiB' nor a known GPU: {error}") from None
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise InvalidInputError(f"{argument} must be positive, got {value!r}")
+    try:
+        parsed = parse_bytes(value)
+    except ValueError as error:
+        raise InvalidInputError(f"{argument} {error}; or name a GPU such as 'h100'") from None
+    if parsed <= 0:
+        raise InvalidInputError(f"{argument} must be positive, got {value!r}")
+    return parsed

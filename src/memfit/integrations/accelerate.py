@@ -125,7 +125,7 @@ class MemoryPlanner(ControlledRun):
         decision = self.controller.decision
         self.controller.start_measuring(predicted_allocated_bytes=decision.predicted_allocated_bytes,
                                         predicted_reserved_bytes=decision.predicted_reserved_bytes,
-                                        estimate=self.controller.estimate)  # fmt: skip
+                                        traced=self.controller.traced)  # fmt: skip
         return port.loader
 
     def step_end(self, step: int | None = None) -> None:

@@ -4,35 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from memfit.devices import find_backend, gpu_by_name
+from memfit.devices import find_backend
+from memfit.devices.catalog import capacity_bytes
 from memfit.devices.host import available_ram_bytes
 from memfit.diagnostics import degrade
-from memfit.errors import InvalidInputError
-from memfit.units import parse_bytes
 
 __all__ = ["available_ram_bytes", "free_device_bytes", "parse_budget"]
 
 
 def parse_budget(budget: int | str | None) -> int | None:
     """``None`` (measure later), bytes, a size such as ``"20GiB"``, or a GPU name such as ``"h100"``."""
-    if budget is None:
-        return None
-    if isinstance(budget, str) and budget.strip()[:1].isalpha():
-        try:
-            return gpu_by_name(budget).memory_bytes
-        except InvalidInputError as error:  # a word that names no card: say which argument, and what else it takes
-            if not str(error).startswith("unknown GPU"):
-                raise
-            raise InvalidInputError(f"`budget` is neither a size such as '20GiB' nor a known GPU: {error}") from None
-    if isinstance(budget, str) and budget.strip().startswith("-"):
-        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
-    try:
-        value = parse_bytes(budget)
-    except ValueError as error:
-        raise InvalidInputError(f"`budget` {error}; or name a GPU such as 'h100'") from None
-    if value <= 0:
-        raise InvalidInputError(f"`budget` must be positive, got {budget!r}")
-    return value
+    return None if budget is None else capacity_bytes(budget, "`budget`")
 
 
 def free_device_bytes(device: torch.device) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import EstimationError
-from memfit.prediction.estimator import MemoryEstimate, extrapolate_depth
+from memfit.prediction.estimator import StepCurve, extrapolate_depth
 from memfit.presets import ModelSpec
 from memfit.tracing.depth import DepthMismatch
 
@@ -102,7 +102,7 @@ class DeepModel:
 def _built_or_whole(built: Tracer, whole: Tracer) -> Tracer:
     """The built log's estimates; the whole model's trace where a configuration's log cannot be built."""
 
-    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
+    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[StepCurve]:
         try:
             return built(batch, checkpointing, accumulation)
         except (DepthMismatch, EstimationError):
@@ -116,13 +116,13 @@ def extrapolating(tracers: list[Tracer], depths: tuple[int, int], depth: int, fu
     disagree."""
 
     @functools.cache
-    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
+    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[StepCurve]:
         shallow, deeper = (tracer(batch, checkpointing, accumulation) for tracer in tracers)
         # at twice the batch too: at()'s allocator ratios come from both, as a whole trace's do
         shallow2, deeper2 = (tracer(2 * batch, checkpointing, accumulation) for tracer in tracers)
         try:
             return [
-                extrapolate_depth(a, b, *depths, depth, doubled=(a2, b2))
+                extrapolate_depth(a, b, *depths, depth, doubled=(a2.estimate, b2.estimate))
                 for a, b, a2, b2 in zip(shallow, deeper, shallow2, deeper2, strict=True)
             ]
         except EstimationError:

@@ -23,7 +23,8 @@ from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
-from memfit.prediction.estimator import MemoryEstimate, estimate_for_runtimes
+from memfit.prediction.curve import StepCurve
+from memfit.prediction.estimator import MemoryEstimate, trace_for_runtimes
 from memfit.prediction.host import HostEstimate, estimate_host, offloaded_optimizer_bytes
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.allocator import AllocatorConfig
@@ -73,7 +74,7 @@ class GpuPlan:
     estimate: MemoryEstimate | None
     error: str | None = None
     approximate: bool = False
-    base: MemoryEstimate | None = None  # the trace at batch 1 the plan started from (for the batch curve)
+    base: StepCurve | None = None  # the trace at batch 1 the plan started from (for the batch curve)
     precision: str | None = None  # what this card is planned in (``None``: it cannot run the one asked for)
     note: str | None = None  # why the precision is not the report's
     seq_len: int | None = None  # the sequence length of a row of a sweep (``None``: the report's)
@@ -203,7 +204,7 @@ def plan_for_gpus(
 
     ``finetune`` adds LoRA adapters and a bitsandbytes layout to every model traced (``memfit.planning.finetune``).
     ``more_seq_lens`` plans every GPU again at each of those sequence lengths, read off the same traces (their
-    sequence length is symbolic: ``MemoryEstimate.for_seq_len``); those rows carry their ``seq_len``.
+    sequence length is symbolic: ``StepCurve.for_seq_len``); those rows carry their ``seq_len``.
     ``allocator``: the caching allocator's options the run will have (default: ``PYTORCH_ALLOC_CONF`` here); each
     micro batch is fitted where the allocator, freeing its cache and retrying, really runs out of memory."""
     if not gpus and budget is None:
@@ -357,7 +358,7 @@ def _tracers_by_precision(deep: DeepModel, runtimes: list[CudaRuntime], precisio
 def _card_traces(trace: Any, full_trace: Any, index: int) -> tuple[Any, Any]:
     """``(search, whole)`` of one card: its estimate (the ``index``-th of its precision's runtimes) from each."""
 
-    def for_gpu(batch: int, checkpointing: bool, accumulation: int = 1, source: Any = trace) -> MemoryEstimate:
+    def for_gpu(batch: int, checkpointing: bool, accumulation: int = 1, source: Any = trace) -> StepCurve:
         return source(batch, checkpointing, accumulation)[index]
 
     return for_gpu, functools.partial(for_gpu, source=full_trace)
@@ -432,12 +433,14 @@ def _tracer(spec: ModelSpec, precision: Precision, optimizer: str, runtimes: lis
     (the model at two shallow depths) builds the whole model's log from theirs."""
 
     @functools.cache
-    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[MemoryEstimate]:
-        return estimate_for_runtimes(
+    def trace(batch: int, checkpointing: bool, accumulation: int = 1) -> list[StepCurve]:
+        return trace_for_runtimes(
             spec.model,
             spec.sample,
             # a symbolic trace answers every batch itself; the concrete path takes the fit from batch 1's
-            batch_fits=fits_of(checkpointing) if fits_of is not None and batch > 1 and not symbolic_enabled() else None,
+            batch_fits=[c.estimate for c in fits_of(checkpointing)]
+            if fits_of is not None and batch > 1 and not symbolic_enabled()
+            else None,
             runtimes=runtimes,
             batch_size=batch,
             precision=precision,
@@ -482,7 +485,8 @@ def _plan_one(name: str, gpu: GPU | None, trace: Any, request: PlanRequest, whol
         except InsufficientMemoryError as exact_error:
             return GpuPlan(name, request.capacity_bytes, None, None, error=str(exact_error), approximate=approximate,
                            base=session.search_at(START_BATCH, always, 1))  # fmt: skip
-    return GpuPlan(name, request.capacity_bytes, decision.plan, decision.estimate, approximate=approximate, base=base)
+    return GpuPlan(name, request.capacity_bytes, decision.plan, decision.traced.estimate, approximate=approximate,
+                   base=base)  # fmt: skip
 
 
 def _near_the_budget(session: PlanningSession, request: PlanRequest) -> bool:

@@ -1,6 +1,7 @@
 """Choose the micro batch, gradient accumulation and checkpointing that fit a memory budget.
 
-Pure arithmetic over ``MemoryEstimate`` objects: no framework, no device. The rules:
+Pure arithmetic over traced steps (``StepCurve``: a ``MemoryEstimate`` and its trace read at any batch): no
+framework, no device. The rules:
 
 * budget = capacity x (1 - margin); a micro batch fits when its predicted peak is within budget, and
   the plan takes the largest that fits: given traces of the whole step (``confirm``), the largest
@@ -27,8 +28,10 @@ from typing import Any, Literal
 
 from memfit.categories import Category, Phase
 from memfit.devices import find_backend
+from memfit.devices.catalog import capacity_bytes
 from memfit.errors import CheckpointingUnavailableError, InsufficientMemoryError, InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import BatchPeak, MemoryEstimate
 from memfit.simulation.allocator import SMALL_BUFFER, AllocatorConfig
 from memfit.units import format_bytes, format_margin
@@ -150,12 +153,12 @@ class Plan:
         )
 
 
-EstimateSource = MemoryEstimate | Callable[[], MemoryEstimate] | None
-Confirm = Callable[[int, bool, int], MemoryEstimate]
+EstimateSource = StepCurve | Callable[[], StepCurve] | None
+Confirm = Callable[[int, bool, int], StepCurve]
 
 
 def plan(
-    estimate: MemoryEstimate,
+    curve: StepCurve,
     capacity_bytes: int | str,
     *,
     margin: float = DEFAULT_MARGIN,
@@ -170,14 +173,14 @@ def plan(
     allocator: AllocatorConfig | None = None,
     at_limit: bool = True,
 ) -> Plan:
-    """Pick the plan for ``estimate`` (traced without checkpointing) within ``capacity_bytes``.
+    """Pick the plan for the step ``curve`` traced (``memfit.trace``, no checkpointing) within ``capacity_bytes``.
 
     Args:
         capacity_bytes: memory the run may use on each device: bytes, a size such as ``"20GiB"``, or a GPU name
             such as ``"h100"`` (that card's memory).
         margin: fraction of the capacity kept free, for what no prediction covers.
         target_batch_size: effective batch to keep across micro batches, accumulation and devices;
-            ``None`` keeps the estimate's batch x ``world_size``; ``"max"`` maximises the micro batch.
+            ``None`` keeps the traced batch x ``world_size``; ``"max"`` maximises the micro batch.
         min_batch_size / max_batch_size: bounds on the micro batch.
         checkpointed: the same step traced with checkpointing, or a callable that traces it on
             demand (only called when checkpointing is considered, at most once).
@@ -205,17 +208,26 @@ def plan(
 
     Raises:
         InsufficientMemoryError: not even ``min_batch_size`` fits, with checkpointing if allowed.
+        InvalidInputError: an argument cannot be used (a ``MemoryEstimate`` for ``curve``: plan on ``memfit.trace``).
     """
+    curve = _curve_of(curve, "plan(curve)")
     if isinstance(capacity_bytes, str):
         capacity_bytes = _capacity_of(capacity_bytes)
     question = _question(
-        estimate, capacity_bytes, margin, target_batch_size, world_size, min_batch_size, max_batch_size, include_context
+        curve.estimate,
+        capacity_bytes,
+        margin,
+        target_batch_size,
+        world_size,
+        min_batch_size,
+        max_batch_size,
+        include_context,
     )
     config = allocator if allocator is not None else AllocatorConfig.from_environment()
     question = dataclasses.replace(question, allocator=config if at_limit else None)
     unavailable: list[str] = []  # why checkpointing could not be tried, said with a miss
 
-    def checkpointed_estimate() -> MemoryEstimate | None:
+    def checkpointed_estimate() -> StepCurve | None:
         try:
             return _resolve(checkpointed) if allow_checkpointing else None
         except CheckpointingUnavailableError as error:
@@ -223,8 +235,8 @@ def plan(
             return None
 
     with_checkpointing = functools.cache(checkpointed_estimate)
-    confirm = functools.cache(confirm) if confirm is not None else None  # the search and the split share traces
-    candidates = _candidates(question, estimate, allow_checkpointing, with_checkpointing)
+    confirm = _confirming(confirm) if confirm is not None else None  # the search and the split share traces
+    candidates = _candidates(question, curve, allow_checkpointing, with_checkpointing)
     if isinstance(candidates, _Miss):
         raise InsufficientMemoryError(_said_with(candidates.message, unavailable))
     used, split, reasons = _fitted(question, candidates, with_checkpointing, confirm, unavailable)
@@ -240,7 +252,7 @@ def plan(
         return chosen
     if confirm is not None:
         source = confirm(split.micro, split.checkpointing, split.accumulation)
-    elif split.accumulation == 1 or used.source.accumulation_steps == split.accumulation:
+    elif split.accumulation == 1 or used.source.estimate.accumulation_steps == split.accumulation:
         source = used.source
     else:  # the chosen loop keeps gradients the trace freed: its log is not at hand to replay
         return chosen
@@ -250,7 +262,7 @@ def plan(
 def _fitted(
     question: _Question,
     candidates: _Candidates,
-    with_checkpointing: Callable[[], MemoryEstimate | None],
+    with_checkpointing: Callable[[], StepCurve | None],
     confirm: Confirm | None,
     unavailable: list[str],
 ) -> tuple[_Candidate, _Split, list[str]]:
@@ -297,7 +309,7 @@ class _Question:
             return f"micro batch {largest} fits and is the max_batch_size bound (larger ones were not tried)"
         return f"micro batch {largest} is the largest that fits"
 
-    def largest(self, source: MemoryEstimate) -> int:
+    def largest(self, source: StepCurve) -> int:
         """Largest micro batch within the budget by ``source``'s interpolation (0: none)."""
         fit = source.max_batch_size(
             self.budget, include_context=self.include_context, at_limit=self.allocator is not None,
@@ -305,9 +317,9 @@ class _Question:
         )  # fmt: skip
         return 0 if fit is None else min(fit, self.cap)
 
-    def at(self, estimate: MemoryEstimate, batch: int) -> BatchPeak:
-        """``estimate``'s peaks at ``batch``, with the least it runs in at the allocator's limit where planned so."""
-        return _with_least(estimate.at(batch), estimate, self.allocator)
+    def at(self, curve: StepCurve, batch: int) -> BatchPeak:
+        """The step's peaks at ``batch``, with the least it runs in at the allocator's limit where planned so."""
+        return _with_least(curve.at(batch), curve, self.allocator)
 
     def predicted(self, peak: BatchPeak) -> int:
         """The figure compared with the budget: what the step needs at the allocator's limit (or its peak, where
@@ -317,8 +329,8 @@ class _Question:
             return needed + (peak.device_bytes - peak.reserved_bytes) if self.include_context else needed
         return peak.device_bytes if self.include_context else peak.reserved_bytes
 
-    def peak(self, estimate: MemoryEstimate, batch: int) -> str:
-        return format_bytes(self.predicted(self.at(estimate, batch)))
+    def peak(self, curve: StepCurve, batch: int) -> str:
+        return format_bytes(self.predicted(self.at(curve, batch)))
 
     def against(self) -> str:
         return f"a {budget_phrase(self.capacity_bytes, self.margin, self.budget)}"
@@ -328,7 +340,7 @@ class _Question:
 class _Candidate:
     """A traced step to plan from, and the largest micro batch its interpolation fits."""
 
-    source: MemoryEstimate
+    source: StepCurve
     largest_micro: int
     checkpointing: bool
 
@@ -406,14 +418,15 @@ def _question(
 
 def _candidates(
     question: _Question,
-    estimate: MemoryEstimate,
+    curve: StepCurve,
     allow_checkpointing: bool,
-    with_checkpointing: Callable[[], MemoryEstimate | None],
+    with_checkpointing: Callable[[], StepCurve | None],
 ) -> _Candidates | _Miss:
     """Start without checkpointing; trace with it only when the minimum micro batch does not fit
     without it, or when it buys a markedly larger micro batch for a run that would otherwise crawl."""
-    plain = _Candidate(estimate, question.largest(estimate), False)
+    plain = _Candidate(curve, question.largest(curve), False)
     micro, minimum = plain.largest_micro, question.min_batch_size
+    estimate = curve.estimate
     context = (estimate.cuda_context_bytes or 0) if question.include_context else 0
     floor = _optimizer_step_floor(estimate, minimum) + context
     hopeless = floor > question.budget  # checkpointing saves activations, not what the optimizer step holds
@@ -424,7 +437,7 @@ def _candidates(
         micro_ckpt = checkpointed.largest_micro if checkpointed is not None else 0
         if checkpointed is not None and micro < minimum <= micro_ckpt:
             reasons.append(
-                f"micro batch {minimum} needs {question.peak(estimate, minimum)} without checkpointing, over "
+                f"micro batch {minimum} needs {question.peak(curve, minimum)} without checkpointing, over "
                 f"{question.against()}; checkpointing brings it within (about 20-30 % slower per "
                 "step)"
             )
@@ -437,7 +450,7 @@ def _candidates(
             chosen = checkpointed
     if chosen.largest_micro >= minimum:
         return _Candidates(chosen, checkpointed, hopeless, tuple(reasons))
-    peaks = f"predicted peak {question.peak(estimate, minimum)}"
+    peaks = f"predicted peak {question.peak(curve, minimum)}"
     if checkpointed is not None:
         peaks += f" ({question.peak(checkpointed.source, minimum)} with checkpointing)"
     tried = " even with checkpointing" if checkpointed is not None else ""
@@ -472,14 +485,14 @@ def _advice(estimate: MemoryEstimate) -> str:
 
 
 def _candidate_with_checkpointing(
-    question: _Question, with_checkpointing: Callable[[], MemoryEstimate | None]
+    question: _Question, with_checkpointing: Callable[[], StepCurve | None]
 ) -> _Candidate | None:
     traced = with_checkpointing()
     return None if traced is None else _Candidate(traced, question.largest(traced), True)
 
 
 def _checkpointing_fallback(
-    question: _Question, candidates: _Candidates, with_checkpointing: Callable[[], MemoryEstimate | None]
+    question: _Question, candidates: _Candidates, with_checkpointing: Callable[[], StepCurve | None]
 ) -> _Candidate | None:
     """When the chosen split did not fit once traced: the checkpointed candidate, if it may still fit."""
     if candidates.chosen.checkpointing or candidates.hopeless:
@@ -494,7 +507,7 @@ def _checkpointing_pays(
     question: _Question,
     split: _Split,
     candidates: _Candidates,
-    with_checkpointing: Callable[[], MemoryEstimate | None],
+    with_checkpointing: Callable[[], StepCurve | None],
     confirm: Confirm,
 ) -> tuple[_Split, list[str]] | None:
     """The checkpointed split, where the confirmed micro batch without checkpointing is small and checkpointing
@@ -530,8 +543,8 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
     micro, accumulation = _split(question.per_device_target, largest)
     kept = 0  # reserved bytes held for gradients that accumulation keeps and the estimate freed
     reasons = []
-    if accumulation > 1 and source.accumulation_steps == 1:
-        kept = _kept_gradient_bytes(source)
+    if accumulation > 1 and source.estimate.accumulation_steps == 1:
+        kept = _kept_gradient_bytes(source.estimate)
         if kept:
             refit = source.max_batch_size(
                 question.budget - kept, include_context=question.include_context,
@@ -552,7 +565,7 @@ def _fit_keeping_gradients(question: _Question, candidate: _Candidate) -> _Fit:
     peak = question.at(source, micro)
     least = peak.least_reserved_bytes + kept if peak.least_reserved_bytes is not None else None
     with_kept = BatchPeak(
-        micro, peak.allocated_bytes + min(kept, source.gradient_bytes), peak.reserved_bytes + kept,
+        micro, peak.allocated_bytes + min(kept, source.estimate.gradient_bytes), peak.reserved_bytes + kept,
         peak.device_bytes + kept, least,
     )  # fmt: skip
     return _Fit(_Split(micro, accumulation, largest, with_kept, candidate.checkpointing), tuple(reasons))
@@ -619,7 +632,7 @@ def _largest_confirmed(
     if search.fits is None:
         over = search.over
         accumulation = _fewest_steps(question.per_device_target, over)
-        held = confirm(over, candidate.checkpointing, accumulation).extra_batches  # cached: traced just now
+        held = confirm(over, candidate.checkpointing, accumulation).estimate.extra_batches  # cached: traced just now
         holding = (
             f" (with {accumulation} accumulation steps, the loop holds {held} more batch(es) on the device: "
             "an out-of-memory recovery that replays the window keeps them, on_oom='raise' keeps none; a smaller target "
@@ -739,19 +752,20 @@ class _Bracket:
 
 def _traced(question: _Question, confirm: Confirm, micro: int, checkpointing: bool, accumulation: int) -> BatchPeak:
     exact = confirm(micro, checkpointing, accumulation)
-    peak = BatchPeak(micro, exact.peak_allocated_bytes, exact.peak_reserved_bytes, exact.peak_bytes)
+    traced = exact.estimate
+    peak = BatchPeak(micro, traced.peak_allocated_bytes, traced.peak_reserved_bytes, traced.peak_bytes)
     return _with_least(peak, exact, question.allocator)
 
 
-def _with_least(peak: BatchPeak, estimate: MemoryEstimate, allocator: AllocatorConfig | None) -> BatchPeak:
+def _with_least(peak: BatchPeak, curve: StepCurve, allocator: AllocatorConfig | None) -> BatchPeak:
     """``peak`` with the least reserved memory its step runs in at the allocator's limit, where planned so
     (``allocator`` set) and the step's log can be replayed."""
     if allocator is None:
         return peak
-    least = estimate.least_device_bytes(peak.batch_size, allocator=allocator)
+    least = curve.least_device_bytes(peak.batch_size, allocator=allocator)
     if least is None:
         return peak
-    return dataclasses.replace(peak, least_reserved_bytes=least - (estimate.cuda_context_bytes or 0))
+    return dataclasses.replace(peak, least_reserved_bytes=least - (curve.estimate.cuda_context_bytes or 0))
 
 
 def _explain(question: _Question, split: _Split) -> list[str]:
@@ -816,13 +830,14 @@ def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan
     )
 
 
-def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: MemoryEstimate) -> Plan:
+def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: StepCurve) -> Plan:
     """What the allocator does on the device with the chosen micro batch: the peak the run reaches there (what it
     measures), whether it must free its cache and retry (slower steps), and, where the step fits only at the
     allocator's limit, what it needs there and what expandable segments would change."""
     config = question.allocator
     assert config is not None
-    context = (source.cuda_context_bytes or 0) if question.include_context else 0
+    value = source.estimate
+    context = (value.cuda_context_bytes or 0) if question.include_context else 0
     at_capacity = source.at_limit(
         split.micro, question.capacity_bytes, include_context=question.include_context, allocator=config
     )
@@ -845,7 +860,7 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Memo
     if at_capacity.alloc_retries:
         reasons.append(
             f"on {format_bytes(question.capacity_bytes)} the allocator frees its cache and retries "
-            f"{at_capacity.alloc_retries} time(s) {'in one forward pass' if source.inference else 'in two steps'} "
+            f"{at_capacity.alloc_retries} time(s) {'in one forward pass' if value.inference else 'in two steps'} "
             "(each a device synchronization: slower steps; "
             "torch.cuda.memory_stats()['num_alloc_retries'] counts them)"
         )
@@ -973,8 +988,31 @@ def budget_phrase(capacity_bytes: int, margin: float, budget_bytes: int) -> str:
     )
 
 
-def _resolve(source: EstimateSource) -> MemoryEstimate | None:
-    return source() if callable(source) and not isinstance(source, MemoryEstimate) else source
+def _resolve(source: EstimateSource) -> StepCurve | None:
+    resolved = source() if callable(source) and not isinstance(source, StepCurve) else source
+    return None if resolved is None else _curve_of(resolved, "plan(checkpointed=)")
+
+
+def _confirming(confirm: Confirm) -> Confirm:
+    """``confirm``, each configuration traced once, each answer checked to be a traced step."""
+
+    @functools.cache
+    def confirmed(micro: int, checkpointing: bool, accumulation: int) -> StepCurve:
+        return _curve_of(confirm(micro, checkpointing, accumulation), "what plan(confirm=) returns")
+
+    return confirmed
+
+
+def _curve_of(given: Any, what: str) -> StepCurve:
+    """``given`` as the traced step a plan searches on; a ``MemoryEstimate`` (a value, no trace) says where to go."""
+    if isinstance(given, StepCurve):
+        return given
+    if isinstance(given, MemoryEstimate):
+        raise InvalidInputError(
+            f"{what} must be the traced step, not a MemoryEstimate (a value, read at its own batch only): use "
+            "memfit.trace(model, sample, ...), which takes memfit.estimate's arguments"
+        )
+    raise InvalidInputError(f"{what} must be a memfit.StepCurve (memfit.trace(...)), got {type(given).__name__}")
 
 
 def _said_with(message: str, more: list[str]) -> str:
@@ -984,13 +1022,7 @@ def _said_with(message: str, more: list[str]) -> str:
 
 def _capacity_of(text: str) -> int:
     """A size or a GPU name, as bytes; a string that is neither is refused in one line saying what is taken."""
-    from memfit.planning.capacity import parse_budget
-
-    try:
-        capacity = parse_budget(text)
-    except InvalidInputError as error:
-        raise InvalidInputError(str(error).replace("`budget`", "capacity_bytes")) from None
-    return capacity or 0
+    return capacity_bytes(text, "capacity_bytes")
 
 
 def _validate(

@@ -9,7 +9,7 @@ function and returns a ``Decision``:
 
     session = PlanningSession(trace_at, batch_size=8, accumulation_steps=2)
     decision = session.decide(PlanRequest(capacity_bytes=..., target_batch_size=16))
-    decision.plan, decision.estimate  # the plan, and the trace of the step it will run
+    decision.plan, decision.traced  # the plan, and the trace of the step it will run (a StepCurve)
 
 The plan's micro batch is the largest whose whole-step trace fits: ``memfit.plan`` searches on
 ``trace_at`` (bracketing from the interpolation's answer) until a micro batch fits and the next one
@@ -29,14 +29,14 @@ from memfit.diagnostics import warn_once
 from memfit.errors import InvalidInputError
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan, plan
-from memfit.prediction.estimator import MemoryEstimate
+from memfit.prediction.curve import StepCurve
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.units import format_bytes, format_margin
 
 __all__ = ["Decision", "PlanRequest", "PlanningSession", "TraceAt"]
 
 # trace_at(micro_batch, checkpointing, accumulation_steps) -> the step traced at that configuration
-TraceAt = Callable[[int, bool, int], MemoryEstimate]
+TraceAt = Callable[[int, bool, int], StepCurve]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Decision:
     """The plan and the trace of exactly the step it runs (micro batch, checkpointing, accumulation)."""
 
     plan: Plan
-    estimate: MemoryEstimate
+    traced: StepCurve
 
 
 class PlanningSession:
@@ -90,7 +90,7 @@ class PlanningSession:
         traced: list[tuple[int, bool, int]] = []
         self._traced = traced
 
-        def traced_once(micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+        def traced_once(micro_batch: int, checkpointing: bool, accumulation_steps: int) -> StepCurve:
             # no reference to the session here: a cycle would keep the traced sample batch (real tensors
             # on the run's device) alive into training until the garbage collector ran
             traced.append((micro_batch, checkpointing, accumulation_steps))
@@ -100,7 +100,7 @@ class PlanningSession:
         self._search_at = functools.cache(search_at) if search_at is not None else self._trace_at
 
     @property
-    def baseline(self) -> MemoryEstimate:
+    def baseline(self) -> StepCurve:
         """The step as configured (no checkpointing unless the trace itself turns it on)."""
         return self._trace_at(self.batch_size, False, self.accumulation_steps)
 
@@ -109,11 +109,11 @@ class PlanningSession:
         """The configurations ``trace_at`` has traced (each once), in order: what planning cost in traces."""
         return tuple(self._traced)
 
-    def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+    def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> StepCurve:
         """The whole step traced at that configuration (cached)."""
         return self._trace_at(micro_batch, checkpointing, accumulation_steps)
 
-    def search_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+    def search_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> StepCurve:
         """The estimate the search uses at that configuration (cached; ``trace_at`` unless extrapolated)."""
         return self._search_at(micro_batch, checkpointing, accumulation_steps)
 
@@ -181,14 +181,14 @@ class PlanningSession:
                 )
             decision = self.decide(request)
             chosen = dataclasses.replace(decision.plan, configured_accumulation=self.accumulation_steps)
-            traced = decision.estimate
+            traced = decision.traced
         for note in notes:
             chosen = chosen.with_reason(note)
         return Decision(chosen, traced)
 
 
 def restored_over_budget(
-    restored: Plan, traced: MemoryEstimate, capacity_bytes: int, margin: float, include_context: bool
+    restored: Plan, traced: StepCurve, capacity_bytes: int, margin: float, include_context: bool
 ) -> str | None:
     """Why a plan restored on resume may not fit the budget the run is given now (a warning), or ``None``. The run
     keeps the saved plan, so that its batches stay the ones it started with."""

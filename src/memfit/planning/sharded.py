@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate, PhaseModel
 from memfit.prediction.sharded import rank_plan, traced_step
 from memfit.simulation.replay import PhasePeak
@@ -47,10 +48,11 @@ _SCALED = {
 }
 
 
-def rescaled(reference: MemoryEstimate, config: ShardingConfig) -> MemoryEstimate:
-    """One rank under ``config`` read off ``reference``, a per-rank estimate of the same strategy (another world
-    size, nodes or offload; module docstring). ``at()`` answers from the phase fits, which move by the bytes the
-    model states move; the timeline is dropped (it is the reference's)."""
+def rescaled(traced: StepCurve, config: ShardingConfig) -> StepCurve:
+    """One rank under ``config`` read off ``traced``, a per-rank step of the same strategy (another world size,
+    nodes or offload; module docstring). Its ``at()`` answers from the phase fits, which move by the bytes the
+    model states move (the reference's replays are not this rank's); the timeline is dropped (the reference's)."""
+    reference = traced.estimate
     if reference.sharding is None or reference.rank_model is None:
         raise InvalidInputError("rescaled() reads a per-rank estimate: estimate with TrainingLoop(sharding=...)")
     if reference.sharding.strategy != config.strategy:
@@ -61,7 +63,7 @@ def rescaled(reference: MemoryEstimate, config: ShardingConfig) -> MemoryEstimat
             "it with TrainingLoop(sharding=...)"
         )
     if config == reference.sharding:
-        return reference
+        return traced
     before, after = reference.rank_model.terms(reference.sharding), reference.rank_model.terms(config)
     ratios = {category: _ratio(after, before, term) for category, term in _SCALED.items()}
     master = _moved(reference.rank_terms, after, before, "fp32_master_weights")
@@ -76,7 +78,7 @@ def rescaled(reference: MemoryEstimate, config: ShardingConfig) -> MemoryEstimat
     top_model = next((m for m in models if (m.step, m.phase) == (top.step, top.phase)), models[0])
     terms = {key: _scaled_term(reference.rank_terms, after, before, key) for key in reference.rank_terms}
     host = _host_per_node(reference, config, before)
-    return dataclasses.replace(
+    value = dataclasses.replace(
         reference,
         peak_allocated_bytes=top.allocated_bytes,
         peak_reserved_bytes=max(p.reserved_bytes for p in phases),
@@ -88,13 +90,12 @@ def rescaled(reference: MemoryEstimate, config: ShardingConfig) -> MemoryEstimat
         phases=tuple(phases),
         phase_models=models,
         timeline=(),
-        # at() reads the phase fits with the reference's allocator ratios: the reference's replays are not this rank's
-        exact_peaks=None,
         sharding=config,
         rank_terms=terms,
         host_bytes_per_node=host,
         notes=(*reference.notes, f"{describe(config)} read off the estimate of {describe(reference.sharding)}"),
     )
+    return StepCurve(value)  # at() reads the phase fits with the reference's allocator ratios
 
 
 class _Moved:

@@ -39,6 +39,7 @@ from memfit.planning.gpus import GPU, gpu_by_name
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.session import PlanningSession, PlanRequest
 from memfit.precision import Precision
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.presets import ModelSpec, from_factory, from_hf_config
 from memfit.simulation.allocator import AllocatorConfig
@@ -329,7 +330,7 @@ class _RankPlanner:
             self._traced[kind] = self.deep.tracers(tracer, self.allow == "on")
         return self._traced[kind]
 
-    def screen(self, option: Option, config: ShardingConfig) -> Callable[[int, bool, int], MemoryEstimate]:
+    def screen(self, option: Option, config: ShardingConfig) -> Callable[[int, bool, int], StepCurve]:
         """The rank's search estimate under ``config``: read off the strategy's per-rank estimate at its reference
         count (``rescaled``), or its own where its rank is not rewritten from the reference's traced step (one
         GPU's DDP, FSDP's NO_SHARD on one GPU: the plain step, replayed; ``reads_reference``)."""
@@ -362,7 +363,7 @@ class _RankPlanner:
                 session = PlanningSession(whole, batch_size=START_BATCH, search_at=search)
                 try:
                     decision = session.decide(self.request(count))
-                    row = GpuPlan(label, self.capacity, decision.plan, decision.estimate,
+                    row = GpuPlan(label, self.capacity, decision.plan, decision.traced.estimate,
                                   base=session.search_at(START_BATCH, self.allow == "on", 1))  # fmt: skip
                 except InsufficientMemoryError as error:
                     row = GpuPlan(label, self.capacity, None, None, error=str(error))
@@ -385,7 +386,7 @@ class _RankPlanner:
             host = (estimate.host_bytes_per_node or 0) // (config.gpus_per_node or config.world_size)
         elif config is not None:  # one GPU, or no plan: the rank's terms where sharded, else the states it holds
             rank = self.ranked(config)[0](self.micro_batch_size, False, 1)
-            states = dict(rank.rank_terms) if rank.rank_terms else _held_states(rank)
+            states = dict(rank.estimate.rank_terms) if rank.estimate.rank_terms else _held_states(rank.estimate)
         return ShardedReport(report, config, option, self.trainable, states, host, considered, self.budget_bytes,
                              auto=self.auto)  # fmt: skip
 
@@ -455,7 +456,7 @@ class _RankPlanner:
             screened.append((option, *_screened(self.screen(option, config), self.micro_batch_size, self.allow,
                                                 self.budget_bytes)))  # fmt: skip
         host = tuple((option.label, self.screen(option, option.config(count, per_node, self.precision))(
-            self.micro_batch_size, False, 1).host_bytes_per_node or 0) for option, *_ in screened
+            self.micro_batch_size, False, 1).estimate.host_bytes_per_node or 0) for option, *_ in screened
             if option.offload != "none")  # fmt: skip
         return screened, host
 
@@ -486,7 +487,7 @@ def _checkpointing(allow: str) -> tuple[bool, ...]:
 
 
 def _screened(
-    search: Callable[[int, bool, int], MemoryEstimate], micro: int, allow: str, budget_bytes: int
+    search: Callable[[int, bool, int], StepCurve], micro: int, allow: str, budget_bytes: int
 ) -> tuple[int, bool, bool]:
     """The screen at ``micro``: its per-rank device peak, with checkpointing where allowed and needed, and whether
     the step could fit. It could where its tensors alone (the phase fits, no allocator overhead) and the CUDA
@@ -495,7 +496,8 @@ def _screened(
     answers = []
     for ckpt in _checkpointing(allow):
         screen = search(micro, ckpt, 1)
-        tensors = max(model.at(micro) for model in screen.phase_models) + (screen.cuda_context_bytes or 0)
+        value = screen.estimate
+        tensors = max(model.at(micro) for model in value.phase_models) + (value.cuda_context_bytes or 0)
         answers.append((screen.at(micro).device_bytes, ckpt, tensors <= budget_bytes))
         if answers[-1][2]:
             break
@@ -503,7 +505,7 @@ def _screened(
 
 
 def _needed(
-    search: Callable[[int, bool, int], MemoryEstimate],
+    search: Callable[[int, bool, int], StepCurve],
     micro: int,
     allow: str,
     budget_bytes: int,
@@ -516,16 +518,17 @@ def _needed(
     the table's predicted peak at that micro batch; otherwise what it would need, as the plan's refusal says."""
     answers = []
     for ckpt in _checkpointing(allow):
-        estimate = search(micro, ckpt, 1)
-        least = estimate.least_device_bytes(micro, allocator=allocator)
-        answers.append((least if least is not None else estimate.at(micro).device_bytes, ckpt, estimate))
+        curve = search(micro, ckpt, 1)
+        least = curve.least_device_bytes(micro, allocator=allocator)
+        answers.append((least if least is not None else curve.at(micro).device_bytes, ckpt, curve))
         if answers[-1][0] <= budget_bytes:
             break
-    needed, ckpt, estimate = min(answers, key=lambda answer: answer[:2])
+    needed, ckpt, curve = min(answers, key=lambda answer: answer[:2])
     if needed > budget_bytes:
         return needed, ckpt, False
-    on_card = estimate.at_limit(micro, capacity_bytes, allocator=allocator)
-    return needed if on_card is None else on_card.peak_reserved_bytes + (estimate.cuda_context_bytes or 0), ckpt, True
+    on_card = curve.at_limit(micro, capacity_bytes, allocator=allocator)
+    context = curve.estimate.cuda_context_bytes or 0
+    return needed if on_card is None else on_card.peak_reserved_bytes + context, ckpt, True
 
 
 def _spec(hf_config: str | None, model: str | None, seq_len: int, image_size: int | None,

@@ -4,8 +4,9 @@ The estimate comes from running the user's real module through two real training
 loss, backward, optimizer step, ``zero_grad``) on fake tensors, which carry shapes and dtypes but
 no data, so a 7B model plans on a laptop. Every storage the step creates is logged and the log is
 replayed through a model of the CUDA caching allocator. The step is traced once with the batch size
-symbolic, so ``MemoryEstimate.at(b)`` replays the log read at ``b`` (``memfit.prediction.exact``); where
+symbolic, so ``StepCurve.at(b)`` replays the log read at ``b`` (``memfit.prediction.exact``); where
 that cannot be done, tracing at two batch sizes gives, for each phase, ``fixed + per_sample x batch``.
+``memfit.trace`` returns that curve; ``memfit.estimate`` its value at the traced batch.
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
-from memfit.categories import Category, Phase
+from memfit.categories import Category
 from memfit.devices import find_backend
 from memfit.errors import EstimationError, InvalidInputError, MemfitError, ValueDependentError
 from memfit.precision import Precision
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.exact import exact_estimates
 from memfit.prediction.sharded import (
     RankModel,
@@ -38,12 +41,10 @@ from memfit.prediction.sharded import (
     traced_fsdp2_peak,
     with_traced_fsdp2,
 )
-from memfit.simulation.allocator import AllocatorConfig
+from memfit.prediction.values import BatchPeak, MemoryEstimate, PhaseModel
 from memfit.simulation.replay import (
-    LimitFit,
     PhasePeak,
     StepReplays,
-    TimelinePoint,
     extrapolate_timeline,
     replay_step,
 )
@@ -52,7 +53,6 @@ from memfit.tracing import trace_cache, trace_data
 from memfit.tracing.batch import Sample, infer_batch_size, sequence_length
 from memfit.tracing.checkpointing import CheckpointTarget
 from memfit.tracing.config import Target, TrainingLoop
-from memfit.tracing.ddp import DDPConfig
 from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.optimizers import OptimizerSpec, optimizer_name
 from memfit.tracing.paged import paged_note
@@ -63,15 +63,22 @@ from memfit.tracing.tracer import (
     LossFn,
     StepTrace,
     TraceSettings,
-    ZeroGrad,
     has_compile_paths,
     trace_steps,
 )
 from memfit.units import format_bytes
 
-__all__ = ["BatchPeak", "MemoryEstimate", "PhaseModel", "Target", "TrainingLoop", "estimate", "estimate_for_runtimes"]
-
-_MAX_BATCH = 1 << 31
+__all__ = [
+    "BatchPeak",
+    "MemoryEstimate",
+    "PhaseModel",
+    "StepCurve",
+    "Target",
+    "TrainingLoop",
+    "estimate",
+    "trace",
+    "trace_for_runtimes",
+]
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -80,306 +87,6 @@ COMPILED_NOTE = (
     "the model is torch.compile'd: the step is predicted as it runs eagerly, an upper bound for activations, until "
     "compiled memory is modelled"
 )
-
-
-@dataclass(frozen=True)
-class BatchPeak:
-    """Predicted peaks at one batch size. ``device_bytes`` adds the CUDA context to reserved.
-
-    ``least_reserved_bytes``, where it was asked for (``MemoryEstimate.least_device_bytes``), is the least the
-    allocator must be allowed to reserve for the step to run: at its limit it frees its cache and retries."""
-
-    batch_size: int
-    allocated_bytes: int
-    reserved_bytes: int
-    device_bytes: int
-    least_reserved_bytes: int | None = None
-
-    @property
-    def least_device_bytes(self) -> int:
-        """The least memory the step runs in, CUDA context included (``device_bytes`` where not known)."""
-        if self.least_reserved_bytes is None:
-            return self.device_bytes
-        return self.least_reserved_bytes + self.device_bytes - self.reserved_bytes
-
-
-@dataclass(frozen=True)
-class PhaseModel:
-    """Tensor-bytes peak of one phase as ``fixed_bytes + per_sample_bytes x batch``."""
-
-    step: int
-    phase: Phase
-    fixed_bytes: int
-    per_sample_bytes: float
-
-    def at(self, batch_size: int) -> int:
-        return max(0, round(self.fixed_bytes + self.per_sample_bytes * batch_size))
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Predicted peak memory of one training step, with where and why it peaks.
-
-    ``peak_allocated_bytes`` predicts ``torch.cuda.max_memory_allocated()``,
-    ``peak_reserved_bytes`` predicts ``torch.cuda.max_memory_reserved()``, and ``peak_bytes``
-    adds the CUDA context: what ``nvidia-smi`` shows for the process. On a CPU target the three
-    are the tensor bytes. ``breakdown`` splits the allocated peak by category.
-    ``fixed_bytes + per_sample_bytes x batch`` is the allocated peak of the peak phase;
-    ``at(batch)`` takes the maximum over all phases. ``activation_bytes`` is what one forward keeps
-    for backward (saved tensors and the loss), in tensor bytes before allocator rounding.
-    ``zero_grad``, ``accumulation_steps`` and ``ddp`` are the training loop the step was traced in;
-    ``inference`` marks a forward-only pass (``optimizer`` is then ``"none"``).
-    """
-
-    batch_size: int
-    device: str
-    precision: Precision
-    optimizer: str
-    gradient_checkpointing: bool
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    cuda_context_bytes: int | None
-    peak_step: int
-    peak_phase: Phase
-    breakdown: Mapping[Category, int]
-    fixed_bytes: int
-    per_sample_bytes: int
-    phases: tuple[PhasePeak, ...]
-    phase_models: tuple[PhaseModel, ...]
-    trace_seconds: float
-    activation_bytes: int = 0
-    allocated_to_tensor_ratio: float = 1.0
-    reserved_to_allocated_ratio: float = 1.0
-    notes: tuple[str, ...] = field(default=())
-    timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False)
-    zero_grad: ZeroGrad = "after_step"
-    accumulation_steps: int = 1
-    ddp: DDPConfig | None = None
-    extra_batches: int = 0
-    inference: bool = False
-    sharding: ShardingConfig | None = None
-    rank_terms: Mapping[str, int] = field(default_factory=dict)  # one rank's model-state terms (sharded runs)
-    rank_model: RankModel | None = field(default=None, repr=False)  # what the terms were made from (sharded runs)
-    host_bytes_per_node: int | None = None  # offloaded states and pinned buffers of a node's ranks
-    seq_len: int | None = None  # the sample's sequence length, where it has one (its token ids' dimension 1)
-    # (batch, seq_len) -> phase peaks replayed from a symbolic trace (memfit.prediction.exact); None: the fit
-    exact_peaks: Callable[..., tuple[PhasePeak, ...] | None] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def peak_bytes(self) -> int:
-        """Device memory the step needs: reserved peak plus CUDA context."""
-        return self.peak_reserved_bytes + (self.cuda_context_bytes or 0)
-
-    @property
-    def loop(self) -> TrainingLoop:
-        """The training loop the step was traced in."""
-        return TrainingLoop(self.zero_grad, self.accumulation_steps, self.extra_batches, self.ddp, self.sharding)
-
-    @property
-    def gradient_bytes(self) -> int:
-        """The gradients' own blocks at their largest (none when they are DDP bucket views)."""
-        return max((p.breakdown.get(Category.GRADIENTS, 0) for p in self.phases), default=0)
-
-    @property
-    def allocator_overhead_bytes(self) -> int:
-        """Reserved minus allocated: caching-allocator rounding and fragmentation."""
-        return self.peak_reserved_bytes - self.peak_allocated_bytes
-
-    def at(self, batch_size: int, seq_len: int | None = None) -> BatchPeak:
-        """Predicted peaks at ``batch_size`` (and ``seq_len`` tokens a sample; default: the traced sample's).
-
-        From a symbolic trace (the default, ``memfit.prediction.exact``): the step's log read at that batch and
-        replayed, what a trace at it gives. Otherwise (``MEMFIT_TRACE=concrete``, or a step that cannot be
-        traced symbolically; the notes say) from the per-phase linear models: at the traced batch at least the
-        traced peak (the worst allocator ratios of both traces are applied); for a decision at one batch size,
-        trace at that size.
-        """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if seq_len is not None and seq_len != self.seq_len:
-            return self._at_length(batch_size, seq_len)
-        replayed = self.exact_peaks(batch_size) if self.exact_peaks is not None else None
-        if replayed is not None:  # the step's log at this batch, replayed: what a trace at it gives
-            allocated = max(p.allocated_bytes for p in replayed)
-            reserved = max(p.reserved_bytes for p in replayed)
-            return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
-        tensors = max(model.at(batch_size) for model in self.phase_models)
-        # Whole-block handouts and fragmentation do not grow linearly with the batch: scale by the
-        # worst ratios traced, which keeps at() monotonic and never below the traced peaks.
-        allocated = math.ceil(tensors * self.allocated_to_tensor_ratio)
-        reserved = math.ceil(allocated * self.reserved_to_allocated_ratio)
-        return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
-
-    def least_device_bytes(
-        self, batch_size: int, *, seq_len: int | None = None, allocator: AllocatorConfig | None = None
-    ) -> int | None:
-        """The least memory the step at ``batch_size`` runs in, CUDA context included, when the caching allocator
-        reaches its limit: it frees its cached blocks and retries before it runs out of memory, so a step fits
-        where its blocks do, below the peak it reserves with room to spare (``at().device_bytes``).
-
-        ``allocator``: the allocator's options (default: this process's ``PYTORCH_ALLOC_CONF``). ``None`` where the
-        step's log cannot be replayed at that batch (a CPU target, or an estimate on the concrete path).
-        """
-        least = getattr(self.exact_peaks, "least_reserved", None)
-        if least is None or self.cuda_context_bytes is None:
-            return None
-        config = allocator if allocator is not None else AllocatorConfig.from_environment()
-        reserved = least(batch_size, seq_len, config)
-        return None if reserved is None else reserved + self.cuda_context_bytes
-
-    def at_limit(
-        self,
-        batch_size: int,
-        capacity_bytes: int,
-        *,
-        include_context: bool = True,
-        seq_len: int | None = None,
-        allocator: AllocatorConfig | None = None,
-    ) -> LimitFit | None:
-        """The step at ``batch_size`` replayed with the caching allocator held to ``capacity_bytes`` (less the CUDA
-        context unless ``include_context=False``): whether it runs, and after how many allocator retries.
-        ``None`` where the log cannot be replayed (see ``least_device_bytes``)."""
-        replay_limit = getattr(self.exact_peaks, "at_limit", None)
-        if replay_limit is None or self.cuda_context_bytes is None:
-            return None
-        config = allocator if allocator is not None else AllocatorConfig.from_environment()
-        limit = capacity_bytes - (self.cuda_context_bytes if include_context else 0)
-        return replay_limit(batch_size, seq_len, limit, config)
-
-    def _at_length(self, batch_size: int, seq_len: int) -> BatchPeak:
-        """At another sequence length: the symbolic trace read there (or a trace of its own), never the fit."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise InvalidInputError(f"seq_len must be a positive integer, got {seq_len!r}")
-        if self.seq_len is None:
-            raise InvalidInputError("seq_len: this step's sample has no sequence dimension (token ids) to vary")
-        if self.exact_peaks is None:
-            raise InvalidInputError(
-                "seq_len: this estimate cannot answer other sequence lengths (it was not traced symbolically; see its "
-                "notes); estimate a sample of that length"
-            )
-        try:
-            replayed = self.exact_peaks(batch_size, seq_len)
-        except MemfitError:
-            raise
-        except Exception as exc:
-            raise EstimationError(f"the step could not be traced at sequence length {seq_len}: {exc}") from exc
-        if not replayed:
-            raise EstimationError(f"the step could not be traced at sequence length {seq_len}")
-        allocated = max(p.allocated_bytes for p in replayed)
-        reserved = max(p.reserved_bytes for p in replayed)
-        return BatchPeak(batch_size, allocated, reserved, reserved + (self.cuda_context_bytes or 0))
-
-    def for_seq_len(self, seq_len: int) -> MemoryEstimate:
-        """This step with samples of ``seq_len`` tokens, read off the same trace: every figure, and ``at()``, at
-        that length (a sharded run's per-rank terms kept)."""
-        if seq_len == self.seq_len:
-            return self
-        return self.rebuilt_at(self.batch_size, seq_len)
-
-    def rebuilt_at(self, batch_size: int, seq_len: int) -> MemoryEstimate:
-        """``for_seq_len`` traced at ``batch_size``: the estimate a trace at that batch and length gives."""
-        self._at_length(batch_size, seq_len)  # says what is wrong with the length, if anything
-        source = getattr(self.exact_peaks, "estimate_at_length", None)
-        if source is None:
-            raise InvalidInputError("seq_len: this estimate cannot be rebuilt at another sequence length")
-        other: MemoryEstimate = source(batch_size, seq_len)
-        return dataclasses.replace(
-            other, sharding=self.sharding, rank_terms=self.rank_terms, rank_model=self.rank_model,
-            host_bytes_per_node=self.host_bytes_per_node,
-            trace_seconds=self.trace_seconds, notes=tuple(dict.fromkeys([*self.notes, *other.notes])),
-        )  # fmt: skip
-
-    def max_batch_size(
-        self,
-        capacity_bytes: int,
-        *,
-        include_context: bool = True,
-        seq_len: int | None = None,
-        at_limit: bool = True,
-        allocator: AllocatorConfig | None = None,
-    ) -> int | None:
-        """Largest batch that runs in ``capacity_bytes`` (``None``: not even 1).
-
-        ``include_context=False`` when the capacity was measured after CUDA started in this
-        process (``torch.cuda.mem_get_info`` then already excludes the context).
-
-        ``seq_len``: at that many tokens a sample (default: the traced sample's).
-
-        By default (``at_limit=True``, as ``memfit.plan``) it asks where the step really runs out of memory: the
-        allocator frees its cache and retries at its limit (each batch's step replayed held to the capacity, under
-        ``allocator``'s options, default this process's ``PYTORCH_ALLOC_CONF``). ``at_limit=False``: where its peak
-        with room to spare reaches the capacity (also where the log cannot be replayed: a CPU target, the concrete
-        path).
-
-        This reads ``at()``: exact from a symbolic trace; otherwise the interpolation from the two batch
-        sizes traced, which can be off by a few samples either way (the allocator's rounding and the
-        step's phases are not linear in the batch). A plan made with traces of the whole step
-        (``memfit.plan(..., confirm=)``, the planning session the callbacks and ``memfit plan`` use)
-        starts from this answer and then checks its way to the micro batch that fits while the next does
-        not (replays of the symbolic trace, or concrete traces on the fallback path).
-        """
-        overhead = (self.cuda_context_bytes or 0) if include_context else 0
-
-        def fits(batch: int) -> bool:
-            # at the allocator's limit: one replay held to the capacity says it (the least capacity the batch runs
-            # in, ``least_device_bytes``, is a bisection of such replays, to 2 MiB)
-            limited = self.at_limit(batch, capacity_bytes, include_context=include_context, seq_len=seq_len,
-                                    allocator=allocator) if at_limit else None  # fmt: skip
-            if limited is not None:
-                return limited.fits
-            return self.at(batch, seq_len).reserved_bytes + overhead <= capacity_bytes
-
-        # with a symbolic trace, batch 1 takes a trace of its own: asked only when 2 does not fit
-        if self.exact_peaks is not None and fits(2):
-            low, high = 2, 4
-        elif not fits(1):
-            return None
-        else:
-            low, high = 1, 2
-        while high < _MAX_BATCH and fits(high):
-            low, high = high, high * 2
-        if high >= _MAX_BATCH and fits(_MAX_BATCH):
-            return _MAX_BATCH
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle)
-        return low
-
-    def with_notes(self, *notes: str) -> MemoryEstimate:
-        """This estimate with more notes (what the caller knows that the trace cannot show), each once."""
-        added = tuple(note for note in dict.fromkeys(notes) if note not in self.notes)
-        return dataclasses.replace(self, notes=(*self.notes, *added)) if added else self
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view: integer bytes, names as strings."""
-        return {
-            "batch_size": self.batch_size,
-            "device": self.device,
-            "precision": self.precision.short_name,
-            "optimizer": self.optimizer,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "peak_bytes": self.peak_bytes,
-            "peak_allocated_bytes": self.peak_allocated_bytes,
-            "peak_reserved_bytes": self.peak_reserved_bytes,
-            "cuda_context_bytes": self.cuda_context_bytes,
-            "peak_step": self.peak_step,
-            "peak_phase": self.peak_phase.value,
-            "breakdown_bytes": {category.value: size for category, size in self.breakdown.items()},
-            "allocator_overhead_bytes": self.allocator_overhead_bytes,
-            "fixed_bytes": self.fixed_bytes,
-            "per_sample_bytes": self.per_sample_bytes,
-            "activation_bytes": self.activation_bytes,
-            "trace_seconds": round(self.trace_seconds, 3),
-            "zero_grad": self.zero_grad,
-            "accumulation_steps": self.accumulation_steps,
-            "ddp": dataclasses.asdict(self.ddp) if self.ddp is not None else None,
-            "extra_batches": self.extra_batches,
-            "inference": self.inference,
-            "sharding": dataclasses.asdict(self.sharding) if self.sharding is not None else None,
-            "rank_terms_bytes": dict(self.rank_terms),
-            "host_bytes_per_node": self.host_bytes_per_node,
-            "notes": list(self.notes),
-        }
 
 
 # estimate's keywords that are fields of its loop= and target= objects now: (keyword, object, class, field)
@@ -421,7 +128,7 @@ def _refuse_moved_keywords(function: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 @_refuse_moved_keywords
-def estimate(
+def trace(
     model: nn.Module,
     sample: Sample | Callable[[int], Sample],
     *,
@@ -436,8 +143,11 @@ def estimate(
     forward_fn: ForwardFn | None = None,
     optimizer_kwargs: Mapping[str, Any] | None = None,
     inference: bool = False,
-) -> MemoryEstimate:
-    """Predict the peak memory of one training step of ``model`` without running it for real.
+) -> StepCurve:
+    """The training step of ``model`` traced, as a curve: ``estimate``'s prediction at the traced batch
+    (``curve.estimate``), and the same step read at any other batch size or sequence length (``curve.at(b)``,
+    ``curve.max_batch_size(capacity)``, ``curve.for_seq_len(n)``) off the same trace. ``memfit.plan`` plans on
+    it. The curve holds the model: a batch its trace does not cover is traced when first asked.
 
     Args:
         model: the user's module (real, or built on the ``meta`` device). It is left untouched.
@@ -474,16 +184,32 @@ def estimate(
         raise InvalidInputError(f"loop must be a memfit.TrainingLoop, got {loop!r}")
     if target is not None and not isinstance(target, Target):
         raise InvalidInputError(f"target must be a memfit.Target, got {target!r}")
-    estimated = estimate_for_runtimes(
+    traced = trace_for_runtimes(
         model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
         gradient_checkpointing=gradient_checkpointing, checkpoint_modules=checkpoint_modules, loop=loop,
         target=target, loss_fn=loss_fn, forward_fn=forward_fn, optimizer_kwargs=optimizer_kwargs, inference=inference,
     )[0]  # fmt: skip
     dropped = loop.dropped_for_inference() if inference and loop is not None else None
-    return estimated.with_notes(dropped) if dropped else estimated
+    return traced.with_notes(dropped) if dropped else traced
 
 
-def estimate_for_runtimes(
+@_refuse_moved_keywords
+def estimate(model: nn.Module, sample: Sample | Callable[[int], Sample], **options: Any) -> MemoryEstimate:
+    """Predict the peak memory of one training step of ``model`` without running it for real: a value, holding
+    neither the model nor the trace. It takes ``trace``'s arguments (``help(memfit.trace)``); ``trace`` keeps the
+    trace, to read the step at other batch sizes and sequence lengths and to plan on."""
+    unknown = sorted(set(options) - set(_TRACE_SIGNATURE.parameters))
+    if unknown:  # said as estimate's, not trace's
+        raise TypeError(f"estimate() got an unexpected keyword argument {unknown[0]!r}")
+    return trace(model, sample, **options).estimate
+
+
+# help() and editors show estimate's arguments: trace's own
+_TRACE_SIGNATURE = inspect.signature(trace)
+estimate.__signature__ = _TRACE_SIGNATURE.replace(return_annotation="MemoryEstimate")  # type: ignore[attr-defined]
+
+
+def trace_for_runtimes(
     model: nn.Module,
     sample: Sample | Callable[[int], Sample],
     *,
@@ -501,8 +227,8 @@ def estimate_for_runtimes(
     inference: bool = False,
     batch_fits: Sequence[MemoryEstimate] | None = None,
     repeated: Sequence[nn.Module] | None = None,
-) -> list[MemoryEstimate]:
-    """``estimate`` for several GPUs at once: the step is traced once and only replayed per GPU.
+) -> list[StepCurve]:
+    """``trace`` for several GPUs at once: the step is traced once and only replayed per GPU.
 
     GPUs differ, for the trace, only in what no tensor owns (the CUDA context and the cuBLAS
     workspace, whose size depends on the architecture), so the storage log is shared and the
@@ -542,7 +268,7 @@ def estimate_for_runtimes(
         exact = exact_estimates(model, sample, sample_batch, primary_batch, settings, runtimes, _build_estimate,
                                 repeated=repeated, transform=rewrite)  # fmt: skip
         if not isinstance(exact, str):
-            return [rewrite.annotate(e) for e in exact] if rewrite is not None else exact
+            return [rewrite.annotate(curve) for curve in exact] if rewrite is not None else exact
         fallback_note = f"traced at two batch sizes, other batch sizes interpolated: {exact}"
     if repeated is not None:
         raise EstimationError(f"the model's log cannot be built from shallower traces: {fallback_note}")
@@ -563,19 +289,25 @@ def estimate_for_runtimes(
     elapsed = time.perf_counter() - started
     fits = list(batch_fits) if batch_fits else [None] * len(runtimes)
     notes = [fallback_note] if fallback_note else []
-    if loop.sharding is not None:  # one rank's log, rewritten from the single-process trace
-        return _one_rank(model, primary, secondary, settings, loop.sharding, step, runtimes, elapsed, fits,
-                         traced_fsdp2=lambda: traced_fsdp2_peak(model, sample, sample_batch, primary_batch, settings,
-                                                                loop.sharding, step.checkpoint_modules))  # fmt: skip
+    if sharding is not None:  # one rank's log, rewritten from the single-process trace
+
+        def traced_fsdp2() -> int | None:
+            return traced_fsdp2_peak(model, sample, sample_batch, primary_batch, settings, sharding,
+                                     step.checkpoint_modules)  # fmt: skip
+
+        ranks = _one_rank(model, primary, secondary, settings, sharding, step, runtimes, elapsed, fits, traced_fsdp2)
+        return [StepCurve(rank) for rank in ranks]
     if not settings.targets_cuda:
-        return [_build_estimate(primary, secondary, settings, None, elapsed, fit).with_notes(*notes) for fit in fits]
+        return [StepCurve(_build_estimate(primary, secondary, settings, None, elapsed, fit).with_notes(*notes))
+                for fit in fits]  # fmt: skip
     estimates = []
     for runtime, fit in zip(runtimes, fits, strict=True):
         runtime = runtime or CudaRuntime.of_current_device()
-        for trace in (primary, secondary):
-            if trace is not None:
-                _resize_workspace(trace, runtime.workspace_bytes)
-        estimates.append(_build_estimate(primary, secondary, settings, runtime, elapsed, fit).with_notes(*notes))
+        for step_trace in (primary, secondary):
+            if step_trace is not None:
+                _resize_workspace(step_trace, runtime.workspace_bytes)
+        built = _build_estimate(primary, secondary, settings, runtime, elapsed, fit)
+        estimates.append(StepCurve(built.with_notes(*notes)))
     return estimates
 
 
@@ -624,10 +356,10 @@ class _RankRewrite:
             self.plan = rank_plan(self._sharding, self.model.facts, self.model.traced)
         return shard_trace(trace, self.plan)
 
-    def annotate(self, estimate: MemoryEstimate) -> MemoryEstimate:
+    def annotate(self, curve: StepCurve) -> StepCurve:
         sharding, plan = self._sharding, self.plan
-        return dataclasses.replace(
-            estimate.with_notes(*rank_notes(sharding, plan)), sharding=sharding, rank_terms=dict(plan.terms),
+        return curve.with_notes(*rank_notes(sharding, plan)).replaced(
+            sharding=sharding, rank_terms=dict(plan.terms),
             rank_model=self.model,
             host_bytes_per_node=plan.host_bytes * (sharding.gpus_per_node or sharding.world_size),
         )  # fmt: skip
@@ -654,9 +386,9 @@ def _one_rank(
     for runtime, fit in zip(runtimes, fits, strict=True):
         if settings.targets_cuda:
             runtime = runtime or CudaRuntime.of_current_device()
-            for trace in (primary, secondary):
-                if trace is not None:
-                    _resize_workspace(trace, runtime.workspace_bytes)
+            for step_trace in (primary, secondary):
+                if step_trace is not None:
+                    _resize_workspace(step_trace, runtime.workspace_bytes)
         built = _build_estimate(primary, secondary, settings, runtime if settings.targets_cuda else None, elapsed, fit)
         estimates.append(
             dataclasses.replace(
@@ -873,15 +605,15 @@ def _build_estimate(
 
 
 def extrapolate_depth(
-    shallow: MemoryEstimate,
-    deeper: MemoryEstimate,
+    shallow_curve: StepCurve,
+    deeper_curve: StepCurve,
     shallow_depth: int,
     deeper_depth: int,
     depth: int,
     *,
     doubled: tuple[MemoryEstimate, MemoryEstimate] | None = None,
-) -> MemoryEstimate:
-    """The estimate of a ``depth``-block model from traces of the same model at two smaller depths.
+) -> StepCurve:
+    """The step of a ``depth``-block model from traces of the same model at two smaller depths.
 
     A stack of identical blocks adds the same parameters, gradients, optimizer state and saved
     activations per block, so every phase's peak is affine in the depth, and so is each term of its
@@ -901,6 +633,7 @@ def extrapolate_depth(
     """
     if not 0 < shallow_depth < deeper_depth:
         raise InvalidInputError(f"need 0 < shallow_depth < deeper_depth, got {shallow_depth}, {deeper_depth}")
+    shallow, deeper = shallow_curve.estimate, deeper_curve.estimate
     pairs = [(shallow, deeper), *([doubled] if doubled is not None else [])]
     for a, b in pairs:
         model_keys = [(m.step, m.phase) for m in a.phase_models]
@@ -930,9 +663,8 @@ def extrapolate_depth(
     tensors = max(1, max(m.at(deeper.batch_size) for m in models))  # at() of the traced batch covers its peaks
     allocated_ratio = max(1.0, allocated_ratio, peak.allocated_bytes / tensors)
     reserved_ratio = max(1.0, reserved_ratio, peak_reserved / math.ceil(tensors * allocated_ratio))
-    return dataclasses.replace(
+    extrapolated = dataclasses.replace(
         deeper,
-        exact_peaks=_depth_line(shallow, deeper, (shallow_depth, deeper_depth, depth)),
         peak_allocated_bytes=peak.allocated_bytes,
         peak_reserved_bytes=peak_reserved,
         allocated_to_tensor_ratio=allocated_ratio,
@@ -955,12 +687,13 @@ def extrapolate_depth(
         notes=(*deeper.notes, f"extrapolated in depth to {depth} blocks from traces at {shallow_depth} and "
                f"{deeper_depth}"),
     )  # fmt: skip
+    return StepCurve(extrapolated, _depth_line(shallow_curve, deeper_curve, (shallow_depth, deeper_depth, depth)))
 
 
-def _depth_line(shallow: MemoryEstimate, deeper: MemoryEstimate, depths: tuple[int, int, int]) -> _DepthLine | None:
-    """``at()`` of an extrapolated estimate from both depths' replays at that batch (symbolic traces), when both
+def _depth_line(shallow: StepCurve, deeper: StepCurve, depths: tuple[int, int, int]) -> _DepthLine | None:
+    """``at()`` of an extrapolated step from both depths' replays at that batch (symbolic traces), when both
     have them: the same line in the depth, at every batch (and sequence length), instead of the fit in the batch."""
-    if shallow.exact_peaks is None or deeper.exact_peaks is None:
+    if shallow.replayer is None or deeper.replayer is None:
         return None
     return _DepthLine(shallow, deeper, depths)
 
@@ -968,21 +701,21 @@ def _depth_line(shallow: MemoryEstimate, deeper: MemoryEstimate, depths: tuple[i
 class _DepthLine:
     """Both depths' replays at a batch (and sequence length), on the line through them to the whole depth."""
 
-    def __init__(self, shallow: MemoryEstimate, deeper: MemoryEstimate, depths: tuple[int, int, int]) -> None:
+    def __init__(self, shallow: StepCurve, deeper: StepCurve, depths: tuple[int, int, int]) -> None:
         self._shallow, self._deeper, self._depths = shallow, deeper, depths
         low, high, depth = depths
         self._t = (depth - low) / (high - low)
 
     def __call__(self, batch: int, seq_len: int | None = None) -> tuple[PhasePeak, ...] | None:
-        a, b = self._shallow.exact_peaks, self._deeper.exact_peaks
+        a, b = self._shallow.replayer, self._deeper.replayer
         assert a is not None and b is not None
         low, high = (a(batch), b(batch)) if seq_len is None else (a(batch, seq_len), b(batch, seq_len))
         if low is None or high is None or [(p.step, p.phase) for p in low] != [(p.step, p.phase) for p in high]:
             return None
         return tuple(_extrapolated_phases(low, high, self._t))
 
-    def estimate_at_length(self, batch: int, seq_len: int) -> MemoryEstimate:
-        """The extrapolated estimate at ``seq_len`` tokens a sample: both depths read at that length, then the line."""
+    def estimate_at_length(self, batch: int, seq_len: int) -> StepCurve:
+        """The extrapolated step at ``seq_len`` tokens a sample: both depths read at that length, then the line."""
         low, high, depth = self._depths
         shallow, deeper = (e.rebuilt_at(batch, seq_len) for e in (self._shallow, self._deeper))
         return extrapolate_depth(shallow, deeper, low, high, depth)

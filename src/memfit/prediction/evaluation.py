@@ -25,6 +25,7 @@ import torch
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import format_bytes
 
@@ -110,6 +111,7 @@ class EvaluationPeak:
     collected_bytes: int = 0  # outputs collected for the metrics, at the peak
     collected: CollectedOutputs | None = field(default=None, repr=False)
     forward: MemoryEstimate | None = field(default=None, repr=False)  # the forward-only estimate
+    traced: StepCurve | None = field(default=None, repr=False, compare=False)  # the same pass, read at any batch
 
     def summary(self) -> str:
         parts = [f"{format_bytes(self.carried_bytes)} of it kept from training"] if self.carried_bytes else []
@@ -122,13 +124,14 @@ class EvaluationPeak:
 
 
 def evaluation_peak(
-    training: MemoryEstimate | None,
-    evaluation: MemoryEstimate,
+    training: MemoryEstimate | StepCurve | None,
+    evaluation: StepCurve | MemoryEstimate,
     *,
     collected: CollectedOutputs | None = None,
     keeps_training_batches: bool = False,
 ) -> EvaluationPeak:
-    """Peaks of the forward-only pass ``evaluation`` (``estimate(..., inference=True)``) run beside
+    """Peaks of the forward-only pass ``evaluation`` (``memfit.trace(..., inference=True)``, or its estimate, whose
+    ``collected`` outputs over a last, smaller batch are then read off the fit between its traced batches) run beside
     what ``training`` (the run's training estimate) keeps between steps; ``None`` for a pass with
     nothing kept from training (a model that has not trained, or a fresh process).
 
@@ -143,6 +146,10 @@ def evaluation_peak(
     tensors leave freed blocks behind, which the caching allocator releases and retries with
     before it reports out of memory.
     """
+    curve = evaluation if isinstance(evaluation, StepCurve) else StepCurve(evaluation)
+    evaluation = curve.estimate
+    if isinstance(training, StepCurve):  # what training keeps is its value's
+        training = training.estimate
     if not evaluation.inference:
         raise InvalidInputError("evaluation must be an estimate of a forward-only pass: estimate(..., inference=True)")
     carried = 0
@@ -155,7 +162,7 @@ def evaluation_peak(
         carried = sum(state.get(category, 0) for category in carried_categories)
     allocated, collected_at_peak = evaluation.peak_allocated_bytes, 0
     if collected is not None:
-        allocated, collected_at_peak = _peak_with_collection(evaluation, collected)
+        allocated, collected_at_peak = _peak_with_collection(curve, collected)
     reserved = allocated + evaluation.allocator_overhead_bytes + carried
     return EvaluationPeak(
         batch_size=evaluation.batch_size,
@@ -166,12 +173,13 @@ def evaluation_peak(
         collected_bytes=collected_at_peak,
         collected=collected,
         forward=evaluation,
+        traced=curve,
     )
 
 
 def largest_flush_every(
     training: MemoryEstimate | None,
-    evaluation: MemoryEstimate,
+    evaluation: StepCurve,
     collected: CollectedOutputs,
     budget_bytes: int,
     *,
@@ -207,10 +215,10 @@ def fitted_evaluation(
     if needed <= budget_bytes:
         return evaluation, None, True
     flush = fitting_flush(evaluation, training, budget_bytes, include_context=include_context)
-    if flush is None or evaluation.collected is None or evaluation.forward is None:
+    if flush is None or evaluation.collected is None or evaluation.traced is None:
         return evaluation, flush, False
     collected = evaluation.collected.flushed_every(flush)
-    return evaluation_peak(training, evaluation.forward, collected=collected, keeps_training_batches=True), flush, True
+    return evaluation_peak(training, evaluation.traced, collected=collected, keeps_training_batches=True), flush, True
 
 
 def fitting_flush(
@@ -218,8 +226,8 @@ def fitting_flush(
 ) -> int | None:
     """The most batches of collected outputs that fit before they move off the device, where moving them helps (a
     CUDA pass that collects on the device and flushes nothing yet); ``None`` otherwise."""
-    collected, forward = evaluation.collected, evaluation.forward
-    if collected is None or collected.flush_every is not None or forward is None or forward.device != "cuda":
+    collected, forward = evaluation.collected, evaluation.traced
+    if collected is None or collected.flush_every is not None or forward is None or forward.estimate.device != "cuda":
         return None
     return largest_flush_every(training, forward, collected, budget_bytes, include_context=include_context,
                                keeps_training_batches=True)  # fmt: skip
@@ -236,7 +244,7 @@ def nested_tensor_bytes(value: Any, only: torch.dtype | None = None) -> int:
     return 0
 
 
-def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutputs) -> tuple[int, int]:
+def _peak_with_collection(curve: StepCurve, collected: CollectedOutputs) -> tuple[int, int]:
     """Allocated peak of the pass and the collected bytes at that moment, batch by batch.
 
     Before batch ``k``'s forward the collection holds the window's earlier batches, and with
@@ -247,6 +255,7 @@ def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutput
     reading ahead (``evaluation.extra_batches``) has nothing left to read at the end, where each
     collection's end copy (if any) is made beside what is still held.
     """
+    evaluation = curve.estimate
     per_sample = collected.total_bytes_per_sample
     largest = max(collected.bytes_per_sample.values(), default=0.0)
     fixed = sum(evaluation.breakdown.get(category, 0) for category in (Category.PARAMETERS, Category.BUFFERS))
@@ -269,7 +278,7 @@ def _peak_with_collection(evaluation: MemoryEstimate, collected: CollectedOutput
         if forward_batch == evaluation.batch_size:
             forward, inputs_in_forward = evaluation.peak_allocated_bytes, traced_inputs
         else:  # the linear model scales every input batch with this one
-            forward = evaluation.at(forward_batch).allocated_bytes
+            forward = curve.at(forward_batch).allocated_bytes
             inputs_in_forward = traced_inputs * forward_batch / evaluation.batch_size
         forward += round(inputs - inputs_in_forward)
         carried_over = previous if collected.concatenated and position >= 2 else 0

@@ -1,7 +1,7 @@
 """Estimates from one symbolic trace: every batch size answered by replaying the allocator, exactly.
 
 ``estimate`` traces the step once with the batch symbolic (``memfit.tracing.symbolic``) and keeps the
-trace: the estimate at the batch asked for, and ``MemoryEstimate.at(b)`` for any other ``b``, are replays
+trace: the estimate at the batch asked for, and ``StepCurve.at(b)`` for any other ``b``, are replays
 of that trace's log read at ``b``, the same log a concrete trace at ``b`` records. A batch the trace does
 not cover (batch 1, which symbolic shapes exclude, or one outside the conditions the model put on the
 batch) is traced again: symbolically with that batch as its hint where it can, else concretely.
@@ -10,8 +10,8 @@ The traces are kept per model, sample and step settings (``_SESSIONS``), so a pl
 ``estimate`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
 once. A model whose parameters, buffers or modules changed since is traced again. The kept traces hold
 no tensors: the sample is kept as meta tensors, the model weakly (its sessions go when it goes), and
-only the last eight sessions are kept. An estimate holds its model itself: its ``at()`` may have to trace
-it again (the symbolic trace after an estimate at batch 1, a batch outside the trace's conditions), and
+only the last eight sessions are kept. A curve holds its model itself (its ``ExactPeaks``): its ``at()`` may have
+to trace it again (the symbolic trace after an estimate at batch 1, a batch outside the trace's conditions), and
 answers the same whether or not the caller kept the model.
 """
 
@@ -33,6 +33,7 @@ from memfit.categories import Category, Phase
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, ValueDependentError
 from memfit.prediction import forked
+from memfit.prediction.curve import StepCurve
 from memfit.simulation.allocator import AllocatorConfig
 from memfit.simulation.replay import LimitFit, LimitReplayer, PhasePeak, StepReplays, TimelinePoint, replay, replay_step
 from memfit.simulation.runtime import CudaRuntime
@@ -41,6 +42,7 @@ from memfit.tracing.batch import rebatch
 from memfit.tracing.checkpointing import find_blocks
 from memfit.tracing.depth import TEMPLATE_BLOCK, DepthMismatch, deepen, deepen_symbolic
 from memfit.tracing.known_masks import holds_only_ones, shape_only
+from memfit.tracing.model_limits import check_sequence_length
 from memfit.tracing.recorder import StorageRecorder
 from memfit.tracing.symbolic import (
     SymbolicTrace,
@@ -482,6 +484,7 @@ class ExactPeaks:
 
     def _at_length(self, batch: int, seq_len: int) -> tuple[PhasePeak, ...]:
         """Another sequence length: no fit to fall back on, so a failure is the caller's to see."""
+        self._check_length(seq_len)
         key = (batch, seq_len)
         if key not in self._lengths:
             kept = self._kept("peaks", batch, seq_len, (), _decode_peaks)
@@ -492,11 +495,12 @@ class ExactPeaks:
             self._lengths[key] = kept
         return self._lengths[key]
 
-    def estimate_at_length(self, batch: int, seq_len: int) -> Any:
-        """The estimate at ``batch`` with samples of ``seq_len`` tokens, from the same traces; its ``at()`` answers
+    def estimate_at_length(self, batch: int, seq_len: int) -> StepCurve:
+        """The step at ``batch`` with samples of ``seq_len`` tokens, from the same traces; its ``at()`` answers
         at that length."""
         if self._rebuild is None:
             raise InvalidInputError("this estimate cannot be rebuilt at another sequence length")
+        self._check_length(seq_len)
         primary, note = self._session.trace_at(batch, seq_len)
         secondary, _ = self._session.trace_at(2 * batch, seq_len)
         if self._transform is not None:
@@ -506,7 +510,11 @@ class ExactPeaks:
             resize_workspace(secondary, self._runtime.workspace_bytes)
         built = self._rebuild(primary, secondary)
         notes = [note] if note else []
-        return dataclasses.replace(built, exact_peaks=_AtLength(self, seq_len)).with_notes(*notes)
+        return StepCurve(built, _AtLength(self, seq_len)).with_notes(*notes)
+
+    def _check_length(self, seq_len: int) -> None:
+        """Refuse a length the model has no positions for: its forward would fail, whatever the trace reads."""
+        check_sequence_length(self._models[0], seq_len, fix="ask for {positions} tokens or fewer")
 
     def _replayed(self, trace: StepTrace) -> tuple[PhasePeak, ...]:
         if self._transform is not None:
@@ -650,7 +658,7 @@ class _AtLength:
     def at_limit(self, batch: int, seq_len: int | None, limit_bytes: int, config: AllocatorConfig) -> LimitFit | None:
         return self._peaks.at_limit(batch, seq_len if seq_len is not None else self._seq_len, limit_bytes, config)
 
-    def estimate_at_length(self, batch: int, seq_len: int) -> Any:
+    def estimate_at_length(self, batch: int, seq_len: int) -> StepCurve:
         return self._peaks.estimate_at_length(batch, seq_len)
 
 
@@ -780,8 +788,8 @@ def exact_estimates(
     *,
     repeated: Sequence[nn.Module] | None = None,
     transform: Callable[[StepTrace], StepTrace] | None = None,
-) -> list[Any] | str:
-    """One estimate per GPU at ``batch`` from the step's symbolic trace, each answering ``at()`` exactly;
+) -> list[StepCurve] | str:
+    """One curve per GPU at ``batch`` from the step's symbolic trace, each answering ``at()`` exactly;
     where the step cannot be traced symbolically, why (in plain words).
 
     ``repeated`` (``model`` built at two shallow depths, one block apart) builds the whole model's traces from
@@ -840,7 +848,7 @@ def exact_estimates(
         rebuild = functools.partial(_rebuilt, build, settings, runtime)
         peaks = ExactPeaks(session, runtime, keep, transform, rebuild)
         built = build(primary, secondary, settings, runtime, elapsed, replays=peaks.step_replays(primary, secondary))
-        estimates.append(dataclasses.replace(built, exact_peaks=peaks).with_notes(*notes))
+        estimates.append(StepCurve(built, peaks).with_notes(*notes))
     return estimates
 
 

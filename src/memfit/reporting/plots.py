@@ -12,6 +12,7 @@ from typing import Any
 
 from memfit.categories import Category, Phase
 from memfit.errors import InvalidInputError
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.units import GiB
 
@@ -51,9 +52,15 @@ def _save(figure: Any, path: str | Path | None) -> Any:
 
 
 def plot_timeline(
-    estimate: MemoryEstimate, *, capacity_bytes: int | None = None, path: str | Path | None = None, ax: Any = None
+    estimate: MemoryEstimate | StepCurve,
+    *,
+    capacity_bytes: int | None = None,
+    path: str | Path | None = None,
+    ax: Any = None,
 ) -> Any:
     """Memory of the traced steps over time, stacked by category, with the peak and the capacity marked."""
+    if isinstance(estimate, StepCurve):
+        estimate = estimate.estimate
     if not estimate.timeline:
         raise InvalidInputError("this estimate carries no timeline (it was built by hand, not traced)")
     figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
@@ -99,7 +106,7 @@ def _shade_phases(axis: Any, points: Sequence[Any], x: Sequence[int]) -> None:
 
 
 def plot_batch_curve(
-    estimate: MemoryEstimate,
+    curve: StepCurve,
     *,
     capacities: Mapping[str, int] | None = None,
     chosen: Mapping[str, int] | None = None,
@@ -107,25 +114,27 @@ def plot_batch_curve(
     path: str | Path | None = None,
     ax: Any = None,
 ) -> Any:
-    """Predicted peak (device memory) against batch size, with each GPU's capacity and chosen batch."""
+    """Predicted peak (device memory) of the traced step against batch size, with each GPU's capacity and chosen
+    batch."""
+    _check_curve(curve, "plot_batch_curve")
     figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
     axis = axes[0]
     capacities = dict(capacities or {})
     chosen = dict(chosen or {})
-    limit = max_batch or max([*chosen.values(), estimate.batch_size, 8]) * 2
+    limit = max_batch or max([*chosen.values(), curve.estimate.batch_size, 8]) * 2
     for capacity in capacities.values():
-        fit = estimate.max_batch_size(capacity)
+        fit = curve.max_batch_size(capacity)
         if fit:
             limit = max(limit, min(int(fit * 1.25), 4096))
     batches = sorted({max(1, round(limit * i / 60)) for i in range(61)})
-    axis.plot(batches, [estimate.at(b).device_bytes / _UNIT for b in batches], color="#4c72b0", label="predicted peak")
+    axis.plot(batches, [curve.at(b).device_bytes / _UNIT for b in batches], color="#4c72b0", label="predicted peak")
     for index, (name, capacity) in enumerate(capacities.items()):
         color = f"C{index + 1}"
         axis.axhline(capacity / _UNIT, color=color, linestyle="--", linewidth=1, label=f"{name} capacity")
         if name in chosen:
             micro = chosen[name]
-            axis.plot([micro], [estimate.at(micro).device_bytes / _UNIT], "o", color=color)
-            axis.annotate(f"{name}: {micro}", (micro, estimate.at(micro).device_bytes / _UNIT),
+            axis.plot([micro], [curve.at(micro).device_bytes / _UNIT], "o", color=color)
+            axis.annotate(f"{name}: {micro}", (micro, curve.at(micro).device_bytes / _UNIT),
                           textcoords="offset points", xytext=(5, -12), fontsize=8, color=color)  # fmt: skip
     axis.set_xlabel("micro batch size")
     axis.set_ylabel("GiB")
@@ -137,7 +146,7 @@ def plot_batch_curve(
 
 
 def plot_seq_curve(
-    estimate: MemoryEstimate,
+    curve: StepCurve,
     *,
     batch: int,
     capacities: Mapping[str, int] | None = None,
@@ -148,13 +157,14 @@ def plot_seq_curve(
     """Predicted peak (device memory) against the sequence length at micro batch ``batch``, read off the same trace
     as the batch curve (the estimate's sequence length is symbolic), with each GPU's capacity. ``lengths``: where
     to draw it (default: from an eighth of the traced length to four times it)."""
-    if estimate.seq_len is None:
+    _check_curve(curve, "plot_seq_curve")
+    traced = curve.estimate.seq_len
+    if traced is None:
         raise InvalidInputError("this estimate's sample has no sequence dimension to draw a sequence-length curve of")
     figure, axes = (ax.figure, [ax]) if ax is not None else _figure()
     axis = axes[0]
-    traced = estimate.seq_len
-    lengths = sorted(set(lengths or _length_grid(traced)))
-    axis.plot(lengths, [estimate.at(batch, n).device_bytes / _UNIT for n in lengths], "o-", color="#55a868",
+    peaks = _up_to_the_longest(curve, batch, sorted(set(lengths or _length_grid(traced))))
+    axis.plot(list(peaks), [peak / _UNIT for peak in peaks.values()], "o-", color="#55a868",
               markersize=3, label=f"predicted peak, micro batch {batch}")  # fmt: skip
     axis.axvline(traced, color="gray", linestyle=":", linewidth=1, label=f"traced length {traced}")
     for index, (name, capacity) in enumerate((capacities or {}).items()):
@@ -168,6 +178,19 @@ def plot_seq_curve(
     return _save(figure, path)
 
 
+def _up_to_the_longest(curve: StepCurve, batch: int, lengths: Sequence[int]) -> dict[int, int]:
+    """Device bytes at each length, up to the longest the model takes (a longer one is refused: no positions)."""
+    peaks: dict[int, int] = {}
+    for length in lengths:
+        try:
+            peaks[length] = curve.at(batch, length).device_bytes
+        except InvalidInputError:
+            if not peaks or length <= curve.estimate.seq_len:
+                raise
+            break
+    return peaks
+
+
 def _length_grid(traced: int, asked: Sequence[int] = ()) -> list[int]:
     """From an eighth of the traced length to four times it in steps of sqrt(2), on to the longest length asked
     about, and the lengths asked about."""
@@ -178,7 +201,7 @@ def _length_grid(traced: int, asked: Sequence[int] = ()) -> list[int]:
 
 
 def plot_plan(
-    estimate: MemoryEstimate,
+    curve: StepCurve,
     *,
     capacities: Mapping[str, int],
     chosen: Mapping[str, int],
@@ -189,15 +212,16 @@ def plot_plan(
     """The pictures of ``memfit plan --plot``: the step's timeline (at the first chosen batch), the batch curve, and
     where the sample has a sequence length, the sequence-length curve at the first chosen batch, reaching the
     longest of ``seq_lens`` (the lengths a sweep asked about; all three read off the same trace)."""
-    seq_curve = estimate.seq_len is not None and estimate.exact_peaks is not None
-    figure, axes = _figure(rows=3 if seq_curve else 2)
+    _check_curve(curve, "plot_plan")
+    traced_length = curve.estimate.seq_len
+    figure, axes = _figure(rows=3 if traced_length is not None and curve.exact else 2)
     first_capacity = next(iter(capacities.values()), None)
-    plot_timeline(timeline_of or estimate, capacity_bytes=first_capacity, ax=axes[0])
-    plot_batch_curve(estimate, capacities=capacities, chosen=chosen, ax=axes[1])
-    if seq_curve:
-        batch = next(iter(chosen.values()), estimate.batch_size)
-        lengths = _length_grid(estimate.seq_len, seq_lens)
-        plot_seq_curve(estimate, batch=batch, capacities=capacities, lengths=lengths, ax=axes[2])
+    plot_timeline(timeline_of or curve.estimate, capacity_bytes=first_capacity, ax=axes[0])
+    plot_batch_curve(curve, capacities=capacities, chosen=chosen, ax=axes[1])
+    if traced_length is not None and curve.exact:
+        batch = next(iter(chosen.values()), curve.estimate.batch_size)
+        lengths = _length_grid(traced_length, seq_lens)
+        plot_seq_curve(curve, batch=batch, capacities=capacities, lengths=lengths, ax=axes[2])
     return _save(figure, path)
 
 
@@ -217,3 +241,12 @@ def plot_drift(steps: Sequence[int], predicted_bytes: int | None, measured_bytes
     axis.set_title("memory: predicted vs measured" if predicted_bytes is not None else "memory: measured peak")
     axis.legend(fontsize=8)
     return _save(figure, path)
+
+
+def _check_curve(curve: Any, function: str) -> None:
+    """A picture of other batches needs the traced step: a ``MemoryEstimate`` (a value) is refused in one line."""
+    if not isinstance(curve, StepCurve):
+        raise InvalidInputError(
+            f"{function} draws the step at other batches, which needs its trace: pass memfit.trace(...) (a StepCurve), "
+            f"not {type(curve).__name__}"
+        )

@@ -31,6 +31,7 @@ from memfit.errors import InsufficientMemoryError, InvalidInputError, MemfitErro
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions
 from memfit.planning.session import PlanningSession, restored_over_budget
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.reporting.figures import drawn, matplotlib_available
@@ -81,11 +82,11 @@ class RunController:
         self.checkpoint_modules = checkpoint_modules
         self.raise_errors = False  # planning raises what fails (a loop that plans in a call of its own)
         self.plan: Plan | None = None
-        self.estimate: MemoryEstimate | None = None  # the step that runs (rank 0's trace)
+        self.traced: StepCurve | None = None  # the step that runs (rank 0's trace)
         self.evaluation: EvaluationPeak | None = None
         self.decision: RunDecision | None = None
         self.session: PlanningSession | None = None  # rank 0's, kept to trace a plan restored on resume
-        self.configured_estimate: MemoryEstimate | None = None  # rank 0's trace of the run as configured
+        self.configured_traced: StepCurve | None = None  # rank 0's trace of the run as configured
         self.notes: list[str] = []  # what the choice of the traced batch could not know
         self.samples: int | None = None  # the training set's length, where it has one
         self.include_context = True  # whether the plan counted the CUDA context within the budget
@@ -152,7 +153,12 @@ class RunController:
             self.plan, decision.plan = None, None
             if decision.as_configured is not None:
                 decision.predicted_allocated_bytes, decision.predicted_reserved_bytes = decision.as_configured
-                self.estimate = self.configured_estimate
+                self.traced = self.configured_traced
+
+    @property
+    def estimate(self) -> MemoryEstimate | None:
+        """The prediction of the step that runs, as a value (``traced.estimate``)."""
+        return self.traced.estimate if self.traced is not None else None
 
     def _decide_or_say_why(self, capacity: int, raise_errors: bool) -> RunDecision:
         try:
@@ -208,8 +214,8 @@ class RunController:
         self.apply(self.plan.to_dict())  # said with the reason it was restored
         if self.session is not None:  # rank 0 planned: the trace of the step the restored plan runs
             micro, checkpointing = saved["micro_batch_size"], saved["gradient_checkpointing"]
-            self.estimate = self.session.trace_at(micro, checkpointing, saved["accumulate_grad_batches"])
-            over = restored_over_budget(self.plan, self.estimate, self.capacity, self.margin, self.include_context)
+            self.traced = self.session.trace_at(micro, checkpointing, saved["accumulate_grad_batches"])
+            over = restored_over_budget(self.plan, self.traced, self.capacity, self.margin, self.include_context)
             if over is not None:
                 self.warn("restored-over-budget", over)
         if self.decision is not None:  # every rank measures against the restored plan's own prediction
@@ -232,7 +238,7 @@ class RunController:
             and self.start_measuring(
                 predicted_allocated_bytes=decision.predicted_allocated_bytes,
                 predicted_reserved_bytes=decision.predicted_reserved_bytes,
-                estimate=self.estimate,
+                traced=self.traced,
             )
             and self.port.rank() == 0
         ):
@@ -254,7 +260,7 @@ class RunController:
         """Trace the step about to run, as configured, and measure the run against it; against the figures the plan
         quotes where the run runs the plan (traced on the batch it was planned on, the longest, so the two agree
         whatever batch the loader hands out first). Says the prediction."""
-        self.estimate = traced = step.trace_at(micro_batch, False, accumulation)
+        self.traced = traced = step.trace_at(micro_batch, False, accumulation)
         peak, plan = traced.at(micro_batch), self.plan
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         runs_plan = plan is not None and (plan.micro_batch_size, plan.accumulate_grad_batches) == (
@@ -264,12 +270,12 @@ class RunController:
         # a CPU run is measured by its process's RSS, never against a prediction: where the plan's figures are a CUDA
         # device's (budget="h100" on a laptop: its peak holds the CUDA context), its own trace's tensors are its figure
         cuda_plan = plan is not None and plan.predicted_peak_bytes > plan.predicted_reserved_bytes
-        if plan is not None and runs_plan and (traced.device == "cuda" or not cuda_plan):
+        if plan is not None and runs_plan and (traced.estimate.device == "cuda" or not cuda_plan):
             allocated = plan.predicted_allocated_bytes or allocated
             reserved = plan.predicted_reserved_bytes or reserved
-        self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, estimate=traced)
+        self.start_measuring(predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved, traced=traced)
         if self.verbose:
-            on_cuda = traced.device == "cuda"
+            on_cuda = traced.estimate.device == "cuda"
             figure = f"reserved {format_bytes(reserved)} (allocated {format_bytes(allocated)})" if on_cuda else \
                 f"{format_bytes(allocated)} of tensors"  # fmt: skip
             said = ""
@@ -292,7 +298,7 @@ class RunController:
                       "Logging the measured peaks only.")  # fmt: skip
         self.start_measuring(predicted_allocated_bytes=plan.predicted_allocated_bytes if plan else None,
                              predicted_reserved_bytes=plan.predicted_reserved_bytes if plan else None,
-                             estimate=None)  # fmt: skip
+                             traced=None)  # fmt: skip
         if self.verbose and plan is not None:
             self.info(f"memfit: measuring each rank of this {layout.label} run against the plan's per-rank "
                       f"prediction: {plan.summary()}")  # fmt: skip
@@ -302,7 +308,7 @@ class RunController:
         *,
         predicted_allocated_bytes: int | None,
         predicted_reserved_bytes: int | None,
-        estimate: MemoryEstimate | None,
+        traced: StepCurve | None,
     ) -> bool:
         """Start measuring windows against these predicted peaks (``None``: measured peaks only). A device memfit
         cannot measure costs one warning and ``False``; the run goes on, and its windows still end on every rank
@@ -313,7 +319,7 @@ class RunController:
                 self.port.device(),
                 predicted_allocated_bytes=predicted_allocated_bytes,
                 predicted_reserved_bytes=predicted_reserved_bytes,
-                estimate=estimate,
+                traced=traced,
                 margin=self.margin,
                 warn=self.warn,
             )
@@ -398,7 +404,7 @@ class RunController:
             return
         self.recovery = OOMRecovery(
             reset_gradients=lambda: self.port.trained_module().zero_grad(set_to_none=True),
-            estimate=self.estimate,
+            traced=self.traced,
             margin=self.margin,
             enable_checkpointing=self._enable_checkpointing if self.options.allow_checkpointing else None,
             checkpointing_on=checkpointing_on,
@@ -459,9 +465,14 @@ class ControlledRun:
         """The prediction of the step the run trains with (the rank that planned; ``None`` elsewhere)."""
         return self.controller.estimate
 
-    @estimate.setter
-    def estimate(self, estimate: MemoryEstimate | None) -> None:
-        self.controller.estimate = estimate
+    @property
+    def traced(self) -> StepCurve | None:
+        """The step the run trains with, read at any batch (``StepCurve``; the rank that planned, else ``None``)."""
+        return self.controller.traced
+
+    @traced.setter
+    def traced(self, traced: StepCurve | None) -> None:
+        self.controller.traced = traced
 
     @property
     def monitor(self) -> RunMonitor | None:

@@ -69,7 +69,7 @@ def decide(controller: RunController, capacity: int) -> RunDecision:
     session = PlanningSession(step.trace_at, batch_size=configured, accumulation_steps=accumulation)
     controller.session, controller.notes = session, notes
     controller.include_context = planning.include_context
-    controller.estimate = session.trace_at(configured, layout.checkpointing, accumulation)
+    controller.traced = session.trace_at(configured, layout.checkpointing, accumulation)
     if controller.mode == "observe":
         return _observed(controller, capacity, configured)
     controller.samples = port.training_samples()
@@ -77,8 +77,8 @@ def decide(controller: RunController, capacity: int) -> RunDecision:
                               ranks=layout.data_parallel_size or port.world_size(),
                               include_context=planning.include_context, always_checkpoint=layout.checkpointing,
                               samples=controller.samples)  # fmt: skip
-    as_configured = controller.estimate.at(configured)
-    controller.configured_estimate = controller.estimate
+    as_configured = controller.traced.at(configured)
+    controller.configured_traced = controller.traced
     try:
         decision = session.decide_run(request, device=device, notes=notes, restored=controller.restored)
     except InsufficientMemoryError as error:  # what the traced batch rests on can be why: said with the verdict
@@ -86,7 +86,7 @@ def decide(controller: RunController, capacity: int) -> RunDecision:
             raise
         raise InsufficientMemoryError(f"{error} (planned on: {'; '.join(notes)})") from error
     plan = controller.plan = decision.plan
-    controller.estimate = decision.estimate
+    controller.traced = decision.traced
     check_evaluation(controller, capacity)
     return RunDecision(plan.to_dict(), plan.predicted_allocated_bytes, plan.predicted_reserved_bytes,
                        as_configured=(as_configured.allocated_bytes, as_configured.reserved_bytes))  # fmt: skip
@@ -94,10 +94,10 @@ def decide(controller: RunController, capacity: int) -> RunDecision:
 
 def _observed(controller: RunController, capacity: int, configured: int) -> RunDecision:
     """Observe mode: the run as configured, predicted and said; a warning when it is over the budget."""
-    assert controller.estimate is not None
+    assert controller.traced is not None
     if capacity > 0:
         check_evaluation(controller, capacity)
-    peak = controller.estimate.at(configured)
+    peak = controller.traced.at(configured)
     needed = peak.device_bytes if controller.include_context else peak.reserved_bytes
     if controller.verbose:  # the prediction, and what it rests on that can change it
         controller.info(f"memfit: predicted peak {format_bytes(needed)} at micro batch {configured} (observe mode: "
@@ -116,8 +116,8 @@ def _observed(controller: RunController, capacity: int, configured: int) -> RunD
 def check_evaluation(controller: RunController, capacity: int) -> None:
     """Warn when the run's evaluation pass, beside the optimizer state training leaves, would not fit where
     training does (the port predicts the pass; ``None`` when the run evaluates nothing)."""
-    assert controller.estimate is not None
-    controller.evaluation = evaluation = cast("PlanningPort", controller.port).evaluation(controller.estimate)
+    assert controller.traced is not None
+    controller.evaluation = evaluation = cast("PlanningPort", controller.port).evaluation(controller.traced.estimate)
     if evaluation is None:
         return
     margin = controller.options.margin

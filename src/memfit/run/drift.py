@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from memfit.prediction.estimator import MemoryEstimate
+from memfit.prediction.curve import StepCurve
 from memfit.run.measure import MemorySample
 from memfit.units import MiB, format_bytes, format_margin
 
@@ -100,9 +100,9 @@ class DriftMonitor:
         self.history: list[Drift] = []
         self._raised: set[str] = set()
 
-    def repredict(self, estimate: MemoryEstimate, batch_size: int) -> None:
+    def repredict(self, traced: StepCurve, batch_size: int) -> None:
         """Measure against the prediction at ``batch_size`` from now on (after an out-of-memory recovery)."""
-        peak = estimate.at(batch_size)
+        peak = traced.at(batch_size)
         self.predicted_allocated_bytes, self.predicted_reserved_bytes = peak.allocated_bytes, peak.reserved_bytes
 
     def observe(self, step: int, sample: MemorySample) -> Drift:

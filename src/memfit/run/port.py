@@ -23,7 +23,8 @@ from memfit.diagnostics import info, is_rank_zero
 from memfit.planning.gpus import PlanningTarget
 from memfit.planning.planner import Plan
 from memfit.precision import Precision
-from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.curve import StepCurve
+from memfit.prediction.estimator import MemoryEstimate, trace
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.run.recovery import OOMRecovery
 from memfit.tracing.checkpointing import CheckpointTarget
@@ -96,12 +97,12 @@ class TrainingStep:
     settings: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     notes: Sequence[str] = field(default=())
 
-    def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> MemoryEstimate:
+    def trace_at(self, micro_batch: int, checkpointing: bool, accumulation_steps: int) -> StepCurve:
         """The step traced at that configuration (``memfit.planning.session.TraceAt``)."""
         loop = TrainingLoop(zero_grad=self.zero_grad, accumulation_steps=accumulation_steps, ddp=self.ddp,
                             sharding=self.sharding, extra_batches=self.held_batches(accumulation_steps))  # fmt: skip
         with self.settings():
-            traced = estimate(
+            traced = trace(
                 self.model, self.sample, optimizer=self.optimizer, precision=self.precision, batch_size=micro_batch,
                 loop=loop, target=self.target, gradient_checkpointing=checkpointing,
                 checkpoint_modules=self.checkpoint_modules, forward_fn=self.forward_fn, loss_fn=self.loss_fn,

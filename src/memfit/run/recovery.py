@@ -40,7 +40,7 @@ from memfit.devices import collective_device, registered_backends
 from memfit.diagnostics import degrade
 from memfit.errors import InvalidInputError, UnrecoverableOutOfMemoryError
 from memfit.planning.margin import DEFAULT_MARGIN
-from memfit.prediction.estimator import MemoryEstimate
+from memfit.prediction.curve import StepCurve
 from memfit.tracing.batch import infer_batch_size
 from memfit.units import parse_bytes
 
@@ -184,7 +184,7 @@ class OOMRecovery:
         reset_gradients: clear every gradient (``model.zero_grad(set_to_none=True)``); called before
             replaying a window after an error mid-backward.
         on_oom: ``"replan"`` to recover, ``"raise"`` to let the error through untouched.
-        estimate: the run's estimate; its batch curve picks the first smaller chunk (halving without).
+        traced: the run's step (``memfit.trace``); its batch curve picks the first smaller chunk (halving without).
         margin: the planner's margin; a new chunk must be predicted ``2 x margin`` below the failed one.
         enable_checkpointing: turns gradient checkpointing on (``None``: not possible for this model).
         checkpointing_on: whether it is on already.
@@ -199,7 +199,7 @@ class OOMRecovery:
         *,
         reset_gradients: Callable[[], None],
         on_oom: OnOOM = "replan",
-        estimate: MemoryEstimate | None = None,
+        traced: StepCurve | None = None,
         margin: float = DEFAULT_MARGIN,
         enable_checkpointing: Callable[[], None] | None = None,
         checkpointing_on: bool = False,
@@ -210,7 +210,7 @@ class OOMRecovery:
         self.on_oom = check_on_oom(on_oom)
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.reset_gradients = reset_gradients
-        self.estimate = estimate
+        self.traced = traced
         self.margin = margin
         self.enable_checkpointing = enable_checkpointing
         self.checkpointing_on = checkpointing_on
@@ -347,8 +347,8 @@ class OOMRecovery:
     def _smaller_chunk(self, before: int, figures: OutOfMemoryFigures | None = None) -> int:
         """From the estimate the first time (a peak ``2 x margin`` lower), by halves afterwards; smaller still
         if the error's own figures show that the step needs more than the estimate said."""
-        estimate = self.estimate
-        if estimate is None or before <= 1:
+        traced = self.traced
+        if traced is None or before <= 1:
             return before // 2
 
         def largest(below: int, fits: Callable[[int], bool], otherwise: int) -> int:
@@ -357,13 +357,13 @@ class OOMRecovery:
         try:
             after = before // 2
             if not self.recoveries:
-                limit = estimate.at(before).reserved_bytes * (1 - 2 * self.margin)
-                after = largest(before - 1, lambda b: estimate.at(b).reserved_bytes <= limit, after)
+                limit = traced.at(before).reserved_bytes * (1 - 2 * self.margin)
+                after = largest(before - 1, lambda b: traced.at(b).reserved_bytes <= limit, after)
             if figures is not None:
-                scale = max(1.0, figures.needed_bytes / max(1, estimate.at(before).allocated_bytes))
+                scale = max(1.0, figures.needed_bytes / max(1, traced.at(before).allocated_bytes))
                 room = figures.room_bytes * (1 - self.margin)
-                after = largest(min(after, before - 1), lambda b: scale * estimate.at(b).reserved_bytes <= room, 0)
-        except Exception as error:  # an estimate that cannot answer falls back to halving
+                after = largest(min(after, before - 1), lambda b: scale * traced.at(b).reserved_bytes <= room, 0)
+        except Exception as error:  # a step that cannot answer falls back to halving
             degrade(f"memfit's estimate could not size the next chunk ({type(error).__name__}: {error}); halving it",
                     error, key="estimate-chunk", seen=self._warned, all_ranks=True)  # fmt: skip
             return before // 2

@@ -5,7 +5,7 @@ step and logging cadence) and where the metrics go (``trainer.loggers``, the HF 
 So they hand this class the step number and forward what it returns:
 
     monitor = RunMonitor.start(device, predicted_allocated_bytes=..., predicted_reserved_bytes=...,
-                               estimate=estimate, margin=0.05, warn=warn)
+                               traced=traced, margin=0.05, warn=warn)
     metrics = monitor.observe(step)     # at the end of a logging window: the memfit/* metrics, or None
     metrics = monitor.recovered(record, recovery)   # after an out-of-memory recovery
     line = monitor.final_line()         # "memfit drift: predicted peak reserved ..., measured ..."
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from memfit.diagnostics import degrade
-from memfit.prediction.estimator import MemoryEstimate
+from memfit.prediction.curve import StepCurve
 from memfit.run.drift import Drift, DriftMonitor
 from memfit.run.measure import PeakSampler
 from memfit.run.recovery import OOMRecovery, Recovery
@@ -44,12 +44,12 @@ class RunMonitor:
         sampler: PeakSampler,
         drift: DriftMonitor,
         *,
-        estimate: MemoryEstimate | None,
+        traced: StepCurve | None,
         warn: Warn,
     ) -> None:
         self.sampler: PeakSampler | None = sampler
         self.drift = drift
-        self.estimate = estimate
+        self.traced = traced  # the step that runs, read at the chunk a recovery leaves
         self._warn = warn
         self._seen: set[str] = set()
 
@@ -60,7 +60,7 @@ class RunMonitor:
         *,
         predicted_allocated_bytes: int | None,
         predicted_reserved_bytes: int | None,
-        estimate: MemoryEstimate | None,
+        traced: StepCurve | None,
         margin: float,
         warn: Warn,
     ) -> RunMonitor:
@@ -73,7 +73,7 @@ class RunMonitor:
             predicted_reserved_bytes=predicted_reserved_bytes,
             margin=margin,
         )
-        return cls(PeakSampler(device), drift, estimate=estimate, warn=warn)
+        return cls(PeakSampler(device), drift, traced=traced, warn=warn)
 
     @property
     def measuring(self) -> bool:
@@ -100,8 +100,8 @@ class RunMonitor:
 
     def recovered(self, record: Recovery, recovery: OOMRecovery) -> dict[str, float]:
         """After an out-of-memory recovery: measure against the new chunk's prediction; its metrics."""
-        if self.estimate is not None:
-            self.drift.repredict(self.estimate, record.chunk_after)
+        if self.traced is not None:
+            self.drift.repredict(self.traced, record.chunk_after)
         return recovery_metrics(record, recovery)
 
     def final_line(self) -> str | None:
@@ -123,7 +123,7 @@ class RunMonitor:
         if highest.sample.reserved_bytes is not None:
             return f"memfit: peak reserved up to {format_bytes(highest.compared_bytes)} {windows} (no prediction)"
         predicted = highest.predicted_reserved_bytes
-        planned_for_cuda = self.estimate is not None and self.estimate.device == "cuda"
+        planned_for_cuda = self.traced is not None and self.traced.estimate.device == "cuda"
         what = "reserved on the CUDA device the plan was made for" if planned_for_cuda else "of tensors"
         against = (
             f"so it is not compared with the predicted peak {format_bytes(predicted)} {what}"

@@ -337,7 +337,7 @@ class MemoryPlannerCallback(ControlledRun, TrainerCallback):
             self.controller.warn("sharding", not_modelled(str(error)))
             self._layout = RunLayout()
             self.controller.start_measuring(predicted_allocated_bytes=None, predicted_reserved_bytes=None,
-                                            estimate=None)  # fmt: skip
+                                            traced=None)  # fmt: skip
             return
         if self._layout.sharding is not None:
             self.controller.measure_against_plan(self._layout, without_plan="the Trainer hands callbacks the model "

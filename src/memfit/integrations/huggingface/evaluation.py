@@ -20,7 +20,7 @@ from memfit.integrations.huggingface.arguments import (
     run_device,
     run_precision,
 )
-from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.estimator import MemoryEstimate, trace
 from memfit.prediction.evaluation import (
     CollectedOutputs,
     EvaluationPeak,
@@ -118,7 +118,7 @@ def predict_evaluation(
         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     )  # fmt: skip
     precision = run_precision(args) if during_training else _evaluation_precision(args)
-    forward = estimate(
+    forward = trace(
         model, sample, batch_size=batch, inference=True, precision=precision, target=Target(device.type),
         forward_fn=step,
         loop=TrainingLoop(extra_batches=1 if device.type == "cpu" else 0),  # the loader reads one batch ahead

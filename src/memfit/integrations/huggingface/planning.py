@@ -37,6 +37,7 @@ from memfit.planning.gpus import PlanningTarget, planning_target
 from memfit.planning.margin import DEFAULT_MARGIN
 from memfit.planning.planner import Plan
 from memfit.planning.run_options import RunOptions, dropped_samples_warning
+from memfit.prediction.curve import StepCurve
 from memfit.prediction.estimator import MemoryEstimate
 from memfit.prediction.evaluation import EvaluationPeak
 from memfit.run.controller import RunController
@@ -51,15 +52,17 @@ PLAN_FILE = "memfit_plan.json"  # written into each checkpoint folder, read back
 
 
 class PlannedArguments(NamedTuple):
-    """``TrainingArguments`` with the plan applied, the plan, the trace of the step the plan runs (its
+    """``TrainingArguments`` with the plan applied, the plan, the prediction of the step the plan runs (its
     micro batch, accumulation and checkpointing), the predicted evaluation pass (``None`` without
-    an ``eval_dataset``), and what one rank holds under FSDP or DeepSpeed (``None``: not sharded)."""
+    an ``eval_dataset``), what one rank holds under FSDP or DeepSpeed (``None``: not sharded), and the step
+    traced (``traced.at(batch)`` reads it at any other batch)."""
 
     args: TrainingArguments
     plan: Plan
     estimate: MemoryEstimate
     evaluation: EvaluationPeak | None = None
     sharding: ShardingConfig | None = None
+    traced: StepCurve | None = None
 
 
 def plan_training_arguments(
@@ -133,7 +136,7 @@ def plan_training_arguments(
             chosen = chosen.with_reason(f"eval_accumulation_steps={flush_every}: the outputs collected for "
                                         "compute_metrics move to the CPU before they fill the GPU")  # fmt: skip
     sharding = port.read_layout.sharding if port.read_layout is not None else None
-    return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, sharding)
+    return PlannedArguments(changed_arguments(args, changes), chosen, planned, evaluation, sharding, controller.traced)
 
 
 class _ArgumentsPort(PlanningOnly, RankZeroSpeaker):

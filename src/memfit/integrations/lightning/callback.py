@@ -34,7 +34,7 @@ from memfit.planning.run_options import (
     summed_loss_warning,
 )
 from memfit.precision import Precision
-from memfit.prediction.estimator import MemoryEstimate, estimate
+from memfit.prediction.estimator import MemoryEstimate, trace
 from memfit.prediction.evaluation import EvaluationPeak, evaluation_peak
 from memfit.reporting.figures import log_figure
 from memfit.run.controller import ControlledRun, RunController
@@ -300,7 +300,7 @@ class LightningPort:
             if sample is None:
                 return None
             forward = functools.partial(_validation_step, device=self.device(), internals=self.internals)
-            evaluation = estimate(self.module, sample, inference=True, precision=Precision.parse(self.precision()),
+            evaluation = trace(self.module, sample, inference=True, precision=Precision.parse(self.precision()),
                                   target=Target(training.device), forward_fn=forward)  # fmt: skip
             return evaluation_peak(training, evaluation)
         except Exception as error:
