@@ -458,3 +458,25 @@ def test_a_hopeless_verdict_quotes_the_optimizer_step_at_the_batch_it_judges() -
     assert "optimizer step alone holds" in message
     peak, optimizer_step = sizes[0], sizes[1]
     assert optimizer_step <= peak  # a part of the peak at micro batch 1, not the traced batch's figure
+
+
+def test_a_plan_that_keeps_room_for_accumulated_gradients_names_the_context_it_holds() -> None:
+    """Planned without confirm= from a trace without accumulation, the plan keeps room for the gradients and cannot
+    replay the accumulating loop at the allocator's limit: its peak is the one with room to spare, so the summary's
+    parts are the reserved peak and the CUDA context itself, and what the step needs at the limit is said apart."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=8000, n_positions=512, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    ids = torch.randint(0, 8000, (8, 512))
+    curve = memfit.trace(GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids})
+    context = curve.estimate.cuda_context_bytes
+    chosen = plan(curve, "1100MiB", target_batch_size=64)
+    assert chosen.accumulate_grad_batches > 1 and any("room is kept" in reason for reason in chosen.reasons)
+    assert chosen.needed_bytes < chosen.predicted_peak_bytes == chosen.predicted_reserved_bytes + context
+    assert (
+        f"(reserved {memfit.format_bytes(chosen.predicted_reserved_bytes)} + CUDA context "
+        f"{memfit.format_bytes(context)}); needs {memfit.format_bytes(chosen.needed_bytes)}" in chosen.summary()
+    )

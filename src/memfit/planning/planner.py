@@ -818,7 +818,9 @@ def _chosen_plan(question: _Question, split: _Split, reasons: list[str]) -> Plan
         world_size=question.world_size,
         effective_batch_size=split.micro * split.accumulation * question.world_size,
         target_batch_size=question.target_batch_size,
-        predicted_peak_bytes=question.predicted(split.peak),
+        # the peak with room to spare (what _at_the_limit replaces by the peak on the capacity, where it can replay
+        # the log), and what the step needs at the allocator's limit, the figure compared with the budget
+        predicted_peak_bytes=split.peak.device_bytes if question.include_context else split.peak.reserved_bytes,
         needed_bytes=question.predicted(split.peak),
         capacity_bytes=question.capacity_bytes,
         budget_bytes=question.budget,
@@ -846,7 +848,7 @@ def _at_the_limit(question: _Question, chosen: Plan, split: _Split, source: Step
         return chosen
     reasons = list(chosen.reasons)
     settings = config.setting() or "torch's defaults"
-    needed = chosen.predicted_peak_bytes
+    needed = chosen.needed_bytes
     with_room = free_running.peak_reserved_bytes + context
     tight = with_room > question.budget or at_capacity.alloc_retries > 0
     if with_room > question.budget:
