@@ -166,7 +166,7 @@ def test_warnings_are_raised_again_and_standard_error_output_is_never_replayed(
     assert len(list(cache.glob("*.json.gz"))) == 1  # the first answer only
 
 
-@pytest.mark.parametrize("damage", ["garbage", "foreign"])
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "incomplete", "malformed"])
 def test_a_damaged_or_foreign_entry_is_ignored_with_one_line_and_deleted(
     cache: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
@@ -181,9 +181,18 @@ def test_a_damaged_or_foreign_entry_is_ignored_with_one_line_and_deleted(
     (path,) = cache.glob("*.json.gz")
     if damage == "garbage":
         path.write_bytes(b"not gzip")
-    else:
+    elif damage == "foreign":
         with gzip.open(path, "wt") as file:
             json.dump({"format": answers.FORMAT, "key": "another", "answer": {"code": 0, "stdout": "stale"}}, file)
+    else:  # this question's key, with what the answer holds missing or in another shape
+        with gzip.open(path, "rt") as file:
+            entry = json.load(file)
+        if damage == "incomplete":
+            entry["answer"] = {"code": 0, "stdout": "stale"}
+        else:
+            entry["answer"]["warnings"] = [["only"]]
+        with gzip.open(path, "wt") as file:
+            json.dump(entry, file)
     capsys.readouterr()
     assert answers.answered(_namespace(), ["plan"], answer) == 0
     out, err = capsys.readouterr()

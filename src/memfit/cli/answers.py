@@ -250,25 +250,38 @@ def _show(shown: list[list[Any]]) -> None:
         warnings.showwarning(message, _WARNINGS.get(category, UserWarning), filename, lineno)  # type: ignore[arg-type]
 
 
-def _replay(entry: dict[str, Any]) -> int:
+@dataclass(frozen=True)
+class _Replay:
+    """A kept answer, rendered for this machine (its host RAM lines live): what it prints, warns and exits with."""
+
+    code: int
+    text: str
+    warnings: tuple[tuple[str, str, str, int], ...]
+
+
+def _rendered(answer: dict[str, Any]) -> _Replay:
+    """The kept answer rendered before anything is printed: a damaged entry fails here, where it is ignored."""
     from memfit.prediction.host import available_ram_bytes
 
-    _show(entry["warnings"])
-    if entry["json"] is not None:
-        answer = entry["json"]
-        for host in _hosts(answer):
+    shown = tuple((str(m), str(c), str(f), int(n)) for m, c, f, n in answer["warnings"])
+    if answer["json"] is not None:
+        data = answer["json"]
+        for host in _hosts(data):
             if host.get("available_bytes") is not None:
                 host["available_bytes"] = available_ram_bytes()
                 host["fits"] = host["total_bytes"] <= host["available_bytes"]
-        print(json.dumps(answer, indent=2))
-        return entry["code"]
-    text, done = entry["stdout"], 0
-    for mark in entry["host"]:
-        sys.stdout.write(text[done : mark["start"]])
-        sys.stdout.write(_live_host_line(mark, available_ram_bytes()))
+        return _Replay(answer["code"], json.dumps(data, indent=2) + "\n", shown)
+    text, done, parts = answer["stdout"], 0, []
+    for mark in answer["host"]:
+        parts += [text[done : mark["start"]], _live_host_line(mark, available_ram_bytes())]
         done = mark["end"]
-    sys.stdout.write(text[done:])
-    return entry["code"]
+    return _Replay(answer["code"], "".join([*parts, text[done:]]), shown)
+
+
+def _replay(replay: _Replay) -> int:
+    _show([list(warning) for warning in replay.warnings])
+    sys.stdout.write(replay.text)
+    return replay.code
 
 
 def _live_host_line(mark: dict[str, Any], available: int | None) -> str:
@@ -306,7 +319,10 @@ def _path(key: str) -> Path:
     return answer_dir() / f"{key}.json.gz"
 
 
-def _load(key: str) -> dict[str, Any] | None:
+_IGNORED: set[Path] = set()  # entries this process said it ignored
+
+
+def _load(key: str) -> _Replay | None:
     path = _path(key)
     try:
         with gzip.open(path, "rt", encoding="utf-8") as file:
@@ -316,10 +332,13 @@ def _load(key: str) -> dict[str, Any] | None:
         answer = entry["answer"]
         if not isinstance(answer["code"], int) or not isinstance(answer["stdout"], str):
             raise ValueError("it is not an answer")
-        return answer
+        return _rendered(answer)
     except FileNotFoundError:
         return None
     except Exception as exc:  # a damaged or foreign entry: answered afresh
+        if path in _IGNORED:  # said once (asked again after the parse, or a folder that cannot be removed)
+            return None
+        _IGNORED.add(path)
         print(
             f"memfit: warning: ignored the kept answer {path} ({type(exc).__name__}: {str(exc)[:120]}) and answers "
             f"afresh; delete {path.parent} or set {CACHE_ENV}=off if this repeats",
