@@ -169,6 +169,42 @@ def test_code_outside_an_installed_distribution_is_never_cached(cache: Path) -> 
     assert not cache.exists() or not list(cache.glob("*.json.gz"))
 
 
+def _doubled_mlp(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A forward of user code set in place of GPT-2's MLP: it holds a tensor eight times as wide."""
+    wide = torch.cat([hidden] * 8, -1)
+    return self.c_proj(self.act(self.c_fc(hidden))) + wide[..., : hidden.shape[-1]] * 0
+
+
+def test_a_layer_whose_forward_user_code_replaced_is_never_cached(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library class's name and version do not say what runs when its forward was replaced, on the module or on
+    the class: such a step is traced afresh, never answered from a trace of the original."""
+    from transformers.models.gpt2 import modeling_gpt2
+
+    plain = _gpt2()
+    assert trace_cache.session_key(plain, _batch(), 2, None) is not None
+    patched = _gpt2()
+    patched.transformer.h[0].mlp.forward = _doubled_mlp.__get__(patched.transformer.h[0].mlp)
+    with pytest.raises(trace_cache.Uncacheable, match="not part of an installed distribution"):
+        trace_cache._model_key(patched)
+    monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _doubled_mlp)
+    assert trace_cache.session_key(_gpt2(), _batch(), 2, None) is None
+
+
+def test_a_method_an_installed_library_adds_to_torch_keeps_its_models_cacheable(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers sets a function it defines inside a method on ``nn.Module`` (``smart_apply``): versioned by the
+    library, it leaves every model cacheable."""
+    from transformers import modeling_utils
+
+    def added(module: torch.nn.Module) -> None:
+        return None
+
+    added.__module__, added.__qualname__ = modeling_utils.__name__, "PreTrainedModel.initialize_weights.<locals>.added"
+    monkeypatch.setattr(torch.nn.Module, "added_by_a_library", added, raising=False)
+    assert trace_cache.session_key(_gpt2(), _batch(), 2, None) is not None
+
+
 def test_off_means_nothing_is_written(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEMFIT_CACHE", "off")
     _trace(_gpt2())

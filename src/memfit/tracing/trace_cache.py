@@ -252,8 +252,14 @@ def _code(obj: Any) -> list[str]:
 
 def _model_key(model: nn.Module) -> list[Any]:
     modules = []
+    classes: dict[type, list[Any]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         attributes = {k: _canonical(v) for k, v in sorted(vars(module).items()) if _plain(v) and k != "training"}
+        # code set on the module in place of its class's (``module.forward = ...``) runs instead of it
+        attributes.update({k: _method_code(_unbound(v, module)) for k, v in sorted(vars(module).items())
+                           if _is_code(v) and hasattr(type(module), k)})  # fmt: skip
+        if type(module) not in classes:
+            classes[type(module)] = _replaced_methods(type(module))
         hooks = [_code(h) for d in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
                  for h in getattr(module, d, {}).values()]  # fmt: skip
         config = getattr(module, "config", None)
@@ -263,13 +269,50 @@ def _model_key(model: nn.Module) -> list[Any]:
                 config_text = [config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None)]
             except Exception as exc:  # a config that cannot write itself down is not a key
                 raise Uncacheable(f"the config of {name or 'the model'} cannot be written as JSON") from exc
-        modules.append([name, _code(type(module)), module.training, attributes, hooks, config_text])
+        modules.append([name, _code(type(module)), classes[type(module)], module.training, attributes, hooks,
+                        config_text])  # fmt: skip
     tensors = [
         [name, _code(type(t)), list(t.shape), str(t.dtype), t.requires_grad, t.device.type,
          {k: _canonical(v) for k, v in sorted(vars(t).items()) if _plain(v)}]
         for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     ]  # fmt: skip
     return [modules, tensors, _code(type(model))]
+
+
+def _is_code(value: Any) -> bool:
+    return inspect.isfunction(value) or inspect.ismethod(value) or isinstance(value, functools.partial)
+
+
+def _unbound(value: Any, module: nn.Module) -> Any:
+    """A method bound to the module itself as its function (the module is the key's already)."""
+    return value.__func__ if inspect.ismethod(value) and value.__self__ is module else value
+
+
+def _replaced_methods(cls: type) -> list[Any]:
+    """The methods of ``cls`` and its bases that are not the ones their class defines (an assignment such as
+    ``GPT2MLP.forward = patched``, or an alias ``__call__ = _call_impl``), by where their code comes from: a class's
+    name and version do not say that its methods were replaced."""
+    replaced = []
+    for klass in cls.__mro__[:-1]:  # not object
+        for name, value in sorted(vars(klass).items()):
+            function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if inspect.isfunction(function) and function.__qualname__ != f"{klass.__qualname__}.{name}":
+                replaced.append([klass.__qualname__, name, _method_code(function)])
+    return replaced
+
+
+def _method_code(function: Any) -> list[str]:
+    """``_code`` of a method set in place of another; one an installed library defines inside a function (as
+    transformers adds ``nn.Module.smart_apply``) is versioned by that library. User code is not cacheable."""
+    try:
+        return _code(function)
+    except Uncacheable:
+        module = getattr(function, "__module__", None) or ""
+        top = module.split(".")[0]
+        distribution = "memfit" if top == "memfit" else _distribution_of(top) if top else None
+        if distribution is None or not inspect.isfunction(function):
+            raise
+        return [module, function.__qualname__, distribution]
 
 
 def _plain(value: Any) -> bool:
