@@ -1,4 +1,4 @@
-"""How far ``estimate.at(b)`` (fixed + per-sample fits from traces at b0 and 2 x b0) is from a trace at b.
+"""How far ``curve.at(b)`` (fixed + per-sample fits from traces at b0 and 2 x b0) is from a trace at b.
 
     python benchmarks/interpolation.py
 

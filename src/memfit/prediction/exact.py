@@ -7,7 +7,7 @@ not cover (batch 1, which symbolic shapes exclude, or one outside the conditions
 batch) is traced again: symbolically with that batch as its hint where it can, else concretely.
 
 The traces are kept per model, sample and step settings (``_SESSIONS``), so a planner that asks
-``estimate`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
+``trace`` at many batch sizes of one step (the callbacks' and the CLI's planning sessions) traces it
 once. A model whose parameters, buffers or modules changed since is traced again. The kept traces hold
 no tensors: the sample is kept as meta tensors, the model weakly (its sessions go when it goes), and
 only the last eight sessions are kept. A curve holds its model itself (its ``ExactPeaks``): its ``at()`` may have
