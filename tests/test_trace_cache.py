@@ -92,6 +92,22 @@ def test_a_kept_trace_answers_every_batch_exactly_as_a_fresh_trace(
     assert kept.estimate.breakdown == fresh.estimate.breakdown
 
 
+def test_every_accumulation_count_answers_from_the_traces_of_another(
+    cache: Path, traces: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace reads gradient accumulation as "more than one micro batch": a target that accumulates 8 micro
+    batches answers, in another process, from the traces kept for 4, as a fresh trace at 8 does."""
+    _trace(_gpt2(), loop=memfit.TrainingLoop(accumulation_steps=4))
+    traces.clear()
+    kept = _trace(_gpt2(), loop=memfit.TrainingLoop(accumulation_steps=8))
+    assert traces == []  # nothing was traced
+    answers = _answers(kept)
+    monkeypatch.setenv("MEMFIT_CACHE", "off")
+    fresh = _trace(_gpt2(), loop=memfit.TrainingLoop(accumulation_steps=8))
+    assert _answers(fresh) == answers and fresh.estimate == kept.estimate
+    assert kept.estimate.accumulation_steps == 8 and any("over 8 micro batches" in n for n in kept.estimate.notes)
+
+
 def test_another_sequence_length_is_kept_too(cache: Path) -> None:
     fresh = _trace(_gpt2())
     first = fresh.at(4, seq_len=SEQ // 2)

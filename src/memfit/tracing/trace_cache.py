@@ -116,9 +116,12 @@ def session_key(model: nn.Module, sample: Any, sample_batch: int, settings: Any)
 
 
 def _as_traced(settings: Any, model: nn.Module) -> Any:
-    """The settings as the trace reads them: of the GPU's runtime facts, the kernels' (compute capability and launch
-    limits), not its CUDA context, which only the replays add, so GPUs of one kind share their traces; an optimizer
-    instance (a Trainer's) as its class, groups and state."""
+    """The settings as the trace reads them: gradient accumulation as "more than one micro batch" (every count above
+    one traces the same step), so targets that accumulate differently share their traces; of the GPU's runtime
+    facts, the kernels' (compute capability and launch limits), not its CUDA context, which only the replays add,
+    so GPUs of one kind share their traces; an optimizer instance (a Trainer's) as its class, groups and state."""
+    if getattr(settings, "accumulation_steps", 1) > 2:  # the trace reads it as "more than one micro batch" only
+        settings = dataclasses.replace(settings, accumulation_steps=2)
     runtime = getattr(settings, "runtime", None)
     if dataclasses.is_dataclass(runtime) and hasattr(runtime, "cuda_context_bytes"):
         settings = dataclasses.replace(settings, runtime=dataclasses.replace(runtime, cuda_context_bytes=0))
